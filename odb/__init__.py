@@ -1,0 +1,13 @@
+"""odb: online dynamic batching for DeepSpeed fine-tuning."""
+
+from odb.align import Aligner, Communicator, SettingsMismatch, SimulatedGroup, TorchCommunicator
+from odb.batcher import OnlineBatcher, epoch_order
+from odb.config import OdbConfig, load_odb_config
+from odb.cost import CostModel, OverCapError, SampleCost
+from odb.plan import MicroBatch, StepPlan
+
+__all__ = ["Aligner", "Communicator", "CostModel", "MicroBatch", "OdbConfig", "OnlineBatcher",
+           "OverCapError", "SampleCost", "SettingsMismatch", "SimulatedGroup", "StepPlan",
+           "TorchCommunicator", "epoch_order", "load_odb_config"]
+
+__version__ = "0.1.0"

@@ -1,0 +1,162 @@
+"""DGAP alignment: the one module that talks to other ranks.
+
+Protocol (what callers must do):
+
+1. Every rank builds a :class:`Communicator` over the same group and calls
+   :meth:`Aligner.check_settings` once at start, with the same keys: one collective that fails
+   on every rank, naming the keys that differ, if any rank was configured differently.
+2. Every rank then calls :meth:`Aligner.round` in lockstep, once per round, *also after it has
+   nothing left to train* (a finished rank keeps joining rounds until the round's decision says
+   the epoch is done). Each round is exactly one ``all_gather`` of a fixed-size int64 vector.
+3. Nothing else in odb calls a collective. Model collectives (ZeRO) stay aligned because every
+   rank receives the same number of steps and micro-batches per step from the decisions.
+
+Two communicators implement the protocol: :class:`SimulatedGroup` (N ranks as threads of one
+process, for tests and benchmarks) and :class:`TorchCommunicator` (torch.distributed on a
+dedicated gloo CPU group, so that it never touches the NCCL stream of the model).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from datetime import timedelta
+from typing import Any, Protocol
+
+import numpy as np
+
+from odb.plan import Decision, Proposal, decide
+
+__all__ = ["Communicator", "SimulatedGroup", "TorchCommunicator", "Aligner", "SettingsMismatch"]
+
+
+class SettingsMismatch(ValueError):
+    """Ranks were started with different settings; the message names the keys."""
+
+
+class Communicator(Protocol):
+    """The only collective odb needs: gather one int64 vector of the same length from each rank."""
+
+    rank: int
+    world_size: int
+    num_collectives: int
+
+    def all_gather(self, values: np.ndarray) -> np.ndarray:
+        """Returns ``[world_size, len(values)]``; row r is rank r's ``values``."""
+        ...
+
+
+class SimulatedGroup:
+    """N ranks in one process: each rank runs in its own thread with its own communicator.
+
+    ``all_gather`` blocks until every rank has contributed (a barrier), so a rank that skips or
+    repeats a collective shows up as a timeout, as it would as a hang on a real cluster.
+    """
+
+    def __init__(self, world_size: int, timeout_s: float = 60.0) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self._slots: list[np.ndarray | None] = [None] * world_size
+        self._result: np.ndarray | None = None
+        self._barrier = threading.Barrier(world_size, timeout=timeout_s)
+
+    def communicator(self, rank: int) -> "_SimulatedCommunicator":
+        return _SimulatedCommunicator(self, rank)
+
+    def abort(self) -> None:
+        self._barrier.abort()
+
+    def _gather(self, rank: int, values: np.ndarray) -> np.ndarray:
+        self._slots[rank] = np.asarray(values, dtype=np.int64).copy()
+        if self._barrier.wait() == 0:
+            lengths = {len(v) for v in self._slots}
+            if len(lengths) != 1:
+                self._barrier.abort()
+                raise RuntimeError(f"all_gather with different lengths across ranks: {sorted(lengths)}")
+            self._result = np.stack(self._slots)
+        self._barrier.wait()
+        result = self._result
+        self._barrier.wait()  # nobody overwrites _slots/_result before everyone has read them
+        return result
+
+
+class _SimulatedCommunicator:
+    def __init__(self, group: SimulatedGroup, rank: int) -> None:
+        self.group = group
+        self.rank = rank
+        self.world_size = group.world_size
+        self.num_collectives = 0
+
+    def all_gather(self, values: np.ndarray) -> np.ndarray:
+        self.num_collectives += 1
+        return self.group._gather(self.rank, values)
+
+
+class TorchCommunicator:
+    """torch.distributed on a dedicated gloo group (CPU tensors; safe beside an NCCL model group).
+
+    Create it on every rank after ``init_process_group`` (creating the group is itself collective).
+    """
+
+    def __init__(self, timeout_s: float = 600.0) -> None:
+        import torch.distributed as dist  # the only torch.distributed import in odb's core
+
+        if not dist.is_initialized():
+            raise RuntimeError("TorchCommunicator needs torch.distributed initialised first "
+                               "(deepspeed.init_distributed() or init_process_group())")
+        self._dist = dist
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.num_collectives = 0
+
+    def all_gather(self, values: np.ndarray) -> np.ndarray:
+        import torch
+
+        self.num_collectives += 1
+        local = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        self._dist.all_gather(parts, local, group=self.group)
+        return torch.stack(parts).numpy()
+
+
+def _fingerprint(value: Any) -> int:
+    digest = hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).digest()
+    return int.from_bytes(digest[:8], "little", signed=True)
+
+
+class Aligner:
+    """Runs DGAP rounds over a communicator; see the module docstring for the protocol."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    def check_settings(self, settings: dict[str, Any]) -> None:
+        """One collective at start: raise :class:`SettingsMismatch` on every rank if any key differs.
+
+        Every rank must pass the same keys (in any order); values are compared by fingerprint.
+        """
+        keys = sorted(settings)
+        mine = np.array([len(keys)] + [_fingerprint([k, settings[k]]) for k in keys], dtype=np.int64)
+        gathered = self.comm.all_gather(mine)
+        differing = [k for i, k in enumerate(keys) if len(set(gathered[:, i + 1].tolist())) > 1]
+        if len(set(gathered[:, 0].tolist())) > 1 or differing:
+            raise SettingsMismatch(
+                f"ranks were started with different settings: {differing or 'different keys'} "
+                f"(rank {self.rank} has " + ", ".join(f"{k}={settings[k]!r}" for k in differing)
+                + "); start every rank with the same config files and flags")
+
+    def round(self, proposal: Proposal, *, max_bins: int, max_samples: int, **decide_args: Any) -> Decision:
+        """One round: exactly one all_gather, then the pure decision (same on every rank)."""
+        gathered = self.comm.all_gather(proposal.encode(max_bins, max_samples))
+        return decide(gathered, max_bins=max_bins, **decide_args)

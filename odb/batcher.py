@@ -1,0 +1,294 @@
+"""The per-rank online batcher: window -> packer -> DGAP round -> step plans.
+
+Usage on every rank (the same calls, in lockstep)::
+
+    batcher = OnlineBatcher(config, comm, dataset_size=N, fetch=fetch, num_epochs=2)
+    for step in batcher:            # StepPlan: GAS micro-batches + the step's global label tokens
+        train(step)
+
+``fetch(uids)`` returns ``(tokens, label_tokens, patches)`` for each processed sample, in order;
+a uid is ``epoch * dataset_size + dataset_index``. :meth:`OnlineBatcher.wanted` tells which uids
+come next (the sampler of a DataLoader is fed from :meth:`OnlineBatcher.dealt`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from odb.align import Aligner, Communicator
+from odb.config import OdbConfig
+from odb.cost import CostModel, SampleCost
+from odb.packer import make_packer
+from odb.plan import Decision, MicroBatch, Proposal, StepPlan
+from odb.state import STATE_VERSION, check_state, decode_steps, encode_steps
+
+__all__ = ["OnlineBatcher", "epoch_order"]
+
+Fetch = Callable[[list[int]], list[tuple[int, int, int]]]
+
+
+def epoch_order(seed: int, epoch: int, dataset_size: int) -> np.ndarray:
+    """The shared, seeded order of dataset indices for one epoch (identical on every rank)."""
+    return np.random.default_rng([seed, epoch]).permutation(dataset_size)
+
+
+class OnlineBatcher:
+    """One rank's batcher. Construction is collective (it checks settings across ranks).
+
+    Args:
+        config: odb settings (identical on every rank; checked).
+        comm: the rank's communicator.
+        dataset_size: number of samples in the dataset (all ranks).
+        fetch: processes samples by uid (see module docstring).
+        num_epochs: epochs to run in join mode (quota mode runs until the quota).
+        shards: optional explicit per-rank lists of dataset indices (static sharding only).
+    """
+
+    def __init__(self, config: OdbConfig, comm: Communicator, *, dataset_size: int, fetch: Fetch,
+                 num_epochs: int = 1, shards: list[list[int]] | None = None) -> None:
+        if dataset_size < 0 or num_epochs < 1:
+            raise ValueError(f"need dataset_size >= 0 and num_epochs >= 1, got {dataset_size}, {num_epochs}")
+        if shards is not None and config.sharding != "static":
+            raise ValueError("explicit shards need sharding='static'")
+        if config.policy in ("gmt", "bmt") and config.sharding != "static":
+            raise ValueError(f"policy {config.policy!r} needs every length of its shard first; "
+                             "set sharding 'static'")
+        self.config = config
+        self.aligner = Aligner(comm)
+        self.rank, self.world_size = comm.rank, comm.world_size
+        self.dataset_size = dataset_size
+        self.num_epochs = num_epochs
+        self.fetch = fetch
+        self.shards = shards
+        self.cost_model = CostModel.from_config(config)
+        self.packer = make_packer(config, self.cost_model)
+        self.capacity = dataset_size if self.packer.is_offline else config.window + config.lookahead
+        self.aligner.check_settings({**config.to_dict(), "world_size": self.world_size,
+                                     "dataset_size": dataset_size, "num_epochs": num_epochs,
+                                     "explicit_shards": shards is not None})
+        if config.mode == "quota" and self._total_shard_size() == 0:
+            raise ValueError("quota mode needs a non-empty dataset")
+        self.epoch = 0
+        self.round_index = 0
+        self.step_index = 0
+        self.stream_pos = 0  # dynamic sharding: next position in the shared stream
+        self.num_emitted = 0  # samples trained over all ranks (identical on every rank)
+        self.pending: deque[int] = deque()
+        self.new_uids: list[int] = []
+        self.queue: deque[StepPlan] = deque()
+        self.observed_cost = 0
+        self.observed_cost_sq = 0
+        self.observed_samples = 0
+        self.counts = {"truncated": 0, "dropped": 0, "dummy_micro_batches": 0, "micro_batches": 0}
+        self.is_done = False
+        self._order_epoch = -1
+        self._start_epoch()
+
+    # ---- the stream of uids -------------------------------------------------------------------
+
+    def _total_shard_size(self) -> int:
+        return sum(len(s) for s in self.shards) if self.shards is not None else self.dataset_size
+
+    def _stream_uids(self, start: int, stop: int) -> list[int]:
+        """uids at positions [start, stop) of the shared stream (epoch after epoch)."""
+        size, out = self.dataset_size, []
+        while start < stop:
+            epoch, offset = divmod(start, size)
+            end = min(stop, (epoch + 1) * size)
+            out.extend((self._order(epoch)[offset:offset + end - start] + epoch * size).tolist())
+            start = end
+        return out
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if self._order_epoch != epoch:
+            self._order_cache = epoch_order(self.config.seed, epoch, self.dataset_size)
+            self._order_epoch = epoch
+        return self._order_cache
+
+    def _static_shard(self, epoch: int) -> list[int]:
+        if self.shards is not None:
+            indices = self.shards[self.rank]
+        else:
+            indices = self._order(epoch)[self.rank::self.world_size].tolist()
+        return [epoch * self.dataset_size + int(i) for i in indices]
+
+    def _stream_left(self) -> int | None:
+        if self.config.sharding == "static":
+            return None
+        if self.config.mode == "quota":
+            return 1 << 62
+        return self.dataset_size - self.stream_pos
+
+    def _deal(self, counts: list[int]) -> None:
+        start = self.stream_pos + sum(counts[:self.rank])
+        mine = self._stream_uids(start, start + counts[self.rank])
+        self.pending.extend(mine)
+        self.new_uids.extend(mine)
+        self.stream_pos += sum(counts)
+
+    def _start_epoch(self) -> None:
+        if self.config.sharding == "static":
+            self.pending.extend(self._static_shard(self.epoch))
+            self.new_uids.extend(self.pending)
+        else:
+            if self.config.mode == "join":
+                self.stream_pos = 0
+            per_rank = self.config.window + self.config.lookahead
+            total = min(self.world_size * per_rank, self._stream_left())
+            base, extra = divmod(total, self.world_size)
+            self._deal([base + (r < extra) for r in range(self.world_size)])
+
+    def _is_tail(self) -> bool:
+        left = self._stream_left()
+        return left is not None and left <= self.world_size * (self.config.window + self.config.lookahead)
+
+    def _is_exhausted(self) -> bool:
+        if self.pending:
+            return False
+        if self.config.sharding == "static":
+            return self.config.mode == "join" or not self._static_shard(0)
+        return self._stream_left() == 0
+
+    # ---- what callers see --------------------------------------------------------------------
+
+    def dealt(self) -> list[int]:
+        """uids dealt to this rank since the last call, in the order they will be fetched."""
+        out, self.new_uids = self.new_uids, []
+        return out
+
+    def wanted(self) -> list[int]:
+        """The uids the next round will fetch (the head of this rank's pending queue)."""
+        want = self.config.window - self.packer.num_samples
+        if self.packer.is_offline or self._is_tail():
+            want = len(self.pending)  # the whole shard; or the stream's tail, to observe it all
+        return list(itertools.islice(self.pending, max(0, want)))
+
+    def __iter__(self) -> Iterator[StepPlan]:
+        while True:
+            while not self.queue and not self.is_done:
+                self._round()
+            if not self.queue:
+                return
+            yield self.queue.popleft()
+
+    # ---- one round ---------------------------------------------------------------------------
+
+    def _fill_window(self) -> None:
+        uids = self.wanted()
+        if not uids:
+            return
+        for _ in uids:
+            self.pending.popleft()
+        admitted: list[SampleCost] = []
+        for uid, (tokens, label_tokens, patches) in zip(uids, self.fetch(uids), strict=True):
+            sample, outcome = self.cost_model.measure(uid, tokens, label_tokens, patches)
+            if outcome != "ok":
+                self.counts[outcome] += 1
+            if sample is not None:
+                admitted.append(sample)
+                self.observed_cost += sample.cost
+                self.observed_cost_sq += sample.cost * sample.cost
+                self.observed_samples += 1
+        self.packer.add(admitted)
+        if self.config.sharding == "static" and self.config.mode == "quota" and len(self.pending) < self.config.window:
+            self.epoch_of_shard = getattr(self, "epoch_of_shard", 0) + 1
+            self.pending.extend(self._static_shard(self.epoch_of_shard))
+
+    def _proposal(self) -> Proposal:
+        is_exhausted = self._is_exhausted()
+        num_ready = self.packer.ranked(self.config.window, is_exhausted)
+        bins = self.packer.bins
+        return Proposal(
+            is_exhausted=is_exhausted, num_ready=num_ready, window_samples=self.packer.num_samples,
+            window_cost=sum(b.cost for b in bins), num_pending=len(self.pending),
+            observed_cost=self.observed_cost, observed_cost_sq=self.observed_cost_sq,
+            observed_samples=self.observed_samples,
+            bin_costs=[b.cost for b in bins], bin_samples=[len(b.samples) for b in bins],
+            bin_tokens=[b.tokens for b in bins],
+            sample_labels=[s.label_tokens for b in bins for s in b.samples])
+
+    def _round(self) -> None:
+        self._fill_window()
+        quota_left = self.config.quota - self.num_emitted if self.config.mode == "quota" else None
+        decision = self.aligner.round(
+            self._proposal(), max_bins=self.capacity, max_samples=self.capacity, gas=self.config.gas,
+            seed=self.config.seed, epoch=self.epoch, round_index=self.round_index,
+            quota_left=quota_left, stream_left=self._stream_left(),
+            inflight_target=self.config.window + self.config.lookahead)
+        self._apply(decision)
+
+    def _apply(self, decision: Decision) -> None:
+        mine = decision.slots[self.rank]
+        num_taken = max((b + 1 for b in mine if b >= 0), default=0)
+        taken = self.packer.take(num_taken)
+        if decision.cut is not None and decision.cut[0] == self.rank:
+            b, keep = decision.cut[1], decision.cut[2]
+            taken[b], _ = taken[b].split(keep, self.cost_model)
+        micro = [MicroBatch(tuple(taken[b].samples), taken[b].padded) if b >= 0 else MicroBatch(())
+                 for b in mine]
+        gas = self.config.gas
+        costs = [tuple(c) for c in decision.slot_costs.T.tolist()]
+        tokens = [tuple(t) for t in decision.slot_tokens.T.tolist()]
+        for s, n_step in enumerate(decision.step_label_tokens):
+            at = slice(s * gas, (s + 1) * gas)
+            self.queue.append(StepPlan(
+                epoch=self.epoch, step=self.step_index, micro_batches=tuple(micro[at]),
+                num_label_tokens=n_step, rank_costs=tuple(costs[at]), rank_tokens=tuple(tokens[at])))
+            self.step_index += 1
+        self.counts["micro_batches"] += sum(not m.is_dummy for m in micro)
+        self.counts["dummy_micro_batches"] += sum(m.is_dummy for m in micro)
+        self.num_emitted += sum(decision.samples_taken)
+        self.round_index += 1
+        if any(decision.new_indices):
+            self._deal(decision.new_indices)
+        if decision.is_quota_done:
+            self.is_done = True
+        elif decision.is_epoch_done:
+            assert not self.packer.num_samples and not self.pending, "epoch ended with samples left"
+            self.epoch += 1
+            if self.config.mode == "join" and self.epoch >= self.num_epochs:
+                self.is_done = True
+            else:
+                self._start_epoch()
+
+    # ---- state (I6) --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Plain, JSON-able state; loading it into a fresh batcher reproduces the remaining plan."""
+        return {
+            "version": STATE_VERSION, "world_size": self.world_size, "rank": self.rank,
+            "config": self.config.to_dict(), "dataset_size": self.dataset_size,
+            "num_epochs": self.num_epochs, "epoch": self.epoch, "round_index": self.round_index,
+            "step_index": self.step_index, "stream_pos": self.stream_pos,
+            "num_emitted": self.num_emitted, "pending": list(self.pending),
+            "epoch_of_shard": getattr(self, "epoch_of_shard", 0),
+            "bins": [[list(_sample_row(s)) for s in b.samples] for b in self.packer.bins],
+            "held": [list(_sample_row(s)) for s in getattr(self.packer, "pending", [])],
+            "queue": encode_steps(self.queue), "observed": [self.observed_cost, self.observed_cost_sq, self.observed_samples],
+            "counts": dict(self.counts), "is_done": self.is_done,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        check_state(state, world_size=self.world_size, rank=self.rank, config=self.config.to_dict(),
+                    dataset_size=self.dataset_size)
+        self.epoch, self.round_index = state["epoch"], state["round_index"]
+        self.step_index, self.stream_pos = state["step_index"], state["stream_pos"]
+        self.num_emitted, self.num_epochs = state["num_emitted"], state["num_epochs"]
+        self.pending = deque(state["pending"])
+        self.new_uids = list(self.pending)
+        self.epoch_of_shard = state["epoch_of_shard"]
+        self.packer.restore([[SampleCost(*row) for row in b] for b in state["bins"]])
+        if hasattr(self.packer, "pending"):
+            self.packer.pending = [SampleCost(*row) for row in state["held"]]
+        self.queue = deque(decode_steps(state["queue"]))
+        self.observed_cost, self.observed_cost_sq, self.observed_samples = state["observed"]
+        self.counts = dict(state["counts"])
+        self.is_done = state["is_done"]
+
+
+def _sample_row(s: SampleCost) -> tuple[int, int, int, int, int]:
+    return (s.uid, s.tokens, s.label_tokens, s.patches, s.cost)

@@ -1,0 +1,122 @@
+"""odb settings: one frozen, keyword-only dataclass, validated on construction.
+
+DeepSpeed keeps its own JSON; odb's settings live in their own file (``configs/odb.json``) and
+are loaded strictly: an unknown key is an error that lists the known keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["OdbConfig", "load_odb_config"]
+
+_POLICIES = ("odb", "fixed", "gmt", "bmt")
+_MODES = ("join", "quota")
+_OVER_CAP = ("truncate", "drop", "error")
+_SHARDING = ("dynamic", "static")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OdbConfig:
+    """How odb forms micro-batches. Every field is a flag of the same name in the tools."""
+
+    max_tokens: int = 8192
+    """Hard cap on tokens in one micro-batch (visual tokens included)."""
+    window: int = 1024
+    """Processed samples a rank holds while packing (K)."""
+    gas: int = 1
+    """Micro-batches per optimizer step on every rank (gradient accumulation steps)."""
+    mode: str = "join"
+    """'join': every sample exactly once per epoch; 'quota': stop at a global sample count."""
+    quota: int | None = None
+    """Samples to train in quota mode (e.g. epochs x dataset size)."""
+    over_cap: str = "truncate"
+    """A sample longer than max_tokens: 'truncate' it, 'drop' it (counted) or raise an 'error'."""
+    max_patches: int | None = None
+    """Optional cap on vision-encoder patches in one micro-batch."""
+    attn_coef: float = 0.0
+    """Cost = tokens + attn_coef * sum(sample_tokens^2) + patch_coef * patches."""
+    patch_coef: float = 0.0
+    min_fill: float = 0.99
+    """A bin at least this full (fraction of max_tokens) may be trained now; emptier ones wait."""
+    max_carry: float = 0.5
+    """At most this fraction of the window waits for a better bin; the fullest of the rest go."""
+    lookahead: int = 64
+    """Indices handed to a rank beyond its window, so that its DataLoader never runs dry."""
+    sharding: str = "dynamic"
+    """'dynamic': one shared seeded index stream dealt to the least-loaded rank each round;
+    'static': fixed strided shards, like torch's DistributedSampler."""
+    policy: str = "odb"
+    """'odb' (packed, online) or a padded baseline: 'fixed', 'gmt', 'bmt'."""
+    batch_size: int = 8
+    """Samples per micro-batch for the 'fixed' baseline."""
+    bucket_size: int = 4096
+    """Samples per sorting bucket for the 'bmt' baseline."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "window", "gas", "lookahead", "batch_size", "bucket_size", "seed"):
+            value = getattr(self, name)
+            if not _is_int(value):
+                raise ValueError(f"--{name} must be an integer, got {value!r}")
+        for name in ("max_tokens", "window", "gas", "batch_size", "bucket_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.lookahead < 0:
+            raise ValueError(f"--lookahead must be >= 0, got {self.lookahead}")
+        for name, allowed in (("mode", _MODES), ("over_cap", _OVER_CAP), ("sharding", _SHARDING),
+                              ("policy", _POLICIES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.mode == "quota":
+            if self.quota is None or not _is_int(self.quota) or self.quota < 1:
+                raise ValueError(f"--mode quota needs --quota >= 1 (samples to train), got {self.quota!r}")
+        elif self.quota is not None:
+            raise ValueError("--quota is only used with --mode quota; drop it or set --mode quota")
+        if self.max_patches is not None and (not _is_int(self.max_patches) or self.max_patches < 1):
+            raise ValueError(f"--max_patches must be a positive integer or null, got {self.max_patches!r}")
+        for name in ("attn_coef", "patch_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("min_fill", "max_carry"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"--{name} must be within [0, 1], got {getattr(self, name)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], *, source: str = "odb config") -> "OdbConfig":
+        known = cls.field_names()
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"{source}: unknown key(s) {unknown}; known keys are {known}")
+        return cls(**values)
+
+
+def load_odb_config(path: str | Path, **overrides: Any) -> OdbConfig:
+    """Reads an odb JSON file strictly; ``overrides`` (not None) win over the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"odb config {path} does not exist; pass --odb_config configs/odb.json "
+                                "or a file of your own")
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"odb config {path} is not valid JSON: {err}") from err
+    if not isinstance(values, dict):
+        raise ValueError(f"odb config {path} must hold a JSON object")
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return OdbConfig.from_dict(values, source=str(path))

@@ -1,0 +1,98 @@
+"""What a processed sample costs: the budget object the packer consults.
+
+The packer never looks at tensors, only at :class:`SampleCost` records. Every number that says
+"how full is full" lives here (token cap, patch cap, the quadratic attention term), so the packer
+holds no constants of its own.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["SampleCost", "CostModel", "OverCapError", "count_label_tokens"]
+
+
+class OverCapError(ValueError):
+    """A sample exceeds the micro-batch cap and the over-cap policy is 'error'."""
+
+
+class SampleCost(NamedTuple):
+    """One processed sample as the packer sees it.
+
+    Attributes:
+        uid: position in the run's sample stream (``epoch * dataset_size + dataset_index``).
+        tokens: tokens in ``input_ids`` (visual tokens already expanded), after any truncation.
+        label_tokens: labels that count in the loss (see :func:`count_label_tokens`).
+        patches: vision-encoder patches (0 for text).
+        cost: compute estimate used to balance ranks; see :meth:`CostModel.cost`.
+    """
+
+    uid: int
+    tokens: int
+    label_tokens: int
+    patches: int
+    cost: int
+
+
+def count_label_tokens(labels: list[int]) -> int:
+    """Labels that reach the loss once packed: the first position of a sample never does (odb's
+    collate masks it so that it cannot be predicted from the previous sample), nor does -100."""
+    return sum(1 for label in labels[1:] if label != -100)
+
+
+class CostModel:
+    """Tokens, label tokens, patches and compute cost of a sample, and the caps of a micro-batch.
+
+    ``cost = tokens + attn_coef * tokens**2 + patch_coef * patches`` (rounded to an int): the
+    linear term is the MLP/projection work, the quadratic one the attention of varlen packing,
+    where each sample attends only to itself.
+    """
+
+    def __init__(self, *, max_tokens: int, max_patches: int | None = None, attn_coef: float = 0.0,
+                 patch_coef: float = 0.0, over_cap: str = "truncate") -> None:
+        self.max_tokens = max_tokens
+        self.max_patches = max_patches
+        self.attn_coef = attn_coef
+        self.patch_coef = patch_coef
+        self.over_cap = over_cap
+
+    @classmethod
+    def from_config(cls, config) -> "CostModel":
+        return cls(max_tokens=config.max_tokens, max_patches=config.max_patches,
+                   attn_coef=config.attn_coef, patch_coef=config.patch_coef, over_cap=config.over_cap)
+
+    def cost(self, tokens: int, patches: int = 0) -> int:
+        if not (self.attn_coef or self.patch_coef):
+            return tokens
+        return int(round(tokens + self.attn_coef * tokens * tokens + self.patch_coef * patches))
+
+    def padded_cost(self, num_samples: int, longest: int) -> int:
+        """Cost of a padded micro-batch: every row is as long as the longest."""
+        return num_samples * self.cost(longest)
+
+    def measure(self, uid: int, tokens: int, label_tokens: int, patches: int = 0
+                ) -> tuple[SampleCost | None, str]:
+        """The sample's cost record and what the over-cap policy did: 'ok', 'truncated', 'dropped'.
+
+        A dropped sample returns ``None``. Truncation keeps the first ``max_tokens`` tokens (the
+        collate does the same to the tensors); a sample over the patch cap cannot be truncated
+        (an image is not cut), so under 'truncate' it is dropped.
+        """
+        if tokens < 1:
+            raise ValueError(f"sample {uid} is empty (0 tokens); the data layer must skip it")
+        if label_tokens < 0 or label_tokens > tokens:
+            raise ValueError(f"sample {uid}: label_tokens={label_tokens} is not within [0, {tokens}]")
+        over_tokens = tokens > self.max_tokens
+        over_patches = self.max_patches is not None and patches > self.max_patches
+        if not (over_tokens or over_patches):
+            return SampleCost(uid, tokens, label_tokens, patches, self.cost(tokens, patches)), "ok"
+        if self.over_cap == "error":
+            what = (f"{tokens} tokens > max_tokens={self.max_tokens}" if over_tokens
+                    else f"{patches} patches > max_patches={self.max_patches}")
+            raise OverCapError(f"sample {uid} has {what}; raise the cap or set over_cap to "
+                               "'truncate' or 'drop'")
+        if self.over_cap == "drop" or over_patches:
+            return None, "dropped"
+        tokens = self.max_tokens
+        label_tokens = min(label_tokens, tokens - 1)
+        return SampleCost(uid, tokens, label_tokens, patches, self.cost(tokens, patches)), "truncated"

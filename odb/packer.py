@@ -1,0 +1,300 @@
+"""Packing a rank's window of processed samples into micro-batch bins.
+
+:class:`OnlinePacker` is odb's packer: best-fit decreasing over the samples that arrive, into
+the bins still open from earlier rounds, never above ``max_tokens`` (or ``max_patches``). Bins
+that are not full enough stay in the window for the next round, where new samples can fill them
+(carry, never drop). No length cache: only samples already processed are packed.
+
+The padded baselines (``fixed``, ``gmt``, ``bmt``) implement the same small interface so that the
+alignment, plans and benchmark treat every policy alike.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from collections.abc import Iterable
+
+from odb.cost import CostModel, SampleCost
+
+__all__ = ["Bin", "Packer", "OnlinePacker", "FixedPacker", "GmtPacker", "BmtPacker", "make_packer"]
+
+
+class Bin:
+    """Samples that go through the model together as one micro-batch."""
+
+    __slots__ = ("samples", "tokens", "patches", "cost", "label_tokens", "longest", "padded")
+
+    def __init__(self, padded: bool = False) -> None:
+        self.samples: list[SampleCost] = []
+        self.tokens = 0
+        self.patches = 0
+        self.cost = 0
+        self.label_tokens = 0
+        self.longest = 0
+        self.padded = padded
+
+    @classmethod
+    def of(cls, samples: Iterable[SampleCost], cost_model: CostModel, padded: bool = False) -> "Bin":
+        new = cls(padded)
+        for sample in samples:
+            new.add(sample)
+        if padded:
+            new.cost = cost_model.padded_cost(len(new.samples), new.longest)
+        return new
+
+    def add(self, sample: SampleCost) -> None:
+        self.samples.append(sample)
+        self.tokens += sample.tokens
+        self.patches += sample.patches
+        self.cost += sample.cost
+        self.label_tokens += sample.label_tokens
+        if sample.tokens > self.longest:
+            self.longest = sample.tokens
+
+    @property
+    def materialized(self) -> int:
+        """Tokens the model processes, padding included."""
+        return len(self.samples) * self.longest if self.padded else self.tokens
+
+    def split(self, keep: int, cost_model: CostModel) -> tuple["Bin", "Bin"]:
+        """The first ``keep`` samples and the rest, as two bins (quota closure uses it)."""
+        return (Bin.of(self.samples[:keep], cost_model, self.padded),
+                Bin.of(self.samples[keep:], cost_model, self.padded))
+
+
+class Packer:
+    """Interface: ``add`` processed samples, ``ranked`` bins (the ones to train first first) with
+    how many are ready now, ``take`` the first n. ``is_offline`` packers need the whole shard."""
+
+    is_offline = False
+
+    def __init__(self, cost_model: CostModel) -> None:
+        self.cost_model = cost_model
+        self.bins: list[Bin] = []
+
+    @property
+    def num_samples(self) -> int:
+        return sum(len(b.samples) for b in self.bins)
+
+    def add(self, samples: list[SampleCost]) -> None:
+        raise NotImplementedError
+
+    def ranked(self, window: int, is_exhausted: bool) -> int:
+        """Orders ``self.bins`` best first and returns how many may be trained now."""
+        raise NotImplementedError
+
+    def take(self, num_bins: int) -> list[Bin]:
+        taken, self.bins = self.bins[:num_bins], self.bins[num_bins:]
+        return taken
+
+    def restore(self, bins: list[list[SampleCost]]) -> None:
+        self.bins = [Bin.of(samples, self.cost_model, self.padded) for samples in bins]
+
+    padded = False
+
+
+class OnlinePacker(Packer):
+    """Bin by bin from a sorted pool: the largest sample, then the largest that still fits, then
+    swaps with the pool that fill the gap; bins under ``min_fill`` wait (carry) and go back to the
+    pool with the next samples, up to ``max_carry`` of the window.
+
+    Args:
+        cost_model: the caps and costs.
+        min_fill: a bin at least this full (fraction of ``max_tokens``) may be trained now.
+        max_carry: at most this fraction of the window's samples waits in bins under ``min_fill``;
+            beyond it the fullest of them are trained anyway, so every round makes progress.
+    """
+
+    max_swaps = 4  # improvement passes per bin; each one only ever fills the bin further
+
+    def __init__(self, cost_model: CostModel, *, min_fill: float, max_carry: float) -> None:
+        super().__init__(cost_model)
+        self.min_fill_tokens = min_fill * cost_model.max_tokens
+        self.max_carry = max_carry
+        self.loose: list[SampleCost] = []
+
+    @property
+    def num_samples(self) -> int:
+        return super().num_samples + len(self.loose)
+
+    def add(self, samples: list[SampleCost]) -> None:
+        self.loose.extend(samples)
+
+    def ranked(self, window: int, is_exhausted: bool) -> int:
+        keep = [b for b in self.bins if b.tokens >= self.min_fill_tokens]
+        pool = [s for b in self.bins if b.tokens < self.min_fill_tokens for s in b.samples] + self.loose
+        self.loose = []
+        self.bins = keep + self._pack(pool)
+        self.bins.sort(key=lambda b: (-b.tokens, b.samples[0].uid))
+        if is_exhausted:
+            return len(self.bins)
+        ready = sum(1 for b in self.bins if b.tokens >= self.min_fill_tokens)
+        carry_allowed = int(self.max_carry * window)
+        carried = 0
+        first_carried = len(self.bins)
+        while first_carried > 0 and carried + len(self.bins[first_carried - 1].samples) <= carry_allowed:
+            first_carried -= 1
+            carried += len(self.bins[first_carried].samples)
+        return max(ready, first_carried)
+
+    def _pack(self, pool: list[SampleCost]) -> list[Bin]:
+        cap = self.cost_model.max_tokens
+        cap_patches = self.cost_model.max_patches
+        items = sorted(pool, key=lambda s: (s.tokens, s.uid))
+        sizes = [s.tokens for s in items]
+        bins = []
+        rng = random.Random(items[0].uid if items else 0)
+        while items:
+            sizes.pop()
+            current = Bin()
+            current.add(items.pop())
+            while items:
+                free = cap - current.tokens
+                if free >= sizes[-1]:  # anything fits: a random one keeps the pool representative
+                    i = rng.randrange(len(items))
+                else:  # the largest sample that still fits
+                    i = bisect.bisect_right(sizes, free) - 1
+                if cap_patches is not None:
+                    while i >= 0 and current.patches + items[i].patches > cap_patches:
+                        i -= 1
+                if i < 0:
+                    break
+                sizes.pop(i)
+                current.add(items.pop(i))
+            for _ in range(self.max_swaps):  # swap one sample for a larger one from the pool
+                if not self._swap(current, items, sizes, cap, cap_patches):
+                    break
+            bins.append(current)
+        return bins
+
+    @staticmethod
+    def _swap(current: Bin, items: list[SampleCost], sizes: list[int], cap: int,
+              cap_patches: int | None) -> bool:
+        free = cap - current.tokens
+        if not free or not items:
+            return False
+        best_gain, best = 0, None
+        for k, sample in enumerate(current.samples):
+            j = bisect.bisect_right(sizes, sample.tokens + free) - 1
+            if j < 0 or sizes[j] - sample.tokens <= best_gain:
+                continue
+            if cap_patches is not None and current.patches - sample.patches + items[j].patches > cap_patches:
+                continue
+            best_gain, best = sizes[j] - sample.tokens, (k, j)
+        if best is None:
+            return False
+        k, j = best
+        incoming = items.pop(j)
+        sizes.pop(j)
+        outgoing = current.samples[k]
+        samples = current.samples[:k] + current.samples[k + 1:] + [incoming]
+        current.__init__()
+        for sample in samples:
+            current.add(sample)
+        at = bisect.bisect_left(sizes, outgoing.tokens)
+        sizes.insert(at, outgoing.tokens)
+        items.insert(at, outgoing)
+        return True
+
+
+class FixedPacker(Packer):
+    """Baseline: ``batch_size`` samples per micro-batch in arrival order, padded to the longest."""
+
+    padded = True
+
+    def __init__(self, cost_model: CostModel, *, batch_size: int) -> None:
+        super().__init__(cost_model)
+        self.batch_size = batch_size
+        self.pending: list[SampleCost] = []
+
+    def add(self, samples: list[SampleCost]) -> None:
+        self.pending.extend(samples)
+        size = self.batch_size
+        while len(self.pending) >= size:
+            self.bins.append(Bin.of(self.pending[:size], self.cost_model, padded=True))
+            self.pending = self.pending[size:]
+
+    def ranked(self, window: int, is_exhausted: bool) -> int:
+        if is_exhausted and self.pending:
+            self.bins.append(Bin.of(self.pending, self.cost_model, padded=True))
+            self.pending = []
+        return len(self.bins)
+
+    @property
+    def num_samples(self) -> int:
+        return super().num_samples + len(self.pending)
+
+    def restore(self, bins: list[list[SampleCost]]) -> None:
+        super().restore(bins)
+        self.pending = []
+
+
+class GmtPacker(Packer):
+    """Baseline: offline global token budget (fairseq ``max_tokens``): all lengths first, sorted,
+    padded groups with ``len(group) * longest <= max_tokens``."""
+
+    is_offline = True
+    padded = True
+
+    def __init__(self, cost_model: CostModel) -> None:
+        super().__init__(cost_model)
+        self.pending: list[SampleCost] = []
+
+    def add(self, samples: list[SampleCost]) -> None:
+        self.pending.extend(samples)
+
+    def _group(self, samples: list[SampleCost]) -> None:
+        budget = self.cost_model.max_tokens
+        group: list[SampleCost] = []
+        for sample in sorted(samples, key=lambda s: (-s.tokens, s.uid)):
+            longest = group[0].tokens if group else sample.tokens
+            if group and (len(group) + 1) * longest > budget:
+                self.bins.append(Bin.of(group, self.cost_model, padded=True))
+                group = []
+            group.append(sample)
+        if group:
+            self.bins.append(Bin.of(group, self.cost_model, padded=True))
+
+    def ranked(self, window: int, is_exhausted: bool) -> int:
+        if not is_exhausted:
+            return 0
+        if self.pending:
+            self._group(self.pending)
+            self.pending = []
+        return len(self.bins)
+
+    @property
+    def num_samples(self) -> int:
+        return super().num_samples + len(self.pending)
+
+    def restore(self, bins: list[list[SampleCost]]) -> None:
+        super().restore(bins)
+        self.pending = []
+
+
+class BmtPacker(GmtPacker):
+    """Baseline: offline, sorted within buckets of ``bucket_size`` samples (in arrival order),
+    padded groups under the token budget inside each bucket."""
+
+    def __init__(self, cost_model: CostModel, *, bucket_size: int) -> None:
+        super().__init__(cost_model)
+        self.bucket_size = bucket_size
+
+    def ranked(self, window: int, is_exhausted: bool) -> int:
+        if not is_exhausted:
+            return 0
+        for start in range(0, len(self.pending), self.bucket_size):
+            self._group(self.pending[start:start + self.bucket_size])
+        self.pending = []
+        return len(self.bins)
+
+
+def make_packer(config, cost_model: CostModel) -> Packer:
+    if config.policy == "odb":
+        return OnlinePacker(cost_model, min_fill=config.min_fill, max_carry=config.max_carry)
+    if config.policy == "fixed":
+        return FixedPacker(cost_model, batch_size=config.batch_size)
+    if config.policy == "gmt":
+        return GmtPacker(cost_model)
+    return BmtPacker(cost_model, bucket_size=config.bucket_size)

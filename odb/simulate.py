@@ -1,0 +1,93 @@
+"""N ranks in one process: run the real batcher and alignment over a :class:`SimulatedGroup`.
+
+Used by ``tools/bench_batching.py`` and the property tests. A simulated sample with ``tokens``
+tokens has ``tokens - 1`` label tokens (every position but the first reaches the loss).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from odb.align import SimulatedGroup
+from odb.batcher import OnlineBatcher
+from odb.config import OdbConfig
+from odb.plan import StepPlan
+
+__all__ = ["run_ranks", "simulate", "SimulationResult", "make_fetch"]
+
+T = TypeVar("T")
+
+
+def run_ranks(world_size: int, fn: Callable[[Any], T], timeout_s: float = 120.0) -> list[T]:
+    """Runs ``fn(comm)`` for every rank in its own thread; re-raises the first failure."""
+    group = SimulatedGroup(world_size, timeout_s=timeout_s)
+    results: list[Any] = [None] * world_size
+    errors: list[BaseException] = []
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = fn(group.communicator(rank))
+        except BaseException as err:  # noqa: BLE001 - handed to the caller below
+            errors.append(err)
+            group.abort()
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        group.abort()
+        raise TimeoutError(f"simulated ranks did not finish within {timeout_s} s (a hang)")
+    if errors:
+        real = [e for e in errors if type(e).__name__ != "BrokenBarrierError"]
+        raise (real or errors)[0]
+    return results
+
+
+def make_fetch(lengths: list[tuple[int, int]]) -> Callable[[list[int]], list[tuple[int, int, int]]]:
+    size = len(lengths)
+
+    def fetch(uids: list[int]) -> list[tuple[int, int, int]]:
+        out = []
+        for uid in uids:
+            tokens, patches = lengths[uid % size]
+            out.append((tokens, max(0, tokens - 1), patches))
+        return out
+
+    return fetch
+
+
+@dataclass
+class SimulationResult:
+    steps: list[list[StepPlan]]  # per rank
+    batchers: list[OnlineBatcher]
+    wall_s: float
+
+
+def simulate(config: OdbConfig, lengths: list[tuple[int, int]], world_size: int, *,
+             shards: list[list[int]] | None = None, num_epochs: int = 1,
+             max_steps: int | None = None, timeout_s: float = 300.0) -> SimulationResult:
+    """Runs every rank's batcher to the end (or ``max_steps`` steps) over simulated samples."""
+    fetch = make_fetch(lengths)
+    batchers: list[OnlineBatcher | None] = [None] * world_size
+
+    def rank_main(comm) -> list[StepPlan]:
+        batcher = OnlineBatcher(config, comm, dataset_size=len(lengths), fetch=fetch,
+                                num_epochs=num_epochs, shards=shards)
+        batchers[comm.rank] = batcher
+        steps = []
+        for step in batcher:
+            steps.append(step)
+            if max_steps is not None and len(steps) >= max_steps:
+                break
+        return steps
+
+    start = time.perf_counter()
+    steps = run_ranks(world_size, rank_main, timeout_s=timeout_s)
+    return SimulationResult(steps=steps, batchers=batchers, wall_s=time.perf_counter() - start)
