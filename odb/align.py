@@ -58,9 +58,16 @@ class SimulatedGroup:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
-        self._slots: list[np.ndarray | None] = [None] * world_size
-        self._result: np.ndarray | None = None
-        self._barrier = threading.Barrier(world_size, timeout=timeout_s)
+        # Double-buffered by collective parity: a rank can be at most one collective ahead.
+        self._slots: list[list[np.ndarray | None]] = [[None] * world_size, [None] * world_size]
+        self._results: list[np.ndarray | None] = [None, None]
+        self._count = [0] * world_size  # collectives called, per rank
+        self._done = 0  # collectives completed
+        self._error = ""
+        self._barrier = threading.Barrier(world_size, action=self._stack, timeout=timeout_s)
+        # One rank computes at a time (the baton is put down while waiting in a collective):
+        # no thrashing over the GIL, so timings read like one rank's own work.
+        self.baton = threading.Lock()
 
     def communicator(self, rank: int) -> "_SimulatedCommunicator":
         return _SimulatedCommunicator(self, rank)
@@ -68,18 +75,32 @@ class SimulatedGroup:
     def abort(self) -> None:
         self._barrier.abort()
 
+    def _stack(self) -> None:
+        parity = self._done % 2
+        self._done += 1
+        lengths = sorted({len(v) for v in self._slots[parity]})
+        if len(lengths) != 1:
+            self._error = f"all_gather with different lengths across ranks: {lengths}"
+            raise RuntimeError(self._error)
+        self._results[parity] = np.stack(self._slots[parity])
+
     def _gather(self, rank: int, values: np.ndarray) -> np.ndarray:
-        self._slots[rank] = np.asarray(values, dtype=np.int64).copy()
-        if self._barrier.wait() == 0:
-            lengths = {len(v) for v in self._slots}
-            if len(lengths) != 1:
-                self._barrier.abort()
-                raise RuntimeError(f"all_gather with different lengths across ranks: {sorted(lengths)}")
-            self._result = np.stack(self._slots)
-        self._barrier.wait()
-        result = self._result
-        self._barrier.wait()  # nobody overwrites _slots/_result before everyone has read them
-        return result
+        parity = self._count[rank] % 2
+        self._count[rank] += 1
+        self._slots[parity][rank] = np.array(values, dtype=np.int64)
+        held = self.baton.locked()
+        if held:
+            self.baton.release()
+        try:
+            self._barrier.wait()
+        except threading.BrokenBarrierError:
+            if self._error:
+                raise RuntimeError(self._error) from None
+            raise
+        finally:
+            if held:
+                self.baton.acquire()
+        return self._results[parity]
 
 
 class _SimulatedCommunicator:

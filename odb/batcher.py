@@ -183,16 +183,13 @@ class OnlineBatcher:
             return
         for _ in uids:
             self.pending.popleft()
-        admitted: list[SampleCost] = []
-        for uid, (tokens, label_tokens, patches) in zip(uids, self.fetch(uids), strict=True):
-            sample, outcome = self.cost_model.measure(uid, tokens, label_tokens, patches)
-            if outcome != "ok":
-                self.counts[outcome] += 1
-            if sample is not None:
-                admitted.append(sample)
-                self.observed_cost += sample.cost
-                self.observed_cost_sq += sample.cost * sample.cost
-                self.observed_samples += 1
+        admitted, outcomes = self.cost_model.measure_many(uids, self.fetch(uids))
+        for outcome, count in outcomes.items():
+            self.counts[outcome] += count
+        for sample in admitted:
+            self.observed_cost += sample.cost
+            self.observed_cost_sq += sample.cost * sample.cost
+        self.observed_samples += len(admitted)
         self.packer.add(admitted)
         if self.config.sharding == "static" and self.config.mode == "quota" and len(self.pending) < self.config.window:
             self.epoch_of_shard = getattr(self, "epoch_of_shard", 0) + 1

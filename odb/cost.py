@@ -70,6 +70,26 @@ class CostModel:
         """Cost of a padded micro-batch: every row is as long as the longest."""
         return num_samples * self.cost(longest)
 
+    def measure_many(self, uids: list[int], raw: list[tuple[int, int, int]]
+                     ) -> tuple[list[SampleCost], dict[str, int]]:
+        """:meth:`measure` for each ``(tokens, label_tokens, patches)``: the admitted samples and
+        how many the over-cap policy truncated or dropped."""
+        admitted: list[SampleCost] = []
+        outcomes = {"truncated": 0, "dropped": 0}
+        cap, cap_patches = self.max_tokens, self.max_patches
+        is_linear = not (self.attn_coef or self.patch_coef)
+        for uid, (tokens, label_tokens, patches) in zip(uids, raw, strict=True):
+            if is_linear and 0 < tokens <= cap and 0 <= label_tokens <= tokens and (
+                    cap_patches is None or patches <= cap_patches):
+                admitted.append(SampleCost(uid, tokens, label_tokens, patches, tokens))  # fast path
+                continue
+            sample, outcome = self.measure(uid, tokens, label_tokens, patches)
+            if sample is not None:
+                admitted.append(sample)
+            if outcome != "ok":
+                outcomes[outcome] += 1
+        return admitted, outcomes
+
     def measure(self, uid: int, tokens: int, label_tokens: int, patches: int = 0
                 ) -> tuple[SampleCost | None, str]:
         """The sample's cost record and what the over-cap policy did: 'ok', 'truncated', 'dropped'.

@@ -152,7 +152,7 @@ class OnlinePacker(Packer):
             while items:
                 free = cap - current.tokens
                 if free >= sizes[-1]:  # anything fits: a random one keeps the pool representative
-                    i = rng.randrange(len(items))
+                    i = int(rng.random() * len(items))
                 else:  # the largest sample that still fits
                     i = bisect.bisect_right(sizes, free) - 1
                 if cap_patches is not None:
@@ -187,11 +187,13 @@ class OnlinePacker(Packer):
         k, j = best
         incoming = items.pop(j)
         sizes.pop(j)
-        outgoing = current.samples[k]
-        samples = current.samples[:k] + current.samples[k + 1:] + [incoming]
-        current.__init__()
-        for sample in samples:
-            current.add(sample)
+        outgoing = current.samples.pop(k)
+        current.tokens -= outgoing.tokens
+        current.patches -= outgoing.patches
+        current.cost -= outgoing.cost
+        current.label_tokens -= outgoing.label_tokens
+        current.add(incoming)
+        current.longest = max(s.tokens for s in current.samples)
         at = bisect.bisect_left(sizes, outgoing.tokens)
         sizes.insert(at, outgoing.tokens)
         items.insert(at, outgoing)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -42,8 +43,7 @@ HEADER = ("is_exhausted", "num_bins", "num_ready", "window_samples", "window_cos
           "observed_cost", "observed_cost_sq", "observed_samples")
 
 
-@dataclass(frozen=True)
-class MicroBatch:
+class MicroBatch(NamedTuple):
     """One forward/backward on one rank: samples packed in one row (or padded rows).
 
     An empty ``samples`` is a dummy: a real, tiny forward and backward with loss weight 0.
@@ -145,7 +145,7 @@ class Decision:
     is_quota_done: bool
 
 
-def waterfill(loads: np.ndarray, unit: int, total: int, caps: np.ndarray) -> list[int]:
+def waterfill(loads: list[int], unit: int, total: int, caps: list[int]) -> list[int]:
     """Deal up to ``total`` items of weight ``unit``, at most ``caps[r]`` to rank r, so that the
     largest final load is smallest.
 
@@ -153,25 +153,29 @@ def waterfill(loads: np.ndarray, unit: int, total: int, caps: np.ndarray) -> lis
     lower rank), computed in O(world * log) with integers so every rank gets the same answer.
     """
     world = len(loads)
-    caps = np.maximum(0, caps.astype(np.int64))
-    total = min(int(total), int(caps.sum()))
+    caps = [max(0, int(c)) for c in caps]
+    loads = [int(x) for x in loads]
+    total = min(int(total), sum(caps))
     if total <= 0:
         return [0] * world
-    loads = loads.astype(np.int64)
-    low, high = int(loads.min()), int(loads.max()) + unit * total
+
+    def fill(level: int) -> list[int]:
+        return [min(cap, max(0, (level - load) // unit)) for load, cap in zip(loads, caps)]
+
+    low, high = min(loads), max(loads) + unit * total
     while low < high:  # the largest level whose whole-unit fill stays within total
         mid = (low + high + 1) // 2
-        if int(np.minimum(caps, np.maximum(0, (mid - loads) // unit)).sum()) <= total:
+        if sum(fill(mid)) <= total:
             low = mid
         else:
             high = mid - 1
-    counts = np.minimum(caps, np.maximum(0, (low - loads) // unit))
-    rest = total - int(counts.sum())
+    counts = fill(low)
+    rest = total - sum(counts)
     order = sorted((r for r in range(world) if counts[r] < caps[r]),
-                   key=lambda r: (int(loads[r] + counts[r] * unit), r))
+                   key=lambda r: (loads[r] + counts[r] * unit, r))
     for r in order[:rest]:
         counts[r] += 1
-    return [int(c) for c in counts]
+    return counts
 
 
 def _unpack(gathered: np.ndarray, max_bins: int):
@@ -196,6 +200,9 @@ def decide(gathered: np.ndarray, *, max_bins: int, gas: int, seed: int, epoch: i
     fields, costs, samples, tokens, labels = _unpack(gathered, max_bins)
     world = gathered.shape[0]
     num_bins = fields["num_bins"]
+    max_bins = int(num_bins.max())  # the columns in use
+    costs, samples, tokens = costs[:, :max_bins], samples[:, :max_bins], tokens[:, :max_bins]
+    labels = labels[:, :int(samples.sum(axis=1).max()) if max_bins else 0]
     active = fields["is_exhausted"] == 0
     is_drain = not active.any()
     if is_drain:
@@ -235,10 +242,11 @@ def decide(gathered: np.ndarray, *, max_bins: int, gas: int, seed: int, epoch: i
         taken_samples[r, b] = keep
 
     # Slots: bins by cost (descending), dummies last; then one shared permutation of positions.
+    width = int(take.max()) if world else 0
+    taken_cost = np.where(np.arange(width)[None, :] < take[:, None], bin_costs[:, :width], -1)
     slots = np.full((world, target), -1, dtype=np.int64)
-    for r in range(world):
-        n = int(take[r])
-        slots[r, :n] = np.argsort(-bin_costs[r, :n], kind="stable")
+    slots[:, :width] = np.argsort(-taken_cost, axis=1, kind="stable")
+    slots[:, :width][taken_cost[np.arange(world)[:, None], slots[:, :width]] < 0] = -1
     if target and not is_quota_done:
         rng = np.random.default_rng([seed, epoch, round_index])
         slots = slots[:, rng.permutation(target)]
@@ -288,11 +296,12 @@ class _Dealer:
         # The stream's tail: the cost of what is dealt now is unknown until it is processed; a
         # rank's share of D indices is off by about cv * sqrt(D / world) samples. Keep back three
         # times that for every rank (3 * cv * sqrt(D * world)), to correct it in later rounds on
-        # observed loads, so that all ranks run out together.
+        # observed loads, so that all ranks run out together. At least half of what is left goes
+        # out each round, so the tail takes O(log) rounds.
         budget = left
         if left <= world * self.inflight_target:
-            budget = max(world, left - int(3.0 * self.spread * math.sqrt(left * world)))
-        return waterfill(loads, self.unit, min(left, budget), room)
+            budget = max(world, left // 2, left - int(3.0 * self.spread * math.sqrt(left * world)))
+        return waterfill(loads.tolist(), self.unit, min(left, budget), room.tolist())
 
 
 def _close_quota(samples: np.ndarray, num_bins: np.ndarray, quota_left: int):

@@ -30,7 +30,8 @@ def run_ranks(world_size: int, fn: Callable[[Any], T], timeout_s: float = 120.0)
 
     def target(rank: int) -> None:
         try:
-            results[rank] = fn(group.communicator(rank))
+            with group.baton:
+                results[rank] = fn(group.communicator(rank))
         except BaseException as err:  # noqa: BLE001 - handed to the caller below
             errors.append(err)
             group.abort()
