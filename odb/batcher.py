@@ -85,6 +85,7 @@ class OnlineBatcher:
         self.observed_samples = 0
         self.counts = {"truncated": 0, "dropped": 0, "dummy_micro_batches": 0, "micro_batches": 0}
         self.is_done = False
+        self.epoch_of_shard = 0
         self._order_epoch = -1
         self._start_epoch()
 
@@ -178,6 +179,12 @@ class OnlineBatcher:
     # ---- one round ---------------------------------------------------------------------------
 
     def _fill_window(self) -> None:
+        if self.config.sharding == "static" and self.config.mode == "quota":
+            while len(self.pending) < self.config.window + self.config.lookahead and self._static_shard(0):
+                self.epoch_of_shard += 1  # the shard again, in the next epoch's order
+                more = self._static_shard(self.epoch_of_shard)
+                self.pending.extend(more)
+                self.new_uids.extend(more)
         uids = self.wanted()
         if not uids:
             return
@@ -191,13 +198,10 @@ class OnlineBatcher:
             self.observed_cost_sq += sample.cost * sample.cost
         self.observed_samples += len(admitted)
         self.packer.add(admitted)
-        if self.config.sharding == "static" and self.config.mode == "quota" and len(self.pending) < self.config.window:
-            self.epoch_of_shard = getattr(self, "epoch_of_shard", 0) + 1
-            self.pending.extend(self._static_shard(self.epoch_of_shard))
 
     def _proposal(self) -> Proposal:
         is_exhausted = self._is_exhausted()
-        num_ready = self.packer.ranked(self.config.window, is_exhausted)
+        num_ready = self.packer.ranked(self.config.window, is_exhausted, min_bins=self.config.gas)
         bins = self.packer.bins
         return Proposal(
             is_exhausted=is_exhausted, num_ready=num_ready, window_samples=self.packer.num_samples,
@@ -262,7 +266,7 @@ class OnlineBatcher:
             "num_epochs": self.num_epochs, "epoch": self.epoch, "round_index": self.round_index,
             "step_index": self.step_index, "stream_pos": self.stream_pos,
             "num_emitted": self.num_emitted, "pending": list(self.pending),
-            "epoch_of_shard": getattr(self, "epoch_of_shard", 0),
+            "epoch_of_shard": self.epoch_of_shard,
             "bins": [[list(_sample_row(s)) for s in b.samples] for b in self.packer.bins],
             "held": [list(_sample_row(s)) for s in getattr(self.packer, "pending", [])],
             "queue": encode_steps(self.queue), "observed": [self.observed_cost, self.observed_cost_sq, self.observed_samples],

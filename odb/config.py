@@ -70,6 +70,9 @@ class OdbConfig:
         for name in ("max_tokens", "window", "gas", "batch_size", "bucket_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.window < self.gas:
+            raise ValueError(f"--window ({self.window}) must be >= --gas ({self.gas}): a rank needs GAS "
+                             "samples at hand to fill a step without dummies")
         if self.lookahead < 0:
             raise ValueError(f"--lookahead must be >= 0, got {self.lookahead}")
         for name, allowed in (("mode", _MODES), ("over_cap", _OVER_CAP), ("sharding", _SHARDING),

@@ -80,8 +80,9 @@ class Packer:
     def add(self, samples: list[SampleCost]) -> None:
         raise NotImplementedError
 
-    def ranked(self, window: int, is_exhausted: bool) -> int:
-        """Orders ``self.bins`` best first and returns how many may be trained now."""
+    def ranked(self, window: int, is_exhausted: bool, min_bins: int = 1) -> int:
+        """Orders ``self.bins`` best first and returns how many may be trained now; online packers
+        make at least ``min_bins`` bins when they hold that many samples."""
         raise NotImplementedError
 
     def take(self, num_bins: int) -> list[Bin]:
@@ -121,11 +122,17 @@ class OnlinePacker(Packer):
     def add(self, samples: list[SampleCost]) -> None:
         self.loose.extend(samples)
 
-    def ranked(self, window: int, is_exhausted: bool) -> int:
+    def ranked(self, window: int, is_exhausted: bool, min_bins: int = 1) -> int:
         keep = [b for b in self.bins if b.tokens >= self.min_fill_tokens]
         pool = [s for b in self.bins if b.tokens < self.min_fill_tokens for s in b.samples] + self.loose
         self.loose = []
         self.bins = keep + self._pack(pool)
+        while len(self.bins) < min_bins:  # a step needs GAS micro-batches: split rather than pad
+            largest = max(self.bins, key=lambda b: len(b.samples), default=None)
+            if largest is None or len(largest.samples) < 2:
+                break
+            self.bins.remove(largest)
+            self.bins += largest.split(len(largest.samples) // 2, self.cost_model)
         self.bins.sort(key=lambda b: (-b.tokens, b.samples[0].uid))
         if is_exhausted:
             return len(self.bins)
@@ -217,7 +224,7 @@ class FixedPacker(Packer):
             self.bins.append(Bin.of(self.pending[:size], self.cost_model, padded=True))
             self.pending = self.pending[size:]
 
-    def ranked(self, window: int, is_exhausted: bool) -> int:
+    def ranked(self, window: int, is_exhausted: bool, min_bins: int = 1) -> int:
         if is_exhausted and self.pending:
             self.bins.append(Bin.of(self.pending, self.cost_model, padded=True))
             self.pending = []
@@ -258,7 +265,7 @@ class GmtPacker(Packer):
         if group:
             self.bins.append(Bin.of(group, self.cost_model, padded=True))
 
-    def ranked(self, window: int, is_exhausted: bool) -> int:
+    def ranked(self, window: int, is_exhausted: bool, min_bins: int = 1) -> int:
         if not is_exhausted:
             return 0
         if self.pending:
@@ -283,7 +290,7 @@ class BmtPacker(GmtPacker):
         super().__init__(cost_model)
         self.bucket_size = bucket_size
 
-    def ranked(self, window: int, is_exhausted: bool) -> int:
+    def ranked(self, window: int, is_exhausted: bool, min_bins: int = 1) -> int:
         if not is_exhausted:
             return 0
         for start in range(0, len(self.pending), self.bucket_size):

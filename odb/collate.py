@@ -1,0 +1,95 @@
+"""Varlen collation: a bin of samples -> one packed row, no padding.
+
+Worked example, two samples packed into one row (``T = 5``)::
+
+    sample A: input_ids [a0 a1 a2]  labels [a0 a1 a2]      (labels may hold -100 already)
+    sample B: input_ids [b0 b1]     labels [b0 b1]
+
+    input_ids     a0    a1    a2    b0    b1       shape [1, T]
+    position_ids   0     1     2     0     1       restart at 0 for every sample
+    labels      -100    a1    a2  -100    b1       -100 where a sample begins
+    cu_seqlens  [0, 3, 5]  (int32)                 sample boundaries for varlen attention
+    max_seqlen  3
+
+The model shifts labels by one (logits at t predict labels[t+1]), so the -100 at ``b0`` keeps the
+last token of A from being trained to predict the first token of B; varlen attention over
+``cu_seqlens`` (or per-sample masks built from ``position_ids``) keeps B from attending to A.
+The loss normalizer is the number of labels != -100: :func:`odb.cost.count_label_tokens`.
+
+:func:`collate_padded` gives the padded layout of the same samples, for the baselines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+__all__ = ["collate_packed", "collate_padded"]
+
+
+def _ids_and_labels(sample: Mapping, max_tokens: int | None) -> tuple[list[int], list[int]]:
+    ids = sample["input_ids"]
+    ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+    labels = sample.get("labels")
+    labels = ids if labels is None else (labels.tolist() if isinstance(labels, torch.Tensor) else list(labels))
+    if len(labels) != len(ids):
+        raise ValueError(f"sample has {len(ids)} input_ids but {len(labels)} labels")
+    if not ids:
+        raise ValueError("cannot collate an empty sample")
+    if max_tokens is not None:
+        ids, labels = ids[:max_tokens], labels[:max_tokens]
+    return ids, [-100] + labels[1:]
+
+
+def collate_packed(samples: Sequence[Mapping], *, max_tokens: int | None = None) -> dict[str, torch.Tensor | int]:
+    """Packs ``samples`` (each with ``input_ids`` and optional ``labels``) into one row.
+
+    Args:
+        samples: the bin's samples, in order.
+        max_tokens: truncate each sample to this many tokens (the over-cap policy 'truncate').
+
+    Returns:
+        ``input_ids``, ``position_ids``, ``labels`` (each ``[1, T]`` int64), ``cu_seqlens``
+        (``[n + 1]`` int32) and ``max_seqlen`` (int).
+    """
+    if not samples:
+        raise ValueError("cannot collate an empty bin")
+    ids: list[int] = []
+    labels: list[int] = []
+    positions: list[int] = []
+    bounds = [0]
+    for sample in samples:
+        sample_ids, sample_labels = _ids_and_labels(sample, max_tokens)
+        ids += sample_ids
+        labels += sample_labels
+        positions += range(len(sample_ids))
+        bounds.append(len(ids))
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    return {
+        "input_ids": torch.tensor([ids], dtype=torch.long),
+        "position_ids": torch.tensor([positions], dtype=torch.long),
+        "labels": torch.tensor([labels], dtype=torch.long),
+        "cu_seqlens": torch.tensor(bounds, dtype=torch.int32),
+        "max_seqlen": max(lengths),
+    }
+
+
+def collate_padded(samples: Sequence[Mapping], *, pad_token_id: int, max_tokens: int | None = None
+                   ) -> dict[str, torch.Tensor]:
+    """The same samples as rows padded (on the right) to the longest: ``input_ids``,
+    ``attention_mask``, ``position_ids`` and ``labels`` (-100 on padding and first positions),
+    each ``[B, L]``."""
+    if not samples:
+        raise ValueError("cannot collate an empty bin")
+    rows = [_ids_and_labels(sample, max_tokens) for sample in samples]
+    longest = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), longest), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(rows), longest), -100, dtype=torch.long)
+    mask = torch.zeros((len(rows), longest), dtype=torch.long)
+    for i, (ids, row_labels) in enumerate(rows):
+        input_ids[i, :len(ids)] = torch.tensor(ids)
+        labels[i, :len(ids)] = torch.tensor(row_labels)
+        mask[i, :len(ids)] = 1
+    positions = torch.arange(longest).expand(len(rows), longest).clone()
+    return {"input_ids": input_ids, "attention_mask": mask, "position_ids": positions, "labels": labels}

@@ -1,0 +1,182 @@
+"""DGAP invariants over simulated ranks (one process, one thread per rank)."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from conftest import check_aligned, check_caps, check_exact_once, check_label_tokens, roundtrip
+from odb.align import SettingsMismatch
+from odb.batcher import OnlineBatcher
+from odb.config import OdbConfig
+from odb.cost import OverCapError
+from odb.plan import waterfill
+from odb.simulate import make_fetch, run_ranks, simulate
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def expected_uids(num_samples: int, num_epochs: int = 1, skip: set[int] = frozenset()) -> Counter:
+    return Counter(e * num_samples + i for e in range(num_epochs) for i in range(num_samples) if i not in skip)
+
+
+@st.composite
+def static_shards(draw):
+    """Explicit per-rank shards, including empty ranks and ranks far larger than the others."""
+    world = draw(st.integers(1, 5))
+    sizes = draw(st.lists(st.sampled_from([0, 0, 1, 2, 5, 17, 60, 300]), min_size=world, max_size=world))
+    lengths = draw(st.lists(st.integers(1, 120), min_size=sum(sizes), max_size=sum(sizes)))
+    shards, start = [], 0
+    for size in sizes:
+        shards.append(list(range(start, start + size)))
+        start += size
+    return lengths, shards
+
+
+@SETTINGS
+@given(static_shards(), st.integers(1, 4), st.integers(1, 40), st.integers(100, 300), st.integers(1, 2))
+def test_invariants_on_uneven_static_shards(data, gas, window, max_tokens, epochs):
+    lengths, shards = data
+    config = OdbConfig(max_tokens=max_tokens, window=max(window, gas), gas=gas, sharding="static")
+    result = simulate(config, [(t, 0) for t in lengths], len(shards), shards=shards, num_epochs=epochs)
+    check_aligned(result.steps)
+    check_exact_once(result.steps, expected_uids(len(lengths), epochs))
+    check_label_tokens(result.steps)
+    check_caps(result.steps, max_tokens)
+    # I3: every round trains at least one sample of every rank that still has input, so an epoch
+    # takes at most (largest shard + 1) rounds (the +1 is the drain round).
+    assert result.batchers[0].round_index <= epochs * (max(len(s) for s in shards) + 1)
+    assert all(len(step.micro_batches) == gas for step in result.steps[0])
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.integers(1, 400), st.sampled_from([0, 0, 0, 16, 64])), max_size=400),
+       st.integers(1, 6), st.integers(1, 3), st.integers(1, 64), st.integers(0, 16),
+       st.integers(300, 1000))
+def test_invariants_with_dynamic_dealing(lengths, world, gas, window, lookahead, max_tokens):
+    config = OdbConfig(max_tokens=max_tokens, window=max(window, gas), gas=gas, lookahead=lookahead,
+                       max_patches=100)
+    result = simulate(config, lengths, world)
+    dropped = {i for i, (_, p) in enumerate(lengths) if p > 100}
+    check_aligned(result.steps)
+    check_exact_once(result.steps, expected_uids(len(lengths), skip=dropped))
+    check_label_tokens(result.steps)
+    check_caps(result.steps, max_tokens, max_patches=100)
+    assert sum(b.counts["dropped"] for b in result.batchers) == len(dropped)
+    # I3: a round either trains a bin or deals an index: at most 2N + 1 rounds (+1 drain).
+    assert result.batchers[0].round_index <= 2 * len(lengths) + 2
+
+
+@SETTINGS
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=200), st.integers(1, 5), st.integers(1, 3),
+       st.integers(1, 50), st.integers(1, 700), st.booleans())
+def test_quota_mode_closes_at_exactly_the_quota(lengths, world, gas, window, quota, static):
+    static = static and len(lengths) >= world  # a static shard must not be empty for this property
+    config = OdbConfig(max_tokens=300, window=max(window, gas), gas=gas, mode="quota", quota=quota,
+                       sharding="static" if static else "dynamic")
+    result = simulate(config, [(t, 0) for t in lengths], world)
+    check_aligned(result.steps)
+    check_label_tokens(result.steps)
+    trained = [u for s in result.steps for p in s for m in p.micro_batches for u in m.uids]
+    assert len(trained) == quota and len(set(trained)) == quota
+    # only the last step may hold dummies
+    for rank_steps in result.steps:
+        assert all(not m.is_dummy for p in rank_steps[:-1] for m in p.micro_batches)
+
+
+@SETTINGS
+@given(st.lists(st.integers(1, 200), min_size=1, max_size=300), st.integers(1, 4), st.integers(1, 3),
+       st.integers(1, 40), st.booleans(), st.data())
+def test_resume_reproduces_the_remaining_plan(lengths, world, gas, window, static, data):
+    config = OdbConfig(max_tokens=256, window=max(window, gas), gas=gas,
+                       sharding="static" if static else "dynamic")
+    samples = [(t, 0) for t in lengths]
+    full = simulate(config, samples, world, num_epochs=2).steps
+    k = data.draw(st.integers(0, len(full[0])))
+    fetch = make_fetch(samples)
+    states = [None] * world
+
+    def first_part(comm):
+        batcher = OnlineBatcher(config, comm, dataset_size=len(samples), fetch=fetch, num_epochs=2)
+        steps = [step for _, step in zip(range(k), batcher)]
+        states[comm.rank] = roundtrip(batcher.state_dict())
+        return steps
+
+    def second_part(comm):
+        batcher = OnlineBatcher(config, comm, dataset_size=len(samples), fetch=fetch, num_epochs=2)
+        before = roundtrip(states[comm.rank])
+        batcher.load_state_dict(states[comm.rank])
+        assert states[comm.rank] == before  # loading does not mutate its input
+        return list(batcher)
+
+    head = run_ranks(world, first_part)
+    tail = run_ranks(world, second_part)
+    assert [h + t for h, t in zip(head, tail)] == full
+
+
+def test_state_from_another_world_size_or_version_is_refused():
+    samples = [(5, 0)] * 10
+    config = OdbConfig(max_tokens=16, window=4)
+    states = run_ranks(2, lambda comm: OnlineBatcher(config, comm, dataset_size=10,
+                                                     fetch=make_fetch(samples)).state_dict())
+
+    def load(state):
+        def fn(comm):
+            OnlineBatcher(config, comm, dataset_size=10, fetch=make_fetch(samples)).load_state_dict(state)
+        return fn
+
+    with pytest.raises(ValueError, match="world_size=2, this run has 3; resume with the same number of ranks"):
+        run_ranks(3, load(states[0]))
+    with pytest.raises(ValueError, match="version 99"):
+        run_ranks(1, load({**states[0], "version": 99}))
+    other = OdbConfig(max_tokens=32, window=4)
+    with pytest.raises(ValueError, match=r"settings differ from the checkpoint in \['max_tokens'\]"):
+        run_ranks(2, lambda comm: OnlineBatcher(other, comm, dataset_size=10, fetch=make_fetch(samples))
+                  .load_state_dict(states[comm.rank]))
+
+
+def test_mismatched_settings_fail_at_start_on_every_rank_naming_the_keys():
+    samples = [(5, 0)] * 10
+    errors = []
+
+    def fn(comm):
+        config = OdbConfig(max_tokens=16 if comm.rank == 0 else 32, gas=1 + comm.rank % 2, window=4)
+        try:
+            OnlineBatcher(config, comm, dataset_size=10, fetch=make_fetch(samples))
+        except SettingsMismatch as err:
+            errors.append(str(err))
+
+    run_ranks(3, fn)
+    assert len(errors) == 3
+    assert all("['gas', 'max_tokens']" in e and "start every rank with the same" in e for e in errors)
+
+
+def test_a_sample_over_the_cap_under_error_policy_stops_with_its_id():
+    config = OdbConfig(max_tokens=16, window=4, over_cap="error")
+    with pytest.raises(OverCapError, match="sample 3 has 40 tokens > max_tokens=16"):
+        simulate(config, [(5, 0), (5, 0), (5, 0), (40, 0)], 2, timeout_s=30)
+
+
+def test_an_empty_sample_is_a_clear_error():
+    with pytest.raises(ValueError, match="sample 1 is empty"):
+        simulate(OdbConfig(max_tokens=16, window=4), [(5, 0), (0, 0)], 1, timeout_s=30)
+
+
+def test_one_collective_per_round():
+    result = simulate(OdbConfig(max_tokens=64, window=8, gas=2), [(t % 50 + 1, 0) for t in range(300)], 4)
+    for batcher in result.batchers:
+        assert batcher.aligner.comm.num_collectives == batcher.round_index + 1  # + the start check
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 10_000), min_size=1, max_size=8), st.integers(1, 500), st.integers(0, 200),
+       st.data())
+def test_waterfill_equals_dealing_one_by_one_to_the_least_loaded(loads, unit, total, data):
+    caps = data.draw(st.lists(st.integers(0, 60), min_size=len(loads), max_size=len(loads)))
+    expected, current = [0] * len(loads), list(loads)
+    for _ in range(min(total, sum(caps))):
+        r = min((r for r in range(len(loads)) if expected[r] < caps[r]), key=lambda r: (current[r], r))
+        expected[r] += 1
+        current[r] += unit
+    assert waterfill(np.array(loads), unit, total, np.array(caps)) == expected
