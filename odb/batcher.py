@@ -75,7 +75,7 @@ class OnlineBatcher:
         self.epoch = 0
         self.round_index = 0
         self.step_index = 0
-        self.stream_pos = 0  # dynamic sharding: next position in the shared stream
+        self.stream_pos = 0  # dynamic sharding: next position in the shared stream (all epochs)
         self.num_emitted = 0  # samples trained over all ranks (identical on every rank)
         self.pending: deque[int] = deque()
         self.new_uids: list[int] = []
@@ -122,7 +122,7 @@ class OnlineBatcher:
             return None
         if self.config.mode == "quota":
             return 1 << 62
-        return self.dataset_size - self.stream_pos
+        return (self.epoch + 1) * self.dataset_size - self.stream_pos
 
     def _deal(self, counts: list[int]) -> None:
         start = self.stream_pos + sum(counts[:self.rank])
@@ -136,8 +136,6 @@ class OnlineBatcher:
             self.pending.extend(self._static_shard(self.epoch))
             self.new_uids.extend(self.pending)
         else:
-            if self.config.mode == "join":
-                self.stream_pos = 0
             per_rank = self.config.window + self.config.lookahead
             total = min(self.world_size * per_rank, self._stream_left())
             base, extra = divmod(total, self.world_size)

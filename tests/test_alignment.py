@@ -53,19 +53,19 @@ def test_invariants_on_uneven_static_shards(data, gas, window, max_tokens, epoch
 @SETTINGS
 @given(st.lists(st.tuples(st.integers(1, 400), st.sampled_from([0, 0, 0, 16, 64])), max_size=400),
        st.integers(1, 6), st.integers(1, 3), st.integers(1, 64), st.integers(0, 16),
-       st.integers(300, 1000))
-def test_invariants_with_dynamic_dealing(lengths, world, gas, window, lookahead, max_tokens):
+       st.integers(300, 1000), st.integers(1, 2))
+def test_invariants_with_dynamic_dealing(lengths, world, gas, window, lookahead, max_tokens, epochs):
     config = OdbConfig(max_tokens=max_tokens, window=max(window, gas), gas=gas, lookahead=lookahead,
                        max_patches=100)
-    result = simulate(config, lengths, world)
+    result = simulate(config, lengths, world, num_epochs=epochs)
     dropped = {i for i, (_, p) in enumerate(lengths) if p > 100}
     check_aligned(result.steps)
-    check_exact_once(result.steps, expected_uids(len(lengths), skip=dropped))
+    check_exact_once(result.steps, expected_uids(len(lengths), epochs, skip=dropped))
     check_label_tokens(result.steps)
     check_caps(result.steps, max_tokens, max_patches=100)
-    assert sum(b.counts["dropped"] for b in result.batchers) == len(dropped)
-    # I3: a round either trains a bin or deals an index: at most 2N + 1 rounds (+1 drain).
-    assert result.batchers[0].round_index <= 2 * len(lengths) + 2
+    assert sum(b.counts["dropped"] for b in result.batchers) == epochs * len(dropped)
+    # I3: a round either trains a bin or deals an index: at most 2N + 1 rounds (+1 drain) an epoch.
+    assert result.batchers[0].round_index <= epochs * (2 * len(lengths) + 2)
 
 
 @SETTINGS
