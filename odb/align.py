@@ -21,14 +21,19 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from odb.plan import Decision, Proposal, decide
 
 __all__ = ["Communicator", "SimulatedGroup", "TorchCommunicator", "Aligner", "SettingsMismatch"]
+
+
+T = TypeVar("T")
 
 
 class SettingsMismatch(ValueError):
@@ -48,16 +53,20 @@ class Communicator(Protocol):
 
 
 class SimulatedGroup:
-    """N ranks in one process: each rank runs in its own thread with its own communicator.
+    """N ranks in one process: :meth:`run` runs each rank in its own thread with its own
+    communicator.
 
     ``all_gather`` blocks until every rank has contributed (a barrier), so a rank that skips or
-    repeats a collective shows up as a timeout, as it would as a hang on a real cluster.
+    repeats a collective shows up as a timeout, as it would as a hang on a real cluster. Under
+    :meth:`run` one rank computes at a time (it hands over while waiting in a collective), so
+    ranks do not fight over the GIL and timings read like the ranks' own work.
     """
 
     def __init__(self, world_size: int, timeout_s: float = 60.0) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
+        self.timeout_s = timeout_s
         # Double-buffered by collective parity: a rank can be at most one collective ahead.
         self._slots: list[list[np.ndarray | None]] = [[None] * world_size, [None] * world_size]
         self._results: list[np.ndarray | None] = [None, None]
@@ -65,15 +74,42 @@ class SimulatedGroup:
         self._done = 0  # collectives completed
         self._error = ""
         self._barrier = threading.Barrier(world_size, action=self._stack, timeout=timeout_s)
-        # One rank computes at a time (the baton is put down while waiting in a collective):
-        # no thrashing over the GIL, so timings read like one rank's own work.
-        self.baton = threading.Lock()
+        self._baton = threading.Lock()
+        self._holds_baton = [False] * world_size
 
     def communicator(self, rank: int) -> "_SimulatedCommunicator":
         return _SimulatedCommunicator(self, rank)
 
     def abort(self) -> None:
         self._barrier.abort()
+
+    def run(self, fn: Callable[[Communicator], T]) -> list[T]:
+        """Runs ``fn(communicator)`` for every rank; returns the results, re-raises a failure."""
+        results: list[Any] = [None] * self.world_size
+        errors: list[BaseException] = []
+
+        def target(rank: int) -> None:
+            try:
+                with self._baton:
+                    self._holds_baton[rank] = True
+                    results[rank] = fn(self.communicator(rank))
+            except BaseException as err:  # noqa: BLE001 - handed to the caller below
+                errors.append(err)
+                self.abort()
+
+        threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(self.world_size)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + self.timeout_s
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in threads):
+            self.abort()
+            raise TimeoutError(f"simulated ranks did not finish within {self.timeout_s} s (a hang)")
+        if errors:
+            real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+            raise (real or errors)[0]
+        return results
 
     def _stack(self) -> None:
         parity = self._done % 2
@@ -88,9 +124,8 @@ class SimulatedGroup:
         parity = self._count[rank] % 2
         self._count[rank] += 1
         self._slots[parity][rank] = np.array(values, dtype=np.int64)
-        held = self.baton.locked()
-        if held:
-            self.baton.release()
+        if self._holds_baton[rank]:
+            self._baton.release()
         try:
             self._barrier.wait()
         except threading.BrokenBarrierError:
@@ -98,8 +133,8 @@ class SimulatedGroup:
                 raise RuntimeError(self._error) from None
             raise
         finally:
-            if held:
-                self.baton.acquire()
+            if self._holds_baton[rank]:
+                self._baton.acquire()
         return self._results[parity]
 
 

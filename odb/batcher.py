@@ -23,7 +23,7 @@ from odb.align import Aligner, Communicator
 from odb.config import OdbConfig
 from odb.cost import CostModel, SampleCost
 from odb.packer import make_packer
-from odb.plan import Decision, MicroBatch, Proposal, StepPlan
+from odb.plan import Decision, MicroBatch, Proposal, StepPlan, deal_budget
 from odb.state import STATE_VERSION, check_state, decode_steps, encode_steps
 
 __all__ = ["OnlineBatcher", "epoch_order"]
@@ -137,7 +137,9 @@ class OnlineBatcher:
             self.new_uids.extend(self.pending)
         else:
             per_rank = self.config.window + self.config.lookahead
-            total = min(self.world_size * per_rank, self._stream_left())
+            # nothing observed yet: assume a spread of 1 (coefficient of variation of cost)
+            total = min(self.world_size * per_rank,
+                        deal_budget(self._stream_left(), self.world_size, per_rank, spread=1.0))
             base, extra = divmod(total, self.world_size)
             self._deal([base + (r < extra) for r in range(self.world_size)])
 

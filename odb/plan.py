@@ -36,7 +36,7 @@ import numpy as np
 
 from odb.cost import SampleCost
 
-__all__ = ["MicroBatch", "StepPlan", "Proposal", "Decision", "decide", "waterfill", "HEADER"]
+__all__ = ["MicroBatch", "StepPlan", "Proposal", "Decision", "decide", "deal_budget", "waterfill", "HEADER"]
 
 # Proposal header fields, then per-bin cost / samples / tokens, then per-sample label tokens.
 HEADER = ("is_exhausted", "num_bins", "num_ready", "window_samples", "window_cost", "num_pending",
@@ -293,15 +293,23 @@ class _Dealer:
         carry_samples = fields["window_samples"] - (self.samples * took).sum(axis=1)
         room = self.inflight_target - (carry_samples + fields["num_pending"])
         loads = carry_cost + fields["num_pending"] * self.unit
-        # The stream's tail: the cost of what is dealt now is unknown until it is processed; a
-        # rank's share of D indices is off by about cv * sqrt(D / world) samples. Keep back three
-        # times that for every rank (3 * cv * sqrt(D * world)), to correct it in later rounds on
-        # observed loads, so that all ranks run out together. At least half of what is left goes
-        # out each round, so the tail takes O(log) rounds.
-        budget = left
-        if left <= world * self.inflight_target:
-            budget = max(world, left // 2, left - int(3.0 * self.spread * math.sqrt(left * world)))
-        return waterfill(loads.tolist(), self.unit, min(left, budget), room.tolist())
+        budget = deal_budget(left, world, self.inflight_target, self.spread)
+        return waterfill(loads.tolist(), self.unit, budget, room.tolist())
+
+
+def deal_budget(left: int, world: int, inflight_target: int, spread: float) -> int:
+    """How many of the ``left`` undealt indices may go out now.
+
+    The cost of what is dealt is unknown until it is processed: a rank's share of D indices is
+    off by about ``spread * sqrt(D / world)`` samples (``spread``: the coefficient of variation
+    of sample cost). Near the end of the stream keep back three times that for every rank,
+    ``3 * spread * sqrt(D * world)``, to correct it in later rounds on observed loads, so that all
+    ranks run out together; at least half of what is left goes out each round, so the tail
+    takes O(log) rounds.
+    """
+    if left <= world * inflight_target:
+        return min(left, max(world, left // 2, left - int(3.0 * spread * math.sqrt(left * world))))
+    return left
 
 
 def _close_quota(samples: np.ndarray, num_bins: np.ndarray, quota_left: int):

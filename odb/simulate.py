@@ -6,7 +6,6 @@ tokens has ``tokens - 1`` label tokens (every position but the first reaches the
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,32 +22,8 @@ T = TypeVar("T")
 
 
 def run_ranks(world_size: int, fn: Callable[[Any], T], timeout_s: float = 120.0) -> list[T]:
-    """Runs ``fn(comm)`` for every rank in its own thread; re-raises the first failure."""
-    group = SimulatedGroup(world_size, timeout_s=timeout_s)
-    results: list[Any] = [None] * world_size
-    errors: list[BaseException] = []
-
-    def target(rank: int) -> None:
-        try:
-            with group.baton:
-                results[rank] = fn(group.communicator(rank))
-        except BaseException as err:  # noqa: BLE001 - handed to the caller below
-            errors.append(err)
-            group.abort()
-
-    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout_s
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    if any(t.is_alive() for t in threads):
-        group.abort()
-        raise TimeoutError(f"simulated ranks did not finish within {timeout_s} s (a hang)")
-    if errors:
-        real = [e for e in errors if type(e).__name__ != "BrokenBarrierError"]
-        raise (real or errors)[0]
-    return results
+    """Runs ``fn(comm)`` for every rank of a fresh :class:`SimulatedGroup`; re-raises a failure."""
+    return SimulatedGroup(world_size, timeout_s=timeout_s).run(fn)
 
 
 def make_fetch(lengths: list[tuple[int, int]]) -> Callable[[list[int]], list[tuple[int, int, int]]]:

@@ -103,7 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def run(argv: list[str] | None = None) -> tuple[dict, SimulationResult]:
+    """Parses ``argv``, plans, and returns the report and the simulation (for other tools)."""
     args = parse_args(argv)
     shards = None
     if args.lengths:
@@ -122,13 +123,16 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"error: {err}")
     result = min((simulate(config, lengths, world_size, shards=shards) for _ in range(max(1, args.repeat))),
                  key=lambda r: r.wall_s)
-    report = metrics(result, lengths, config, world_size)
-    if args.json:
+    return metrics(result, lengths, config, world_size), result
+
+
+def main(argv: list[str] | None = None) -> None:
+    report, _ = run(argv)
+    if "--json" in (sys.argv[1:] if argv is None else argv):
         print(json.dumps(report))
     else:
         for key, value in report.items():
             print(f"{key:>26}: {value}")
-    return report
 
 
 if __name__ == "__main__":

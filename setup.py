@@ -1,0 +1,24 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+setup(
+    name="odb",
+    version="0.1.0",
+    description="Online Dynamic Batching for DeepSpeed LLM fine-tuning: packed, token-budgeted "
+                "micro-batches formed after processing, with data-parallel ranks kept aligned",
+    long_description=Path(__file__).with_name("README.md").read_text(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    packages=find_packages(include=["odb", "odb.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "numpy>=1.24",
+        "torch>=2.4",  # a range: users bring the build for their GPUs (CI pins the CPU wheel)
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
+        "wandb": ["wandb>=0.19"],
+        "gpu": ["flash-attn>=2.6"],
+    },
+)
