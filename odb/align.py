@@ -188,6 +188,7 @@ class Aligner:
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
+        self.collective_s = 0.0  # time spent inside collectives (waiting for the other ranks)
 
     @property
     def rank(self) -> int:
@@ -214,5 +215,8 @@ class Aligner:
 
     def round(self, proposal: Proposal, *, max_bins: int, max_samples: int, **decide_args: Any) -> Decision:
         """One round: exactly one all_gather, then the pure decision (same on every rank)."""
-        gathered = self.comm.all_gather(proposal.encode(max_bins, max_samples))
+        payload = proposal.encode(max_bins, max_samples)
+        start = time.perf_counter()
+        gathered = self.comm.all_gather(payload)
+        self.collective_s += time.perf_counter() - start
         return decide(gathered, max_bins=max_bins, **decide_args)

@@ -13,7 +13,7 @@ come next (the sampler of a DataLoader is fed from :meth:`OnlineBatcher.dealt`).
 
 from __future__ import annotations
 
-import itertools
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
@@ -77,7 +77,7 @@ class OnlineBatcher:
         self.step_index = 0
         self.stream_pos = 0  # dynamic sharding: next position in the shared stream (all epochs)
         self.num_emitted = 0  # samples trained over all ranks (identical on every rank)
-        self.pending: deque[int] = deque()
+        self.pending: list[int] = []  # dealt, not yet fetched, in fetch order
         self.new_uids: list[int] = []
         self.queue: deque[StepPlan] = deque()
         self.observed_cost = 0
@@ -85,6 +85,9 @@ class OnlineBatcher:
         self.observed_samples = 0
         self.counts = {"truncated": 0, "dropped": 0, "dummy_micro_batches": 0, "micro_batches": 0}
         self.is_done = False
+        # Time in odb's own planning (packing, decisions, dealing), in waiting for processed
+        # samples and in collectives: telemetry, not state.
+        self.plan_s = self.fetch_s = 0.0
         self.epoch_of_shard = 0
         self._order_epoch = -1
         self._start_epoch()
@@ -166,7 +169,7 @@ class OnlineBatcher:
         want = self.config.window - self.packer.num_samples
         if self.packer.is_offline or self._is_tail():
             want = len(self.pending)  # the whole shard; or the stream's tail, to observe it all
-        return list(itertools.islice(self.pending, max(0, want)))
+        return self.pending[:max(0, want)]
 
     def __iter__(self) -> Iterator[StepPlan]:
         while True:
@@ -188,14 +191,15 @@ class OnlineBatcher:
         uids = self.wanted()
         if not uids:
             return
-        for _ in uids:
-            self.pending.popleft()
-        admitted, outcomes = self.cost_model.measure_many(uids, self.fetch(uids))
+        del self.pending[:len(uids)]
+        start = time.perf_counter()
+        raw = self.fetch(uids)
+        self.fetch_s += time.perf_counter() - start
+        admitted, outcomes = self.cost_model.measure_many(uids, raw)
         for outcome, count in outcomes.items():
             self.counts[outcome] += count
-        for sample in admitted:
-            self.observed_cost += sample.cost
-            self.observed_cost_sq += sample.cost * sample.cost
+        self.observed_cost += sum(s.cost for s in admitted)
+        self.observed_cost_sq += sum(s.cost * s.cost for s in admitted)
         self.observed_samples += len(admitted)
         self.packer.add(admitted)
 
@@ -213,6 +217,7 @@ class OnlineBatcher:
             sample_labels=[s.label_tokens for b in bins for s in b.samples])
 
     def _round(self) -> None:
+        start, waited = time.perf_counter(), self.fetch_s + self.aligner.collective_s
         self._fill_window()
         quota_left = self.config.quota - self.num_emitted if self.config.mode == "quota" else None
         decision = self.aligner.round(
@@ -221,6 +226,8 @@ class OnlineBatcher:
             quota_left=quota_left, stream_left=self._stream_left(),
             inflight_target=self.config.window + self.config.lookahead)
         self._apply(decision)
+        waited = self.fetch_s + self.aligner.collective_s - waited
+        self.plan_s += time.perf_counter() - start - waited
 
     def _apply(self, decision: Decision) -> None:
         mine = decision.slots[self.rank]
@@ -279,7 +286,7 @@ class OnlineBatcher:
         self.epoch, self.round_index = state["epoch"], state["round_index"]
         self.step_index, self.stream_pos = state["step_index"], state["stream_pos"]
         self.num_emitted, self.num_epochs = state["num_emitted"], state["num_epochs"]
-        self.pending = deque(state["pending"])
+        self.pending = list(state["pending"])
         self.new_uids = list(self.pending)
         self.epoch_of_shard = state["epoch_of_shard"]
         self.packer.restore([[SampleCost(*row) for row in b] for b in state["bins"]])

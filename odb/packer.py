@@ -37,8 +37,13 @@ class Bin:
     @classmethod
     def of(cls, samples: Iterable[SampleCost], cost_model: CostModel, padded: bool = False) -> "Bin":
         new = cls(padded)
-        for sample in samples:
-            new.add(sample)
+        new.samples = chosen = list(samples)
+        for sample in chosen:
+            new.tokens += sample.tokens
+            new.patches += sample.patches
+            new.cost += sample.cost
+            new.label_tokens += sample.label_tokens
+        new.longest = max((s.tokens for s in chosen), default=0)
         if padded:
             new.cost = cost_model.padded_cost(len(new.samples), new.longest)
         return new
@@ -152,23 +157,27 @@ class OnlinePacker(Packer):
         sizes = [s.tokens for s in items]
         bins = []
         rng = random.Random(items[0].uid if items else 0)
+        bisect_right, draw = bisect.bisect_right, rng.random
         while items:
-            sizes.pop()
-            current = Bin()
-            current.add(items.pop())
+            tokens = sizes.pop()
+            first = items.pop()
+            chosen, patches = [first], first.patches
             while items:
-                free = cap - current.tokens
+                free = cap - tokens
                 if free >= sizes[-1]:  # anything fits: a random one keeps the pool representative
-                    i = int(rng.random() * len(items))
+                    i = int(draw() * len(items))
                 else:  # the largest sample that still fits
-                    i = bisect.bisect_right(sizes, free) - 1
+                    i = bisect_right(sizes, free) - 1
                 if cap_patches is not None:
-                    while i >= 0 and current.patches + items[i].patches > cap_patches:
+                    while i >= 0 and patches + items[i].patches > cap_patches:
                         i -= 1
                 if i < 0:
                     break
-                sizes.pop(i)
-                current.add(items.pop(i))
+                tokens += sizes.pop(i)
+                sample = items.pop(i)
+                patches += sample.patches
+                chosen.append(sample)
+            current = Bin.of(chosen, self.cost_model)
             for _ in range(self.max_swaps):  # swap one sample for a larger one from the pool
                 if not self._swap(current, items, sizes, cap, cap_patches):
                     break

@@ -83,8 +83,7 @@ class MicroBatch(NamedTuple):
         return sum(s.label_tokens for s in self.samples)
 
 
-@dataclass(frozen=True)
-class StepPlan:
+class StepPlan(NamedTuple):
     """One optimizer step on one rank: GAS micro-batches and the step's global label tokens.
 
     ``rank_costs[m][r]`` is the cost of micro-batch ``m`` on rank ``r`` and ``rank_tokens`` its
