@@ -7,8 +7,9 @@ Usage on every rank (the same calls, in lockstep)::
         train(step)
 
 ``fetch(uids)`` returns ``(tokens, label_tokens, patches)`` for each processed sample, in order;
-a uid is ``epoch * dataset_size + dataset_index``. :meth:`OnlineBatcher.wanted` tells which uids
-come next (the sampler of a DataLoader is fed from :meth:`OnlineBatcher.dealt`).
+a uid is ``epoch * dataset_size + dataset_index``. ``on_deal(uids)`` is told, in fetch order,
+every uid dealt to this rank (feed them to the DataLoader's sampler); :meth:`held_uids` lists the
+samples a resumed batcher still needs (processed again after loading a state).
 """
 
 from __future__ import annotations
@@ -46,10 +47,12 @@ class OnlineBatcher:
         fetch: processes samples by uid (see module docstring).
         num_epochs: epochs to run in join mode (quota mode runs until the quota).
         shards: optional explicit per-rank lists of dataset indices (static sharding only).
+        on_deal: told every uid dealt to this rank, in fetch order (feeds a DataLoader sampler).
     """
 
     def __init__(self, config: OdbConfig, comm: Communicator, *, dataset_size: int, fetch: Fetch,
-                 num_epochs: int = 1, shards: list[list[int]] | None = None) -> None:
+                 num_epochs: int = 1, shards: list[list[int]] | None = None,
+                 on_deal: Callable[[list[int]], None] | None = None) -> None:
         if dataset_size < 0 or num_epochs < 1:
             raise ValueError(f"need dataset_size >= 0 and num_epochs >= 1, got {dataset_size}, {num_epochs}")
         if shards is not None and config.sharding != "static":
@@ -63,6 +66,7 @@ class OnlineBatcher:
         self.dataset_size = dataset_size
         self.num_epochs = num_epochs
         self.fetch = fetch
+        self.on_deal = on_deal or (lambda uids: None)
         self.shards = shards
         self.cost_model = CostModel.from_config(config)
         self.packer = make_packer(config, self.cost_model)
@@ -78,7 +82,6 @@ class OnlineBatcher:
         self.stream_pos = 0  # dynamic sharding: next position in the shared stream (all epochs)
         self.num_emitted = 0  # samples trained over all ranks (identical on every rank)
         self.pending: list[int] = []  # dealt, not yet fetched, in fetch order
-        self.new_uids: list[int] = []
         self.queue: deque[StepPlan] = deque()
         self.observed_cost = 0
         self.observed_cost_sq = 0
@@ -131,13 +134,14 @@ class OnlineBatcher:
         start = self.stream_pos + sum(counts[:self.rank])
         mine = self._stream_uids(start, start + counts[self.rank])
         self.pending.extend(mine)
-        self.new_uids.extend(mine)
+        self.on_deal(mine)
         self.stream_pos += sum(counts)
 
     def _start_epoch(self) -> None:
         if self.config.sharding == "static":
-            self.pending.extend(self._static_shard(self.epoch))
-            self.new_uids.extend(self.pending)
+            shard = self._static_shard(self.epoch)
+            self.pending.extend(shard)
+            self.on_deal(shard)
         else:
             per_rank = self.config.window + self.config.lookahead
             # nothing observed yet: assume a spread of 1 (coefficient of variation of cost)
@@ -159,10 +163,12 @@ class OnlineBatcher:
 
     # ---- what callers see --------------------------------------------------------------------
 
-    def dealt(self) -> list[int]:
-        """uids dealt to this rank since the last call, in the order they will be fetched."""
-        out, self.new_uids = self.new_uids, []
-        return out
+    def held_uids(self) -> list[int]:
+        """uids whose samples this rank holds: its window and its planned, untrained steps."""
+        held = [s.uid for b in self.packer.bins for s in b.samples]
+        held += [s.uid for s in self.packer.unpacked]
+        held += [u for step in self.queue for m in step.micro_batches for u in m.uids]
+        return held
 
     def wanted(self) -> list[int]:
         """The uids the next round will fetch (the head of this rank's pending queue)."""
@@ -187,7 +193,7 @@ class OnlineBatcher:
                 self.epoch_of_shard += 1  # the shard again, in the next epoch's order
                 more = self._static_shard(self.epoch_of_shard)
                 self.pending.extend(more)
-                self.new_uids.extend(more)
+                self.on_deal(more)
         uids = self.wanted()
         if not uids:
             return
@@ -275,7 +281,7 @@ class OnlineBatcher:
             "num_emitted": self.num_emitted, "pending": list(self.pending),
             "epoch_of_shard": self.epoch_of_shard,
             "bins": [[list(_sample_row(s)) for s in b.samples] for b in self.packer.bins],
-            "held": [list(_sample_row(s)) for s in getattr(self.packer, "pending", [])],
+            "unpacked": [list(_sample_row(s)) for s in self.packer.unpacked],
             "queue": encode_steps(self.queue), "observed": [self.observed_cost, self.observed_cost_sq, self.observed_samples],
             "counts": dict(self.counts), "is_done": self.is_done,
         }
@@ -287,11 +293,10 @@ class OnlineBatcher:
         self.step_index, self.stream_pos = state["step_index"], state["stream_pos"]
         self.num_emitted, self.num_epochs = state["num_emitted"], state["num_epochs"]
         self.pending = list(state["pending"])
-        self.new_uids = list(self.pending)
+        self.on_deal(list(self.pending))
         self.epoch_of_shard = state["epoch_of_shard"]
-        self.packer.restore([[SampleCost(*row) for row in b] for b in state["bins"]])
-        if hasattr(self.packer, "pending"):
-            self.packer.pending = [SampleCost(*row) for row in state["held"]]
+        self.packer.restore([[SampleCost(*row) for row in b] for b in state["bins"]],
+                            [SampleCost(*row) for row in state["unpacked"]])
         self.queue = deque(decode_steps(state["queue"]))
         self.observed_cost, self.observed_cost_sq, self.observed_samples = state["observed"]
         self.counts = dict(state["counts"])

@@ -77,13 +77,14 @@ class Packer:
     def __init__(self, cost_model: CostModel) -> None:
         self.cost_model = cost_model
         self.bins: list[Bin] = []
+        self.unpacked: list[SampleCost] = []  # added, not in a bin yet
 
     @property
     def num_samples(self) -> int:
-        return sum(len(b.samples) for b in self.bins)
+        return sum(len(b.samples) for b in self.bins) + len(self.unpacked)
 
     def add(self, samples: list[SampleCost]) -> None:
-        raise NotImplementedError
+        self.unpacked.extend(samples)
 
     def ranked(self, window: int, is_exhausted: bool, min_bins: int = 1) -> int:
         """Orders ``self.bins`` best first and returns how many may be trained now; online packers
@@ -94,8 +95,9 @@ class Packer:
         taken, self.bins = self.bins[:num_bins], self.bins[num_bins:]
         return taken
 
-    def restore(self, bins: list[list[SampleCost]]) -> None:
+    def restore(self, bins: list[list[SampleCost]], unpacked: list[SampleCost]) -> None:
         self.bins = [Bin.of(samples, self.cost_model, self.padded) for samples in bins]
+        self.unpacked = list(unpacked)
 
     padded = False
 
@@ -118,19 +120,11 @@ class OnlinePacker(Packer):
         super().__init__(cost_model)
         self.min_fill_tokens = min_fill * cost_model.max_tokens
         self.max_carry = max_carry
-        self.loose: list[SampleCost] = []
-
-    @property
-    def num_samples(self) -> int:
-        return super().num_samples + len(self.loose)
-
-    def add(self, samples: list[SampleCost]) -> None:
-        self.loose.extend(samples)
 
     def ranked(self, window: int, is_exhausted: bool, min_bins: int = 1) -> int:
         keep = [b for b in self.bins if b.tokens >= self.min_fill_tokens]
-        pool = [s for b in self.bins if b.tokens < self.min_fill_tokens for s in b.samples] + self.loose
-        self.loose = []
+        pool = [s for b in self.bins if b.tokens < self.min_fill_tokens for s in b.samples] + self.unpacked
+        self.unpacked = []
         self.bins = keep + self._pack(pool)
         while len(self.bins) < min_bins:  # a step needs GAS micro-batches: split rather than pad
             largest = max(self.bins, key=lambda b: len(b.samples), default=None)
@@ -224,28 +218,19 @@ class FixedPacker(Packer):
     def __init__(self, cost_model: CostModel, *, batch_size: int) -> None:
         super().__init__(cost_model)
         self.batch_size = batch_size
-        self.pending: list[SampleCost] = []
 
     def add(self, samples: list[SampleCost]) -> None:
-        self.pending.extend(samples)
+        self.unpacked.extend(samples)
         size = self.batch_size
-        while len(self.pending) >= size:
-            self.bins.append(Bin.of(self.pending[:size], self.cost_model, padded=True))
-            self.pending = self.pending[size:]
+        while len(self.unpacked) >= size:
+            self.bins.append(Bin.of(self.unpacked[:size], self.cost_model, padded=True))
+            self.unpacked = self.unpacked[size:]
 
     def ranked(self, window: int, is_exhausted: bool, min_bins: int = 1) -> int:
-        if is_exhausted and self.pending:
-            self.bins.append(Bin.of(self.pending, self.cost_model, padded=True))
-            self.pending = []
+        if is_exhausted and self.unpacked:
+            self.bins.append(Bin.of(self.unpacked, self.cost_model, padded=True))
+            self.unpacked = []
         return len(self.bins)
-
-    @property
-    def num_samples(self) -> int:
-        return super().num_samples + len(self.pending)
-
-    def restore(self, bins: list[list[SampleCost]]) -> None:
-        super().restore(bins)
-        self.pending = []
 
 
 class GmtPacker(Packer):
@@ -254,13 +239,6 @@ class GmtPacker(Packer):
 
     is_offline = True
     padded = True
-
-    def __init__(self, cost_model: CostModel) -> None:
-        super().__init__(cost_model)
-        self.pending: list[SampleCost] = []
-
-    def add(self, samples: list[SampleCost]) -> None:
-        self.pending.extend(samples)
 
     def _group(self, samples: list[SampleCost]) -> None:
         budget = self.cost_model.max_tokens
@@ -277,18 +255,10 @@ class GmtPacker(Packer):
     def ranked(self, window: int, is_exhausted: bool, min_bins: int = 1) -> int:
         if not is_exhausted:
             return 0
-        if self.pending:
-            self._group(self.pending)
-            self.pending = []
+        if self.unpacked:
+            self._group(self.unpacked)
+            self.unpacked = []
         return len(self.bins)
-
-    @property
-    def num_samples(self) -> int:
-        return super().num_samples + len(self.pending)
-
-    def restore(self, bins: list[list[SampleCost]]) -> None:
-        super().restore(bins)
-        self.pending = []
 
 
 class BmtPacker(GmtPacker):
@@ -302,9 +272,9 @@ class BmtPacker(GmtPacker):
     def ranked(self, window: int, is_exhausted: bool, min_bins: int = 1) -> int:
         if not is_exhausted:
             return 0
-        for start in range(0, len(self.pending), self.bucket_size):
-            self._group(self.pending[start:start + self.bucket_size])
-        self.pending = []
+        for start in range(0, len(self.unpacked), self.bucket_size):
+            self._group(self.unpacked[start:start + self.bucket_size])
+        self.unpacked = []
         return len(self.bins)
 
 
