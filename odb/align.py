@@ -8,7 +8,8 @@ Protocol (what callers must do):
 2. Every rank then calls :meth:`Aligner.round` in lockstep, once per round, *also after it has
    nothing left to train* (a finished rank keeps joining rounds until the round's decision says
    the epoch is done). Each round is exactly one ``all_gather`` of a fixed-size int64 vector.
-3. Nothing else in odb calls a collective. Model collectives (ZeRO) stay aligned because every
+3. After the last round, :meth:`Aligner.sum_totals` may add up run totals (one collective).
+   Nothing else in odb calls a collective. Model collectives (ZeRO) stay aligned because every
    rank receives the same number of steps and micro-batches per step from the decisions.
 
 Two communicators implement the protocol: :class:`SimulatedGroup` (N ranks as threads of one
@@ -212,6 +213,11 @@ class Aligner:
                 f"ranks were started with different settings: {differing or 'different keys'} "
                 f"(rank {self.rank} has " + ", ".join(f"{k}={settings[k]!r}" for k in differing)
                 + "); start every rank with the same config files and flags")
+
+    def sum_totals(self, values: list[int]) -> list[int]:
+        """Run totals summed over ranks: the one collective after the last round (for summaries)."""
+        gathered = self.comm.all_gather(np.asarray(values, dtype=np.int64))
+        return [int(x) for x in gathered.sum(axis=0)]
 
     def round(self, proposal: Proposal, *, max_bins: int, max_samples: int, **decide_args: Any) -> Decision:
         """One round: exactly one all_gather, then the pure decision (same on every rank)."""

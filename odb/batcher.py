@@ -247,11 +247,12 @@ class OnlineBatcher:
         gas = self.config.gas
         costs = [tuple(c) for c in decision.slot_costs.T.tolist()]
         tokens = [tuple(t) for t in decision.slot_tokens.T.tolist()]
-        for s, n_step in enumerate(decision.step_label_tokens):
+        for s, (n_step, n_samples) in enumerate(zip(decision.step_label_tokens, decision.step_samples)):
             at = slice(s * gas, (s + 1) * gas)
             self.queue.append(StepPlan(
                 epoch=self.epoch, step=self.step_index, micro_batches=tuple(micro[at]),
-                num_label_tokens=n_step, rank_costs=tuple(costs[at]), rank_tokens=tuple(tokens[at])))
+                num_label_tokens=n_step, num_samples=n_samples, rank_costs=tuple(costs[at]),
+                rank_tokens=tuple(tokens[at])))
             self.step_index += 1
         self.counts["micro_batches"] += sum(not m.is_dummy for m in micro)
         self.counts["dummy_micro_batches"] += sum(m.is_dummy for m in micro)

@@ -86,6 +86,7 @@ class MicroBatch(NamedTuple):
 class StepPlan(NamedTuple):
     """One optimizer step on one rank: GAS micro-batches and the step's global label tokens.
 
+    ``num_label_tokens`` (N_step) and ``num_samples`` count the whole step over all ranks.
     ``rank_costs[m][r]`` is the cost of micro-batch ``m`` on rank ``r`` and ``rank_tokens`` its
     real tokens (every rank knows all of them from the round's one collective).
     """
@@ -94,6 +95,7 @@ class StepPlan(NamedTuple):
     step: int
     micro_batches: tuple[MicroBatch, ...]
     num_label_tokens: int
+    num_samples: int
     rank_costs: tuple[tuple[int, ...], ...]
     rank_tokens: tuple[tuple[int, ...], ...]
 
@@ -143,6 +145,7 @@ class Decision:
     slots: list[list[int]]
     cut: tuple[int, int, int] | None
     step_label_tokens: list[int]
+    step_samples: list[int]
     slot_costs: np.ndarray  # [world, T]
     slot_tokens: np.ndarray  # [world, T]
     samples_taken: list[int]
@@ -262,11 +265,14 @@ def decide(gathered: np.ndarray, *, max_bins: int, gas: int, seed: int, epoch: i
     slot_costs = np.where(valid, bin_costs[row, safe], 0)
     slot_tokens = np.where(valid, bin_tokens[row, safe], 0)
     slot_labels = np.where(valid, bin_labels[row, safe], 0)
+    slot_samples = np.where(valid, taken_samples[row, safe], 0)
     step_labels = slot_labels.sum(axis=0).reshape(-1, gas).sum(axis=1) if target else np.zeros(0)
+    step_samples = slot_samples.sum(axis=0).reshape(-1, gas).sum(axis=1) if target else np.zeros(0)
     took = np.arange(max_bins)[None, :] < take[:, None]
     samples_taken = (taken_samples * took).sum(axis=1)
     return Decision(num_slots=target, slots=slots.tolist(), cut=cut,
-                    step_label_tokens=[int(x) for x in step_labels], slot_costs=slot_costs,
+                    step_label_tokens=[int(x) for x in step_labels],
+                    step_samples=[int(x) for x in step_samples], slot_costs=slot_costs,
                     slot_tokens=slot_tokens, samples_taken=[int(x) for x in samples_taken],
                     new_indices=new_indices, is_epoch_done=is_drain or is_quota_done,
                     is_quota_done=is_quota_done)

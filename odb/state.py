@@ -44,7 +44,7 @@ def _micro_row(micro: MicroBatch) -> list:
 
 def encode_steps(steps: Iterable[StepPlan]) -> list[dict[str, Any]]:
     return [{"epoch": p.epoch, "step": p.step, "micro": [_micro_row(m) for m in p.micro_batches],
-             "num_label_tokens": p.num_label_tokens, "rank_costs": [list(c) for c in p.rank_costs],
+             "num_label_tokens": p.num_label_tokens, "num_samples": p.num_samples, "rank_costs": [list(c) for c in p.rank_costs],
              "rank_tokens": [list(t) for t in p.rank_tokens]} for p in steps]
 
 
@@ -52,6 +52,6 @@ def decode_steps(rows: list[dict[str, Any]]) -> list[StepPlan]:
     return [StepPlan(epoch=r["epoch"], step=r["step"],
                      micro_batches=tuple(MicroBatch(tuple(SampleCost(*s) for s in samples), bool(padded))
                                          for padded, samples in r["micro"]),
-                     num_label_tokens=r["num_label_tokens"],
+                     num_label_tokens=r["num_label_tokens"], num_samples=r["num_samples"],
                      rank_costs=tuple(tuple(c) for c in r["rank_costs"]),
                      rank_tokens=tuple(tuple(t) for t in r["rank_tokens"])) for r in rows]

@@ -28,11 +28,14 @@ def check_exact_once(steps: list[list[StepPlan]], expected: Counter) -> None:
 
 
 def check_label_tokens(steps: list[list[StepPlan]]) -> None:
-    """I4: every rank's N_step equals the label tokens of that step over all ranks."""
+    """I4: every rank's N_step equals the label tokens of that step over all ranks (and the step's
+    sample count its samples over all ranks)."""
     for position in range(len(steps[0])):
         actual = sum(m.label_tokens for rank_steps in steps for m in rank_steps[position].micro_batches)
+        samples = sum(len(m.samples) for rank_steps in steps for m in rank_steps[position].micro_batches)
         for rank_steps in steps:
             assert rank_steps[position].num_label_tokens == actual
+            assert rank_steps[position].num_samples == samples
 
 
 def check_caps(steps: list[list[StepPlan]], max_tokens: int, max_patches: int | None = None) -> None:

@@ -26,7 +26,7 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_odb_config_file_loads():
-    assert load_odb_config(ROOT / "configs" / "odb.json").max_tokens == 8192
+    assert load_odb_config(ROOT / "configs" / "odb.json").max_tokens == 2048
 
 
 def run_bench(*args: str) -> dict:

@@ -1,0 +1,106 @@
+"""Drives a DeepSpeed engine over odb's step plans.
+
+Per optimizer step every rank runs exactly the plan's GAS micro-batches (dummies included), so
+every rank enters the same ZeRO collectives (I1). The loss math (I4), with W ranks, step s,
+micro-batches m on rank r and token losses l:
+
+    wanted gradient   g = grad( sum_{r,m,t} l_{r,m,t} / N_s )     N_s = label tokens of the step,
+                                                                  over all ranks (plan.num_label_tokens)
+    DeepSpeed averages gradients over the W ranks, and (scale_wrt_gas=False) does not divide
+    by GAS; so each micro-batch backs
+                      loss_{r,m} = sum_t l_{r,m,t} * W / N_s
+    and  mean_r sum_m grad(loss_{r,m}) = g  exactly. A dummy micro-batch backs 0 * (its output):
+    a real forward and backward (ZeRO-3 gathers, ZeRO-2 reduces) that adds nothing.
+
+Accumulation boundaries are the caller's: ``engine.set_gradient_accumulation_boundary(True)``
+before the last backward of a step (False before the others), then one ``engine.step()``.
+DESIGN.md records why (DeepSpeed 0.19.8): uneven micro-batch counts deadlock at every stage, and
+``managed_gradient_accumulation: false`` aborts at ZeRO-2 and hangs at ZeRO-3, while equal counts
+with explicit boundaries match a single-process reference to ~1e-8 at every stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from odb.collate import collate_packed, collate_padded
+from odb.plan import StepPlan
+
+__all__ = ["OdbEngine", "StepResult", "token_loss_sum"]
+
+
+@dataclass
+class StepResult:
+    loss_sum: float  # this rank's summed token loss (real micro-batches)
+    label_tokens: int  # this rank's label tokens
+    lr: float
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross entropy of a row batch ``logits [B, T, V]``, ``labels [B, T]``
+    (-100 ignored; the shift happens here: logits at t predict labels at t + 1)."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                           ignore_index=-100, reduction="sum")
+
+
+class OdbEngine:
+    """One DeepSpeed engine, fed step plans.
+
+    Args:
+        engine: what ``deepspeed.initialize`` returned.
+        world_size: data-parallel ranks.
+        max_tokens: per-sample truncation (the over-cap policy 'truncate').
+        pad_token_id: for padded baselines and dummy rows.
+    """
+
+    def __init__(self, engine, *, world_size: int, max_tokens: int, pad_token_id: int) -> None:
+        self.engine = engine
+        self.world_size = world_size
+        self.max_tokens = max_tokens
+        self.pad_token_id = pad_token_id
+        self.device = engine.device
+
+    def _forward_loss(self, samples: Sequence[dict[str, Any]], padded: bool) -> torch.Tensor:
+        if padded:
+            batch = collate_padded(samples, pad_token_id=self.pad_token_id, max_tokens=self.max_tokens)
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            logits = self.engine(**batch, use_cache=False).logits
+            return token_loss_sum(logits, batch["labels"])
+        batch = collate_packed(samples, max_tokens=self.max_tokens)
+        cu = batch["cu_seqlens"].to(self.device)
+        logits = self.engine(input_ids=batch["input_ids"].to(self.device),
+                             position_ids=batch["position_ids"].to(self.device), use_cache=False,
+                             cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch["max_seqlen"],
+                             max_length_k=batch["max_seqlen"]).logits
+        return token_loss_sum(logits, batch["labels"].to(self.device))
+
+    def _dummy_loss(self) -> torch.Tensor:
+        ids = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=self.device)
+        logits = self.engine(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False).logits
+        return logits.float().sum() * 0.0
+
+    def train_step(self, plan: StepPlan, samples: Sequence[Sequence[dict[str, Any]]], lr: float) -> StepResult:
+        """Runs the plan's micro-batches (``samples[m]``: the processed samples of micro-batch m,
+        empty for a dummy) and one optimizer step at learning rate ``lr``."""
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+        scale = self.world_size / plan.num_label_tokens if plan.num_label_tokens else 0.0
+        loss_sum, label_tokens = 0.0, 0
+        last = len(plan.micro_batches) - 1
+        for m, (micro, micro_samples) in enumerate(zip(plan.micro_batches, samples, strict=True)):
+            self.engine.set_gradient_accumulation_boundary(m == last)
+            if micro.is_dummy:
+                loss = self._dummy_loss()
+            else:
+                summed = self._forward_loss(micro_samples, micro.padded)
+                loss_sum += float(summed.detach())
+                label_tokens += micro.label_tokens
+                loss = summed * scale
+            self.engine.backward(loss, scale_wrt_gas=False)
+        self.engine.step()
+        return StepResult(loss_sum=loss_sum, label_tokens=label_tokens, lr=lr)

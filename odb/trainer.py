@@ -1,0 +1,202 @@
+"""The training run behind ``launch/train.py``: init -> build -> train -> close."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from odb.align import TorchCommunicator
+from odb.batcher import OnlineBatcher
+from odb.cli import TrainArgs
+from odb.data import ChatDataset, sample_cost
+from odb.ds_config import resolve_ds_config
+from odb.engine import OdbEngine
+from odb.feed import SampleFeed
+from odb.model import build_model, load_tokenizer
+from odb.schedule import ProgressSchedule
+
+__all__ = ["Trainer"]
+
+
+def _single_process_env() -> None:
+    """``python launch/train.py`` without a launcher: one rank on this machine."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+
+
+class Trainer:
+    """One rank of a run. Every rank calls the same methods in the same order."""
+
+    def __init__(self, targs: TrainArgs) -> None:
+        self.targs, self.args, self.config = targs, targs.args, targs.odb
+        self.output_dir = Path(self.args.output_dir)
+
+    # ---- init -------------------------------------------------------------------------------
+
+    @classmethod
+    def init(cls, targs: TrainArgs) -> "Trainer":
+        import deepspeed
+        import torch.distributed as dist
+
+        _single_process_env()
+        if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+            # CPU ranks share the machine's cores instead of each taking all of them
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        deepspeed.init_distributed(timeout=timedelta(seconds=targs.args.dist_timeout_s))
+        trainer = cls(targs)
+        trainer.rank, trainer.world_size = dist.get_rank(), dist.get_world_size()
+        trainer.output_dir.mkdir(parents=True, exist_ok=True)
+        return trainer
+
+    # ---- build ------------------------------------------------------------------------------
+
+    def build(self) -> "Trainer":
+        import deepspeed
+
+        args, config = self.args, self.config
+        self.tokenizer = load_tokenizer(args.tokenizer)
+        truncate_to = config.max_tokens if config.over_cap == "truncate" else None
+        self.dataset = ChatDataset(args.data, self.tokenizer, max_samples=args.max_samples,
+                                   truncate_to=truncate_to)
+        use_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        ds_config = resolve_ds_config(self.targs.ds_config, gas=config.gas, world_size=self.world_size,
+                                      use_bf16=use_bf16, source=args.deepspeed_config)
+        model = build_model(args.model, seed=args.seed, vocab_size=len(self.tokenizer), lora=self.targs.lora)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = None
+        if "optimizer" not in ds_config:  # a torch optimizer: no DeepSpeed op to compile
+            optimizer = (torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+                         if args.optimizer == "adamw" else torch.optim.SGD(params, lr=args.lr))
+            if args.optimizer == "sgd":
+                ds_config.setdefault("zero_allow_untested_optimizer", True)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer,
+                                          config=ds_config)
+        self.engine = OdbEngine(engine, world_size=self.world_size, max_tokens=config.max_tokens,
+                                pad_token_id=self.tokenizer.pad_token_id)
+        self.feed = SampleFeed(self.dataset, sample_cost, num_workers=args.num_workers,
+                               prefetch_factor=args.prefetch_factor)
+        self.comm = TorchCommunicator(timeout_s=args.dist_timeout_s)
+        self.batcher = OnlineBatcher(config, self.comm, dataset_size=len(self.dataset), fetch=self.feed.fetch,
+                                     num_epochs=args.epochs, on_deal=self.feed.deal)
+        planned = config.quota if config.mode == "quota" else args.epochs * len(self.dataset)
+        self.schedule = ProgressSchedule(args.lr, planned, warmup_ratio=args.warmup_ratio)
+        self.samples_done = 0
+        self.totals = {"micro_batches": 0, "dummy_micro_batches": 0, "samples": 0, "real_tokens": 0,
+                       "materialized_tokens": 0, "steps": 0}
+        if args.resume:
+            self._resume(args.resume)
+        self.log(f"odb: world {self.world_size}, {len(self.dataset)} samples x {args.epochs} epoch(s), "
+                 f"max_tokens {config.max_tokens}, window {config.window}, gas {config.gas}, "
+                 f"ZeRO {ds_config.get('zero_optimization', {}).get('stage', 0)}, "
+                 f"bf16 {ds_config.get('bf16', {}).get('enabled', False)}, planned {planned} samples")
+        return self
+
+    # ---- train ------------------------------------------------------------------------------
+
+    def train(self) -> "Trainer":
+        args = self.args
+        audit = open(self.output_dir / f"emitted_ids.rank{self.rank}.jsonl", "a") if args.audit_ids else None
+        start = time.perf_counter()
+        steps_this_run = 0
+        for plan in self.batcher:
+            samples = [[self.feed.take(uid) for uid in micro.uids] for micro in plan.micro_batches]
+            result = self.engine.train_step(plan, samples, self.schedule(self.samples_done))
+            self.samples_done += plan.num_samples
+            self._count(plan)
+            if audit:
+                size = len(self.dataset)
+                for m, micro in enumerate(plan.micro_batches):
+                    audit.write(json.dumps({"epoch": plan.epoch, "step": plan.step, "micro": m,
+                                            "ids": [u % size for u in micro.uids]}) + "\n")
+            steps_this_run += 1
+            if plan.step % 20 == 0:
+                loss = result.loss_sum / max(1, result.label_tokens)
+                self.log(f"step {plan.step} epoch {plan.epoch} loss {loss:.4f} lr {result.lr:.2e} "
+                         f"samples {self.samples_done}")
+            if args.save_steps and (plan.step + 1) % args.save_steps == 0:
+                self.save(f"step{plan.step + 1}")
+            if args.max_steps and steps_this_run >= args.max_steps:
+                break
+        self.wall_s = time.perf_counter() - start
+        if audit:
+            audit.close()
+        return self
+
+    def _count(self, plan) -> None:
+        t = self.totals
+        t["steps"] += 1
+        for micro, tokens in zip(plan.micro_batches, plan.rank_tokens):
+            t["micro_batches"] += not micro.is_dummy
+            t["dummy_micro_batches"] += micro.is_dummy
+            t["samples"] += len(micro.samples)
+            t["real_tokens"] += micro.tokens
+            t["materialized_tokens"] += micro.materialized
+
+    # ---- checkpoints ------------------------------------------------------------------------
+
+    def save(self, tag: str) -> None:
+        folder = self.output_dir / "checkpoints"
+        self.engine.engine.save_checkpoint(str(folder), tag=tag,
+                                           client_state={"samples_done": self.samples_done})
+        state = self.batcher.state_dict()
+        (folder / tag / f"odb_state.rank{self.rank}.json").write_text(json.dumps(state))
+
+    def _resume(self, tag: str) -> None:
+        folder = self.output_dir / "checkpoints"
+        tag = (folder / "latest").read_text().strip() if tag == "latest" else tag
+        path, client = self.engine.engine.load_checkpoint(str(folder), tag=tag)
+        if path is None:
+            raise FileNotFoundError(f"--resume: no DeepSpeed checkpoint {folder / tag}")
+        state = json.loads((folder / tag / f"odb_state.rank{self.rank}.json").read_text())
+        self.feed.sampler.queue.clear()  # the fresh batcher's first deal is replaced by the state's
+        self.batcher.load_state_dict(state)
+        self.feed.restore(self.batcher.held_uids())
+        self.samples_done = client["samples_done"]
+        self.log(f"resumed from {folder / tag}: {self.samples_done} samples done")
+
+    # ---- close ------------------------------------------------------------------------------
+
+    def close(self) -> dict:
+        import torch.distributed as dist
+
+        if not self.args.no_final_checkpoint:
+            self.save(f"step{self.batcher.step_index}")
+        keys = sorted(self.totals)
+        counts = self.batcher.counts
+        summed = dict(zip(keys + ["truncated", "dropped"], self.batcher.aligner.sum_totals(
+            [self.totals[k] for k in keys] + [counts["truncated"], counts["dropped"]])))
+        summary = {
+            "world_size": self.world_size, "dataset_samples": len(self.dataset), "epochs": self.args.epochs,
+            "steps": self.totals["steps"], "micro_batches": summed["micro_batches"],
+            "dummy_micro_batches": summed["dummy_micro_batches"], "samples_emitted": summed["samples"],
+            "real_tokens": summed["real_tokens"], "materialized_tokens": summed["materialized_tokens"],
+            "padding_ratio": round(1 - summed["real_tokens"] / max(1, summed["materialized_tokens"]), 6),
+            "truncated": summed["truncated"], "dropped": summed["dropped"],
+            "wall_s": round(self.wall_s, 3),
+            "samples_per_s": round(summed["samples"] / max(1e-9, self.wall_s), 3),
+            "tokens_per_s": round(summed["real_tokens"] / max(1e-9, self.wall_s), 1),
+            "policy": self.config.policy, "rounds": self.batcher.round_index,
+        }
+        if self.rank == 0:
+            (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            self.log(f"done: {json.dumps(summary)}")
+        self.feed.close()
+        dist.barrier()
+        dist.destroy_process_group()
+        return summary
+
+    def log(self, message: str) -> None:
+        if self.rank == 0:
+            print(message, flush=True)
