@@ -15,6 +15,10 @@ setup(
     install_requires=[
         "numpy>=1.24",
         "torch>=2.4",  # a range: users bring the build for their GPUs (CI pins the CPU wheel)
+        "deepspeed>=0.17",
+        "transformers>=5.20,<6",
+        "tokenizers>=0.21",
+        "peft>=0.17",
     ],
     extras_require={
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from odb.config import OdbConfig, load_odb_config
-from odb.ds_config import load_ds_config
+from odb.ds_config import load_ds_config, resolve_ds_config
 
 __all__ = ["TrainArgs", "parse_args"]
 
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 class TrainArgs:
     args: argparse.Namespace
     odb: OdbConfig
-    ds_config: dict[str, Any]
+    ds_config: dict[str, Any]  # resolved: odb's batch values, "auto" precision filled in
     lora: dict[str, Any] | None
 
 
@@ -79,7 +80,13 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
             raise ValueError(f"--{name} must be >= 1")
     odb = load_odb_config(_need_file(args.odb_config, "odb config", "pass --odb_config configs/odb.json"),
                           seed=args.seed)
-    ds_config = load_ds_config(args.deepspeed_config)
+    import torch
+
+    # launchers (deepspeed, torchrun, srun via our sbatch) set WORLD_SIZE before we start
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    ds_config = resolve_ds_config(load_ds_config(args.deepspeed_config), gas=odb.gas, world_size=world_size,
+                                  use_bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+                                  source=args.deepspeed_config)
     model = _need_file(args.model, "model", "pass a local HF model folder (with config.json) or a model "
                        "config JSON such as configs/tiny_model.json")
     if model.is_dir() and not (model / "config.json").is_file():

@@ -15,7 +15,6 @@ from odb.align import TorchCommunicator
 from odb.batcher import OnlineBatcher
 from odb.cli import TrainArgs
 from odb.data import ChatDataset, sample_cost
-from odb.ds_config import resolve_ds_config
 from odb.engine import OdbEngine
 from odb.feed import SampleFeed
 from odb.model import build_model, load_tokenizer
@@ -70,9 +69,7 @@ class Trainer:
         truncate_to = config.max_tokens if config.over_cap == "truncate" else None
         self.dataset = ChatDataset(args.data, self.tokenizer, max_samples=args.max_samples,
                                    truncate_to=truncate_to)
-        use_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-        ds_config = resolve_ds_config(self.targs.ds_config, gas=config.gas, world_size=self.world_size,
-                                      use_bf16=use_bf16, source=args.deepspeed_config)
+        ds_config = dict(self.targs.ds_config)
         model = build_model(args.model, seed=args.seed, vocab_size=len(self.tokenizer), lora=self.targs.lora)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = None
@@ -92,7 +89,7 @@ class Trainer:
                                      num_epochs=args.epochs, on_deal=self.feed.deal)
         planned = config.quota if config.mode == "quota" else args.epochs * len(self.dataset)
         self.schedule = ProgressSchedule(args.lr, planned, warmup_ratio=args.warmup_ratio)
-        self.samples_done = 0
+        self.samples_done = self.steps_done = 0  # over the whole run, resumes included
         self.totals = {"micro_batches": 0, "dummy_micro_batches": 0, "samples": 0, "real_tokens": 0,
                        "materialized_tokens": 0, "steps": 0}
         if args.resume:
@@ -114,6 +111,7 @@ class Trainer:
             samples = [[self.feed.take(uid) for uid in micro.uids] for micro in plan.micro_batches]
             result = self.engine.train_step(plan, samples, self.schedule(self.samples_done))
             self.samples_done += plan.num_samples
+            self.steps_done = plan.step + 1
             self._count(plan)
             if audit:
                 size = len(self.dataset)
@@ -125,8 +123,8 @@ class Trainer:
                 loss = result.loss_sum / max(1, result.label_tokens)
                 self.log(f"step {plan.step} epoch {plan.epoch} loss {loss:.4f} lr {result.lr:.2e} "
                          f"samples {self.samples_done}")
-            if args.save_steps and (plan.step + 1) % args.save_steps == 0:
-                self.save(f"step{plan.step + 1}")
+            if args.save_steps and self.steps_done % args.save_steps == 0:
+                self.save(f"step{self.steps_done}")
             if args.max_steps and steps_this_run >= args.max_steps:
                 break
         self.wall_s = time.perf_counter() - start
@@ -148,8 +146,8 @@ class Trainer:
 
     def save(self, tag: str) -> None:
         folder = self.output_dir / "checkpoints"
-        self.engine.engine.save_checkpoint(str(folder), tag=tag,
-                                           client_state={"samples_done": self.samples_done})
+        self.engine.engine.save_checkpoint(str(folder), tag=tag, client_state={
+            "samples_done": self.samples_done, "steps_done": self.steps_done})
         state = self.batcher.state_dict()
         (folder / tag / f"odb_state.rank{self.rank}.json").write_text(json.dumps(state))
 
@@ -163,7 +161,7 @@ class Trainer:
         self.feed.sampler.queue.clear()  # the fresh batcher's first deal is replaced by the state's
         self.batcher.load_state_dict(state)
         self.feed.restore(self.batcher.held_uids())
-        self.samples_done = client["samples_done"]
+        self.samples_done, self.steps_done = client["samples_done"], client["steps_done"]
         self.log(f"resumed from {folder / tag}: {self.samples_done} samples done")
 
     # ---- close ------------------------------------------------------------------------------
@@ -172,7 +170,7 @@ class Trainer:
         import torch.distributed as dist
 
         if not self.args.no_final_checkpoint:
-            self.save(f"step{self.batcher.step_index}")
+            self.save(f"step{self.steps_done}")
         keys = sorted(self.totals)
         counts = self.batcher.counts
         summed = dict(zip(keys + ["truncated", "dropped"], self.batcher.aligner.sum_totals(

@@ -1,0 +1,58 @@
+"""Running launch/train.py for real: under the deepspeed launcher (N CPU ranks on gloo) or as
+one plain process, with a timeout so that a hang fails the test instead of stalling CI."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "launch" / "train.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_json(path: Path, value) -> Path:
+    path.write_text(json.dumps(value))
+    return path
+
+
+def ds_config(tmp: Path, stage: int, **overrides) -> Path:
+    config = json.loads((ROOT / "configs" / f"ds_zero{stage}.json").read_text())
+    config.update(overrides)
+    return write_json(tmp / f"ds_zero{stage}.json", config)
+
+
+def odb_config(tmp: Path, **values) -> Path:
+    config = json.loads((ROOT / "configs" / "odb.json").read_text())
+    config.update(values)
+    return write_json(tmp / "odb.json", config)
+
+
+def deepspeed(args: list[str], *, nproc: int = 2, timeout: int = 420) -> subprocess.CompletedProcess:
+    launcher = Path(sys.executable).with_name("deepspeed")
+    cmd = [str(launcher), "--num_gpus", str(nproc), "--master_port", str(free_port()), str(TRAIN), *args]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    return proc
+
+
+def plain(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    """One process, no launcher (the bad-input tests: they must fail before any process group)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run([sys.executable, str(TRAIN), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def audit(out: Path, world: int) -> list[list[dict]]:
+    return [[json.loads(line) for line in (out / f"emitted_ids.rank{r}.jsonl").read_text().splitlines()]
+            for r in range(world)]

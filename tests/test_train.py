@@ -1,0 +1,156 @@
+"""DeepSpeed training end to end on CPU: real launcher, 2 ranks on gloo, every ZeRO stage."""
+
+import json
+import shutil
+from collections import Counter
+
+import pytest
+import torch
+
+from launch import ROOT, audit, deepspeed, ds_config, odb_config, plain, write_json
+from odb.attention import register
+from odb.collate import collate_packed
+from odb.data import ChatDataset
+from odb.engine import token_loss_sum
+from odb.model import build_model, load_tokenizer
+
+TOKENIZER = load_tokenizer(ROOT / "data" / "tokenizer")
+TINY = ROOT / "configs" / "tiny_model.json"
+
+
+def check_audit(out, world, num_samples, epochs=1):
+    rows = audit(out, world)
+    shapes = [[(r["epoch"], r["step"], r["micro"]) for r in rank] for rank in rows]
+    assert all(s == shapes[0] for s in shapes), "ranks ran different steps or micro-batches"
+    for epoch in range(epochs):
+        ids = Counter(i for rank in rows for r in rank if r["epoch"] == epoch for i in r["ids"])
+        assert ids == Counter(range(num_samples)), f"epoch {epoch} not exactly once"
+    return rows
+
+
+@pytest.mark.parametrize("stage,lora", [(0, False), (1, False), (2, False), (3, False), (2, True), (3, True)])
+def test_every_zero_stage_trains_aligned_and_exactly_once(tmp_path, stage, lora):
+    out = tmp_path / "out"
+    args = ["--deepspeed_config", str(ds_config(tmp_path, stage)),
+            "--odb_config", str(odb_config(tmp_path, max_tokens=512, window=16, gas=2,
+                                           sharding="static" if stage % 2 else "dynamic")),
+            "--max_samples", "61", "--epochs", "2", "--output_dir", str(out), "--audit_ids",
+            "--no_final_checkpoint"]
+    deepspeed(args + (["--lora"] if lora else []))
+    rows = check_audit(out, 2, 61, epochs=2)
+    summary = json.loads((out / "summary.json").read_text())
+    real = sum(1 for rank in rows for r in rank if r["ids"])
+    assert summary["micro_batches"] == real and summary["samples_emitted"] == 122
+    assert summary["dummy_micro_batches"] == sum(1 for rank in rows for r in rank if not r["ids"])
+    assert summary["padding_ratio"] == 0 and summary["steps"] == len(rows[0]) // 2
+
+
+def make_data(tmp_path):
+    """Three chats of 29, 45 and 61 tokens: with max_tokens 61 no two share a micro-batch."""
+    rows = [{"messages": [{"role": "user", "content": "Repeat these words: apple river" * k},
+                          {"role": "assistant", "content": "apple river " * k}]} for k in (3, 5, 7)]
+    path = tmp_path / "three.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_one_step_on_two_ranks_equals_one_process(tmp_path, stage):
+    """2 ranks, GAS 2, static shards {2 samples} and {1 sample + 1 dummy}: one SGD step must move
+    the weights as loss = (sum of token losses of all 3 samples) / (their label tokens) would."""
+    data, out = make_data(tmp_path), tmp_path / "out"
+    lr = 1e4  # a large step, so the update dominates the fp32 rounding of the weights it lands on
+    deepspeed(["--deepspeed_config", str(ds_config(tmp_path, stage, gradient_clipping=0.0)),
+               "--odb_config", str(odb_config(tmp_path, max_tokens=61, window=4, gas=2, sharding="static")),
+               "--data", str(data), "--output_dir", str(out), "--optimizer", "sgd", "--lr", str(lr),
+               "--warmup_ratio", "0", "--audit_ids", "--num_workers", "0"])
+    rows = check_audit(out, 2, 3)
+    assert len(rows[0]) == 2 and sum(not r["ids"] for rank in rows for r in rank) == 1  # 1 step, 1 dummy
+    checkpoint = out / "checkpoints"
+    if stage == 0:
+        after = torch.load(checkpoint / "step1" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    else:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        after = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="step1")
+
+    model = build_model(TINY, seed=0, vocab_size=len(TOKENIZER))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    dataset = ChatDataset(data, TOKENIZER)
+    total, label_tokens = 0.0, 0
+    for i in range(3):
+        sample = dataset[i]
+        total = total + token_loss_sum(model(input_ids=sample["input_ids"][None], use_cache=False).logits,
+                                       sample["labels"][None])
+        label_tokens += int((sample["labels"][1:] != -100).sum())
+    (total / label_tokens).backward()
+    with torch.no_grad():
+        worst = max(float(((after[n] - before[n]) + lr * p.grad).abs().max() / (lr * p.grad).abs().max())
+                    for n, p in model.named_parameters())
+    assert worst <= 1e-5
+
+
+def test_packed_samples_give_the_logits_they_give_alone():
+    register()
+    model = build_model(TINY, seed=1, vocab_size=len(TOKENIZER)).eval()
+    gen = torch.Generator().manual_seed(0)
+    samples = [{"input_ids": torch.randint(5, 1000, (n,), generator=gen).tolist()} for n in (7, 30, 1, 64, 33, 12)]
+    batch = collate_packed(samples)
+    cu = batch["cu_seqlens"]
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
+                       cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch["max_seqlen"],
+                       max_length_k=batch["max_seqlen"]).logits
+        from_positions = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                               use_cache=False).logits
+        bounds = cu.tolist()
+        for sample, start, end in zip(samples, bounds, bounds[1:]):
+            alone = model(input_ids=torch.tensor([sample["input_ids"]]), use_cache=False).logits[0]
+            assert torch.allclose(packed[0, start:end], alone, atol=1e-5, rtol=1e-5)
+            assert torch.allclose(from_positions[0, start:end], alone, atol=1e-5, rtol=1e-5)
+        # the attention is what keeps samples apart: a plain causal row over the same tokens differs
+        leaky = model(input_ids=batch["input_ids"], use_cache=False).logits
+        assert not torch.allclose(leaky[0, bounds[1]:bounds[2]], packed[0, bounds[1]:bounds[2]], atol=1e-3)
+
+
+def test_resume_continues_with_exactly_the_samples_not_yet_trained(tmp_path):
+    common = ["--deepspeed_config", str(ds_config(tmp_path, 2)),
+              "--odb_config", str(odb_config(tmp_path, max_tokens=256, window=16, gas=2)),
+              "--max_samples", "80", "--audit_ids", "--num_workers", "1"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    deepspeed(common + ["--output_dir", str(full), "--no_final_checkpoint"])
+    deepspeed(common + ["--output_dir", str(part), "--max_steps", "5"])
+    first = audit(part, 2)
+    shutil.move(part / "emitted_ids.rank0.jsonl", part / "first.rank0.jsonl")
+    shutil.move(part / "emitted_ids.rank1.jsonl", part / "first.rank1.jsonl")
+    deepspeed(common + ["--output_dir", str(part), "--resume"])
+    second, reference = audit(part, 2), audit(full, 2)
+    k = 5
+    for rank in range(2):
+        assert max(r["step"] for r in first[rank]) == k - 1
+        assert first[rank] + second[rank] == reference[rank]  # the same batches, from step k on too
+    ids = Counter(i for rows in first + second for r in rows for i in r["ids"])
+    assert ids == Counter(range(80))
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--odb_config", "configs/nope.json", "odb config configs/nope.json does not exist; pass --odb_config"),
+    ("--deepspeed_config", "configs/nope.json", "DeepSpeed config configs/nope.json does not exist"),
+    ("--model", "models/missing", "model models/missing does not exist; pass a local HF model folder"),
+    ("--model", "data", "model folder data has no config.json"),
+    ("--data", "data/missing.jsonl", "data file data/missing.jsonl does not exist"),
+])
+def test_bad_paths_fail_before_any_process_group(flag, value, needle):
+    proc = plain([flag, value, "--output_dir", "/tmp/odb-bad-input"])
+    assert proc.returncode != 0 and needle in proc.stderr, proc.stderr[-2000:]
+    assert "init_distributed" not in proc.stderr
+
+
+def test_a_deepspeed_config_that_contradicts_odb_fails_on_every_rank(tmp_path):
+    bad = write_json(tmp_path / "bad.json", {"train_batch_size": 7, "zero_optimization": {"stage": 2}})
+    proc = plain(["--deepspeed_config", str(bad), "--output_dir", str(tmp_path / "o")])
+    assert proc.returncode != 0 and "train_batch_size=7 cannot hold" in proc.stderr
+    scheduler = write_json(tmp_path / "sched.json", {"scheduler": {"type": "WarmupLR"}})
+    proc = plain(["--deepspeed_config", str(scheduler), "--output_dir", str(tmp_path / "o")])
+    assert proc.returncode != 0 and 'remove "scheduler"' in proc.stderr
+    with pytest.raises(AssertionError, match="train_batch_size=7 cannot hold"):  # 2 ranks: no hang
+        deepspeed(["--deepspeed_config", str(bad), "--output_dir", str(tmp_path / "o")], timeout=120)
