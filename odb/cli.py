@@ -8,13 +8,12 @@ message that names the fix; nothing reaches a collective that could hang.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from odb.config import OdbConfig, load_odb_config
+from odb.config import OdbConfig, load_odb_config, read_json_object
 from odb.ds_config import load_ds_config, resolve_ds_config
 
 __all__ = ["TrainArgs", "parse_args"]
@@ -99,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     _need_file(args.data, "data file", "pass --data data/chat.jsonl or your own JSONL")
     lora = None
     if args.lora:
-        lora = json.loads(_need_file(args.lora, "LoRA config", "pass --lora configs/lora.json").read_text())
+        lora = read_json_object(args.lora, "LoRA config", "pass --lora configs/lora.json")
     if args.resume and not (Path(args.output_dir) / "checkpoints").is_dir():
         raise FileNotFoundError(f"--resume: no checkpoints in {Path(args.output_dir) / 'checkpoints'}; "
                                 "resume with the --output_dir of the run that saved them")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OdbConfig", "load_odb_config"]
+__all__ = ["OdbConfig", "load_odb_config", "read_json_object"]
 
 _POLICIES = ("odb", "fixed", "gmt", "bmt")
 _MODES = ("join", "quota")
@@ -109,17 +109,22 @@ class OdbConfig:
         return cls(**values)
 
 
-def load_odb_config(path: str | Path, **overrides: Any) -> OdbConfig:
-    """Reads an odb JSON file strictly; ``overrides`` (not None) win over the file."""
+def read_json_object(path: str | Path, what: str, fix: str) -> dict[str, Any]:
+    """A JSON object from ``path``; a missing file or bad JSON is an error naming ``fix``."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"odb config {path} does not exist; pass --odb_config configs/odb.json "
-                                "or a file of your own")
+        raise FileNotFoundError(f"{what} {path} does not exist; {fix}")
     try:
         values = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"odb config {path} is not valid JSON: {err}") from err
+        raise ValueError(f"{what} {path} is not valid JSON: {err}") from err
     if not isinstance(values, dict):
-        raise ValueError(f"odb config {path} must hold a JSON object")
+        raise ValueError(f"{what} {path} must hold a JSON object")
+    return values
+
+
+def load_odb_config(path: str | Path, **overrides: Any) -> OdbConfig:
+    """Reads an odb JSON file strictly; ``overrides`` (not None) win over the file."""
+    values = read_json_object(path, "odb config", "pass --odb_config configs/odb.json or a file of your own")
     values.update({k: v for k, v in overrides.items() if v is not None})
     return OdbConfig.from_dict(values, source=str(path))

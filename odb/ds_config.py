@@ -12,21 +12,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from odb.config import read_json_object
+
 __all__ = ["load_ds_config", "resolve_ds_config"]
 
 
 def load_ds_config(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"DeepSpeed config {path} does not exist; pass --deepspeed_config "
-                                "configs/ds_zero2.json (or ds_zero0/1/3.json)")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"DeepSpeed config {path} is not valid JSON: {err}") from err
-    if not isinstance(config, dict):
-        raise ValueError(f"DeepSpeed config {path} must hold a JSON object")
-    return config
+    return read_json_object(path, "DeepSpeed config",
+                            "pass --deepspeed_config configs/ds_zero2.json (or ds_zero0/1/3.json)")
 
 
 def resolve_ds_config(config: dict[str, Any], *, gas: int, world_size: int, use_bf16: bool,
