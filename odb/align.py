@@ -8,7 +8,10 @@ Protocol (what callers must do):
 2. Every rank then calls :meth:`Aligner.round` in lockstep, once per round, *also after it has
    nothing left to train* (a finished rank keeps joining rounds until the round's decision says
    the epoch is done). Each round is exactly one ``all_gather`` of a fixed-size int64 vector.
-3. After the last round, :meth:`Aligner.sum_totals` may add up run totals (one collective).
+3. A rank that must stop (bad data under strict, an over-cap error) still joins its next round
+   and says so in its vector; every rank then raises (:class:`PeerStopped` on the others), so
+   no rank is left waiting in a collective.
+4. After the last round, :meth:`Aligner.sum_totals` may add up run totals (one collective).
    Nothing else in odb calls a collective. Model collectives (ZeRO) stay aligned because every
    rank receives the same number of steps and micro-batches per step from the decisions.
 
@@ -29,12 +32,16 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from odb.plan import Decision, Proposal, decide
+from odb.plan import HEADER, Decision, Proposal, decide
 
-__all__ = ["Communicator", "SimulatedGroup", "TorchCommunicator", "Aligner", "SettingsMismatch"]
+__all__ = ["Communicator", "SimulatedGroup", "TorchCommunicator", "Aligner", "SettingsMismatch", "PeerStopped"]
 
 
 T = TypeVar("T")
+
+
+class PeerStopped(RuntimeError):
+    """Another rank stopped the run (its own log and error say why)."""
 
 
 class SettingsMismatch(ValueError):
@@ -108,7 +115,7 @@ class SimulatedGroup:
             self.abort()
             raise TimeoutError(f"simulated ranks did not finish within {self.timeout_s} s (a hang)")
         if errors:
-            real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+            real = [e for e in errors if not isinstance(e, (threading.BrokenBarrierError, PeerStopped))]
             raise (real or errors)[0]
         return results
 
@@ -122,7 +129,8 @@ class SimulatedGroup:
         self._results[parity] = np.stack(self._slots[parity])
 
     def _gather(self, rank: int, values: np.ndarray) -> np.ndarray:
-        parity = self._count[rank] % 2
+        index = self._count[rank]
+        parity = index % 2
         self._count[rank] += 1
         self._slots[parity][rank] = np.array(values, dtype=np.int64)
         if self._holds_baton[rank]:
@@ -130,9 +138,12 @@ class SimulatedGroup:
         try:
             self._barrier.wait()
         except threading.BrokenBarrierError:
-            if self._error:
-                raise RuntimeError(self._error) from None
-            raise
+            # An abort can reach a rank that the completed collective already released; only a
+            # collective that never completed is broken.
+            if self._done <= index:
+                if self._error:
+                    raise RuntimeError(self._error) from None
+                raise
         finally:
             if self._holds_baton[rank]:
                 self._baton.acquire()
@@ -225,4 +236,7 @@ class Aligner:
         start = time.perf_counter()
         gathered = self.comm.all_gather(payload)
         self.collective_s += time.perf_counter() - start
+        failed = [r for r in range(self.world_size) if gathered[r, HEADER.index("is_fatal")]]
+        if failed:
+            raise PeerStopped(f"rank(s) {failed} stopped the run; their error names the cause")
         return decide(gathered, max_bins=max_bins, **decide_args)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from odb.align import Aligner, Communicator
+from odb.align import Aligner, Communicator, PeerStopped
 from odb.config import OdbConfig
 from odb.cost import CostModel, SampleCost
 from odb.packer import make_packer
@@ -86,7 +86,8 @@ class OnlineBatcher:
         self.observed_cost = 0
         self.observed_cost_sq = 0
         self.observed_samples = 0
-        self.counts = {"truncated": 0, "dropped": 0, "dummy_micro_batches": 0, "micro_batches": 0}
+        self.counts = {"truncated": 0, "dropped": 0, "skipped": 0, "dummy_micro_batches": 0, "micro_batches": 0}
+        self.fatal: ValueError | None = None
         self.is_done = False
         # Time in odb's own planning (packing, decisions, dealing), in waiting for processed
         # samples and in collectives: telemetry, not state.
@@ -199,9 +200,13 @@ class OnlineBatcher:
             return
         del self.pending[:len(uids)]
         start = time.perf_counter()
-        raw = self.fetch(uids)
-        self.fetch_s += time.perf_counter() - start
-        admitted, outcomes = self.cost_model.measure_many(uids, raw)
+        try:
+            raw = self.fetch(uids)
+            self.fetch_s += time.perf_counter() - start
+            admitted, outcomes = self.cost_model.measure_many(uids, raw)
+        except ValueError as err:  # bad data under strict, an over-cap error, an empty sample
+            self.fatal = err  # told to every rank in this round's vector; raised after it
+            return
         for outcome, count in outcomes.items():
             self.counts[outcome] += count
         self.observed_cost += sum(s.cost for s in admitted)
@@ -214,7 +219,7 @@ class OnlineBatcher:
         num_ready = self.packer.ranked(self.config.window, is_exhausted, min_bins=self.config.gas)
         bins = self.packer.bins
         return Proposal(
-            is_exhausted=is_exhausted, num_ready=num_ready, window_samples=self.packer.num_samples,
+            is_fatal=self.fatal is not None, is_exhausted=is_exhausted, num_ready=num_ready, window_samples=self.packer.num_samples,
             window_cost=sum(b.cost for b in bins), num_pending=len(self.pending),
             observed_cost=self.observed_cost, observed_cost_sq=self.observed_cost_sq,
             observed_samples=self.observed_samples,
@@ -226,11 +231,16 @@ class OnlineBatcher:
         start, waited = time.perf_counter(), self.fetch_s + self.aligner.collective_s
         self._fill_window()
         quota_left = self.config.quota - self.num_emitted if self.config.mode == "quota" else None
-        decision = self.aligner.round(
-            self._proposal(), max_bins=self.capacity, max_samples=self.capacity, gas=self.config.gas,
-            seed=self.config.seed, epoch=self.epoch, round_index=self.round_index,
-            quota_left=quota_left, stream_left=self._stream_left(),
-            inflight_target=self.config.window + self.config.lookahead)
+        try:
+            decision = self.aligner.round(
+                self._proposal(), max_bins=self.capacity, max_samples=self.capacity, gas=self.config.gas,
+                seed=self.config.seed, epoch=self.epoch, round_index=self.round_index,
+                quota_left=quota_left, stream_left=self._stream_left(),
+                inflight_target=self.config.window + self.config.lookahead)
+        except PeerStopped:
+            if self.fatal is not None:
+                raise self.fatal from None  # this rank's own error, with its message
+            raise
         self._apply(decision)
         waited = self.fetch_s + self.aligner.collective_s - waited
         self.plan_s += time.perf_counter() - start - waited

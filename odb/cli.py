@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from odb.config import OdbConfig, load_odb_config, read_json_object
+from odb.data import DataConfig, load_data_config
 from odb.ds_config import load_ds_config, resolve_ds_config
+from odb.formats import FORMATS
 
 __all__ = ["TrainArgs", "parse_args"]
 
@@ -25,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 class TrainArgs:
     args: argparse.Namespace
     odb: OdbConfig
+    data: DataConfig
     ds_config: dict[str, Any]  # resolved: odb's batch values, "auto" precision filled in
     lora: dict[str, Any] | None
 
@@ -40,7 +43,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="a local HF model folder, or a model config JSON (random init)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer folder (default: the model folder, else data/tokenizer)")
-    p.add_argument("--data", default=str(ROOT / "data" / "chat.jsonl"), help="chat JSONL ('messages')")
+    p.add_argument("--data", default=str(ROOT / "data" / "chat.jsonl"),
+                   help="JSONL / JSON / Parquet file or folder: messages, ShareGPT or LLaVA records")
+    p.add_argument("--data_config", default=None,
+                   help="data settings JSON (format, train_on, augmentation, image sizes, strict)")
+    p.add_argument("--data_format", choices=FORMATS, default=None, help="override the detected format")
+    p.add_argument("--strict", action="store_true", default=None,
+                   help="stop at the first bad record (file, line, reason) instead of skipping it")
     p.add_argument("--output_dir", default="runs/default")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--max_samples", type=int, default=None, help="use only the first N samples")
@@ -95,11 +104,12 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
         args.tokenizer = str(model) if model.is_dir() and (model / "tokenizer_config.json").is_file() \
             else str(ROOT / "data" / "tokenizer")
     _need_file(args.tokenizer, "tokenizer folder", "pass --tokenizer with a folder from save_pretrained")
-    _need_file(args.data, "data file", "pass --data data/chat.jsonl or your own JSONL")
+    _need_file(args.data, "data path", "pass --data data/chat.jsonl, or your own file or folder")
+    data = load_data_config(args.data_config, format=args.data_format, strict=args.strict)
     lora = None
     if args.lora:
         lora = read_json_object(args.lora, "LoRA config", "pass --lora configs/lora.json")
     if args.resume and not (Path(args.output_dir) / "checkpoints").is_dir():
         raise FileNotFoundError(f"--resume: no checkpoints in {Path(args.output_dir) / 'checkpoints'}; "
                                 "resume with the --output_dir of the run that saved them")
-    return TrainArgs(args=args, odb=odb, ds_config=ds_config, lora=lora)
+    return TrainArgs(args=args, odb=odb, data=data, ds_config=ds_config, lora=lora)

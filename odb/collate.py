@@ -11,6 +11,9 @@ Worked example, two samples packed into one row (``T = 5``)::
     cu_seqlens  [0, 3, 5]  (int32)                 sample boundaries for varlen attention
     max_seqlen  3
 
+Samples with images add ``pixel_values`` and ``image_grid_thw``, concatenated in sample order
+(the order of their image tokens in the row).
+
 The model shifts labels by one (logits at t predict labels[t+1]), so the -100 at ``b0`` keeps the
 last token of A from being trained to predict the first token of B; varlen attention over
 ``cu_seqlens`` (or per-sample masks built from ``position_ids``) keeps B from attending to A.
@@ -72,7 +75,17 @@ def collate_packed(samples: Sequence[Mapping], *, max_tokens: int | None = None)
         "labels": torch.tensor([labels], dtype=torch.long),
         "cu_seqlens": torch.tensor(bounds, dtype=torch.int32),
         "max_seqlen": max(lengths),
+        **_images(samples),
     }
+
+
+def _images(samples: Sequence[Mapping]) -> dict[str, torch.Tensor]:
+    """Images of the samples, in order: ``pixel_values`` and ``image_grid_thw`` concatenated."""
+    with_images = [s for s in samples if s.get("pixel_values") is not None]
+    if not with_images:
+        return {}
+    return {"pixel_values": torch.cat([s["pixel_values"] for s in with_images]),
+            "image_grid_thw": torch.cat([s["image_grid_thw"] for s in with_images])}
 
 
 def collate_padded(samples: Sequence[Mapping], *, pad_token_id: int, max_tokens: int | None = None
@@ -92,4 +105,5 @@ def collate_padded(samples: Sequence[Mapping], *, pad_token_id: int, max_tokens:
         labels[i, :len(ids)] = torch.tensor(row_labels)
         mask[i, :len(ids)] = 1
     positions = torch.arange(longest).expand(len(rows), longest).clone()
-    return {"input_ids": input_ids, "attention_mask": mask, "position_ids": positions, "labels": labels}
+    return {"input_ids": input_ids, "attention_mask": mask, "position_ids": positions, "labels": labels,
+            **_images(samples)}

@@ -70,15 +70,19 @@ class CostModel:
         """Cost of a padded micro-batch: every row is as long as the longest."""
         return num_samples * self.cost(longest)
 
-    def measure_many(self, uids: list[int], raw: list[tuple[int, int, int]]
+    def measure_many(self, uids: list[int], raw: list[tuple[int, int, int] | None]
                      ) -> tuple[list[SampleCost], dict[str, int]]:
-        """:meth:`measure` for each ``(tokens, label_tokens, patches)``: the admitted samples and
-        how many the over-cap policy truncated or dropped."""
+        """:meth:`measure` for each ``(tokens, label_tokens, patches)`` (``None``: a record the
+        data layer skipped): the admitted samples and how many were truncated, dropped, skipped."""
         admitted: list[SampleCost] = []
-        outcomes = {"truncated": 0, "dropped": 0}
+        outcomes = {"truncated": 0, "dropped": 0, "skipped": 0}
         cap, cap_patches = self.max_tokens, self.max_patches
         is_linear = not (self.attn_coef or self.patch_coef)
-        for uid, (tokens, label_tokens, patches) in zip(uids, raw, strict=True):
+        for uid, entry in zip(uids, raw, strict=True):
+            if entry is None:  # the data layer skipped the record (and counted why)
+                outcomes["skipped"] += 1
+                continue
+            tokens, label_tokens, patches = entry
             if is_linear and 0 < tokens <= cap and 0 <= label_tokens <= tokens and (
                     cap_patches is None or patches <= cap_patches):
                 admitted.append(SampleCost(uid, tokens, label_tokens, patches, tokens))  # fast path

@@ -1,64 +1,178 @@
-"""Chat data processed in DataLoader workers: messages -> ``input_ids`` and ``labels``.
+"""Samples processed in DataLoader workers: records -> chat template -> tokens, labels, images.
 
-The true length of a sample is known only here, after the chat template and tokenization; the
-batcher sees it through :func:`sample_cost`.
+The true cost of a sample (tokens after templating, augmentation and image -> visual-token
+expansion; vision patches) is known only here; the batcher sees it through :func:`sample_cost`.
+A record that cannot be a sample is skipped and counted by reason (:data:`SKIP_REASONS`); with
+``strict`` it stops the run with its file, line and reason instead, on every rank.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
+import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
+from odb.config import read_json_object
 from odb.cost import count_label_tokens
+from odb.formats import FORMATS, IMAGE_PLACEHOLDER, SkipSample, normalize
+from odb.sources import Source
+from odb.vision import IMAGE_PAD, ImageProcessor, VisionSpec, expand_placeholders
 
-__all__ = ["ChatDataset", "sample_cost"]
+__all__ = ["DataConfig", "SampleDataset", "sample_cost", "load_data_config", "SKIP_REASONS"]
+
+SKIP_REASONS = ("not_json", "not_an_object", "no_messages", "bad_role", "bad_content", "empty_content",
+                "no_assistant_turn", "image_placeholder_mismatch", "missing_image", "unreadable_image",
+                "over_cap", "error")
 
 
-class ChatDataset(Dataset):
-    """A JSONL file of ``{"messages": [{"role", "content"}, ...]}`` (OpenAI style).
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """How records become samples (``configs/data.json``, ``--data_config``)."""
 
-    Indexed by uid (``epoch * len + index``): a uid processes dataset item ``uid % len``. Labels
-    are the assistant turns (the template's ``{% generation %}`` blocks); other tokens are -100.
-    ``truncate_to`` cuts samples here, so that the cost the batcher sees is the row it trains.
+    format: str = "auto"
+    """'auto' (per record), 'messages', 'sharegpt' or 'llava'."""
+    train_on: str = "assistant"
+    """'assistant': labels on assistant turns only; 'all': every text token."""
+    strict: bool = False
+    """Stop at the first bad record (file, line, reason) instead of skipping and counting it."""
+    system_prompts: tuple[str, ...] = ()
+    """Augmentation: with probability system_prompt_prob, a random one of these as system turn."""
+    system_prompt_prob: float = 0.0
+    turn_sampling: bool = False
+    """Augmentation: keep a random number (>= 1) of the leading user/assistant exchanges."""
+    image_folder: str | None = None
+    """Where relative image paths start (default: the data file's folder)."""
+    min_pixels: int = 56 * 56
+    max_pixels: int = 448 * 448
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"data format must be one of {FORMATS}, got {self.format!r}")
+        if self.train_on not in ("assistant", "all"):
+            raise ValueError(f"train_on must be 'assistant' or 'all', got {self.train_on!r}")
+        if not 0.0 <= self.system_prompt_prob <= 1.0:
+            raise ValueError("system_prompt_prob must be within [0, 1]")
+        if self.system_prompt_prob and not self.system_prompts:
+            raise ValueError("system_prompt_prob > 0 needs system_prompts to choose from")
+        if not 0 < self.min_pixels <= self.max_pixels:
+            raise ValueError("need 0 < min_pixels <= max_pixels")
+        object.__setattr__(self, "system_prompts", tuple(self.system_prompts))
+
+
+def load_data_config(path: str | Path | None, **overrides: Any) -> DataConfig:
+    values = read_json_object(path, "data config", "pass --data_config configs/data.json") if path else {}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    known = [f.name for f in dataclasses.fields(DataConfig)]
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"data config: unknown key(s) {unknown}; known keys are {known}")
+    return DataConfig(**values)
+
+
+class SampleDataset(Dataset):
+    """Processed samples, indexed by uid (``epoch * len + index``; the epoch seeds augmentation).
+
+    A sample: ``uid``, ``index``, ``input_ids``, ``labels`` and, with images, ``pixel_values``,
+    ``image_grid_thw`` and ``patches``. A record that is skipped: ``{"uid", "skip": reason,
+    "where": "file:line", "fatal": strict}``.
     """
 
-    def __init__(self, path: str | Path, tokenizer, *, max_samples: int | None = None,
-                 truncate_to: int | None = None) -> None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"data file {path} does not exist; pass --data data/chat.jsonl or "
-                                    "a JSONL file of {'messages': [...]} records")
-        with open(path) as f:
-            self.rows = [line for line in f if line.strip()]
-        if max_samples is not None:
-            self.rows = self.rows[:max_samples]
-        if not self.rows:
-            raise ValueError(f"data file {path} holds no samples")
-        self.path = path
-        self.tokenizer = tokenizer
-        self.truncate_to = truncate_to
+    def __init__(self, path: str | Path, tokenizer, config: DataConfig = DataConfig(), *, seed: int = 0,
+                 max_samples: int | None = None, truncate_to: int | None = None,
+                 vision: VisionSpec | None = None) -> None:
+        self.source = Source(path)
+        self.size = min(len(self.source), max_samples) if max_samples else len(self.source)
+        self.tokenizer, self.config, self.seed, self.truncate_to = tokenizer, config, seed, truncate_to
+        root = Path(path) if Path(path).is_dir() else Path(path).parent
+        self.image_folder = Path(config.image_folder) if config.image_folder else root
+        self.vision = vision or VisionSpec(min_pixels=config.min_pixels, max_pixels=config.max_pixels)
+        self._images: ImageProcessor | None = None  # built in the worker on first use
+        self.image_pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return self.size
 
     def __getitem__(self, uid: int) -> dict[str, Any]:
-        index = uid % len(self.rows)
-        messages = json.loads(self.rows[index])["messages"]
+        index = uid % self.size
+        record = self.source.get(index)
+        try:
+            if record.value is None:
+                raise SkipSample(record.error or "error")
+            return self._process(uid, index, record.value)
+        except SkipSample as skip:
+            return {"uid": uid, "index": index, "skip": skip.reason, "where": record.where,
+                    "detail": str(skip), "fatal": self.config.strict}
+        except Exception as err:  # noqa: BLE001 - a worker must not die on one record
+            return {"uid": uid, "index": index, "skip": "error", "where": record.where,
+                    "detail": f"{type(err).__name__}: {err}", "fatal": self.config.strict}
+
+    def _process(self, uid: int, index: int, value: dict[str, Any]) -> dict[str, Any]:
+        conversation = normalize(value, self.config.format)
+        messages = self._augment(conversation.messages, random.Random(self.seed * 1_000_003 + uid))
+        sample: dict[str, Any] = {"uid": uid, "index": index, "patches": 0}
+        if conversation.images:
+            pixel_values, grids = self._load_images(conversation.images)
+            grid_list = list(grids)
+            expanded = []
+            for message in messages:
+                count = message["content"].count(IMAGE_PLACEHOLDER)
+                content = expand_placeholders(message["content"], grid_list[:count], self.vision.merge_size,
+                                              IMAGE_PLACEHOLDER)
+                grid_list = grid_list[count:]
+                expanded.append({**message, "content": content})
+            messages = expanded
+            sample.update(pixel_values=pixel_values, image_grid_thw=grids, patches=int(grids.prod(dim=1).sum()))
         encoded = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
                                                      return_assistant_tokens_mask=True)
         input_ids = torch.tensor(encoded["input_ids"], dtype=torch.long)
-        mask = torch.tensor(encoded["assistant_masks"], dtype=torch.bool)
-        labels = torch.where(mask, input_ids, torch.full_like(input_ids, -100))
-        if self.truncate_to is not None:  # the over-cap policy 'truncate', applied to the tensors
+        if self.config.train_on == "assistant":
+            keep = torch.tensor(encoded["assistant_masks"], dtype=torch.bool)
+        else:
+            keep = torch.ones_like(input_ids, dtype=torch.bool)
+        keep &= input_ids != self.image_pad_id
+        labels = torch.where(keep, input_ids, torch.full_like(input_ids, -100))
+        if self.truncate_to is not None and len(input_ids) > self.truncate_to:
+            if conversation.images and bool((input_ids[self.truncate_to:] == self.image_pad_id).any()):
+                raise SkipSample("over_cap", f"{len(input_ids)} tokens; cutting at {self.truncate_to} "
+                                 "would cut an image")
             input_ids, labels = input_ids[:self.truncate_to], labels[:self.truncate_to]
-        return {"uid": uid, "index": index, "input_ids": input_ids, "labels": labels}
+        sample.update(input_ids=input_ids, labels=labels)
+        return sample
+
+    def _augment(self, messages: list[dict[str, str]], rng: random.Random) -> list[dict[str, str]]:
+        config = self.config
+        if config.turn_sampling:
+            assistant_at = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+            messages = messages[:rng.choice(assistant_at) + 1]
+        if config.system_prompt_prob and rng.random() < config.system_prompt_prob:
+            system = {"role": "system", "content": rng.choice(config.system_prompts)}
+            messages = [system] + [m for m in messages if m["role"] != "system"]
+        return messages
+
+    def _load_images(self, paths: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        from PIL import Image, UnidentifiedImageError
+
+        images = []
+        for name in paths:
+            path = Path(name) if Path(name).is_absolute() else self.image_folder / name
+            if not path.is_file():
+                raise SkipSample("missing_image", str(path))
+            try:
+                with Image.open(path) as image:
+                    images.append(image.convert("RGB"))
+            except (UnidentifiedImageError, OSError) as err:
+                raise SkipSample("unreadable_image", f"{path}: {err}") from None
+        if self._images is None:
+            self._images = ImageProcessor(self.vision)
+        return self._images(images)
 
 
 def sample_cost(sample: dict[str, Any]) -> tuple[int, int, int]:
     """``(tokens, label_tokens, vision_patches)`` of a processed sample, for the batcher."""
-    labels = sample["labels"]
-    return (len(sample["input_ids"]), count_label_tokens(labels.tolist()), int(sample.get("patches", 0)))
+    return (len(sample["input_ids"]), count_label_tokens(sample["labels"].tolist()), int(sample.get("patches", 0)))
+

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from odb.collate import collate_packed, collate_padded
 from odb.plan import StepPlan
+from odb.vision import packed_position_ids
 
 __all__ = ["OdbEngine", "StepResult", "token_loss_sum"]
 
@@ -56,33 +57,62 @@ class OdbEngine:
         world_size: data-parallel ranks.
         max_tokens: per-sample truncation (the over-cap policy 'truncate').
         pad_token_id: for padded baselines and dummy rows.
+        packed: pack rows (varlen); False for a model odb cannot pack correctly (padded fallback).
     """
 
-    def __init__(self, engine, *, world_size: int, max_tokens: int, pad_token_id: int) -> None:
+    def __init__(self, engine, *, world_size: int, max_tokens: int, pad_token_id: int, packed: bool = True) -> None:
         self.engine = engine
         self.world_size = world_size
         self.max_tokens = max_tokens
         self.pad_token_id = pad_token_id
+        self.packed = packed
         self.device = engine.device
+        model = engine.module
+        self.model = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+        self.vision = getattr(getattr(self.model, "model", None), "visual", None)
 
     def _forward_loss(self, samples: Sequence[dict[str, Any]], padded: bool) -> torch.Tensor:
-        if padded:
+        if padded or not self.packed:
             batch = collate_padded(samples, pad_token_id=self.pad_token_id, max_tokens=self.max_tokens)
             batch = {k: v.to(self.device) for k, v in batch.items()}
+            if self.vision is not None:  # the model derives its rotary positions from the mask
+                del batch["position_ids"]
+                batch["mm_token_type_ids"] = (batch["input_ids"] == self.model.config.image_token_id).int()
             logits = self.engine(**batch, use_cache=False).logits
-            return token_loss_sum(logits, batch["labels"])
+            return token_loss_sum(logits, batch["labels"]) + self._vision_if_idle(batch)
         batch = collate_packed(samples, max_tokens=self.max_tokens)
         cu = batch["cu_seqlens"].to(self.device)
-        logits = self.engine(input_ids=batch["input_ids"].to(self.device),
-                             position_ids=batch["position_ids"].to(self.device), use_cache=False,
+        input_ids = batch["input_ids"].to(self.device)
+        extra = {k: batch[k].to(self.device) for k in ("pixel_values", "image_grid_thw") if k in batch}
+        if self.vision is not None:  # each sample's own M-RoPE, text positions in row 0
+            position_ids = packed_position_ids(self.model, input_ids, cu, extra.get("image_grid_thw"))
+        else:
+            position_ids = batch["position_ids"].to(self.device)
+        logits = self.engine(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                              cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch["max_seqlen"],
-                             max_length_k=batch["max_seqlen"]).logits
-        return token_loss_sum(logits, batch["labels"].to(self.device))
+                             max_length_k=batch["max_seqlen"], **extra).logits
+        return token_loss_sum(logits, batch["labels"].to(self.device)) + self._vision_if_idle(extra)
+
+    def _vision_if_idle(self, batch: dict[str, Any]) -> torch.Tensor | float:
+        """A micro-batch without images still runs the vision tower once on a tiny blank image,
+        with weight 0: under ZeRO-3 every rank must gather the same modules in every micro-batch
+        (another rank's micro-batch may have images), and under ZeRO-2 reduce the same grads."""
+        if self.vision is None or "pixel_values" in batch:
+            return 0.0
+        spec = self.model.config.vision_config
+        width = spec.in_channels * spec.temporal_patch_size * spec.patch_size ** 2
+        merge = spec.spatial_merge_size
+        pixels = torch.zeros((merge * merge, width), device=self.device, dtype=self.vision.dtype)
+        grid = torch.tensor([[1, merge, merge]], device=self.device)
+        out = self.vision(pixels, grid_thw=grid)
+        if not torch.is_tensor(out):
+            out = out.pooler_output if out.pooler_output is not None else out.last_hidden_state
+        return out.float().sum() * 0.0
 
     def _dummy_loss(self) -> torch.Tensor:
         ids = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=self.device)
         logits = self.engine(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False).logits
-        return logits.float().sum() * 0.0
+        return logits.float().sum() * 0.0 + self._vision_if_idle({})
 
     def train_step(self, plan: StepPlan, samples: Sequence[Sequence[dict[str, Any]]], lr: float) -> StepResult:
         """Runs the plan's micro-batches (``samples[m]``: the processed samples of micro-batch m,

@@ -10,13 +10,17 @@ workers answer with an empty marker that :meth:`SampleFeed.fetch` skips.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-__all__ = ["DealtSampler", "SampleFeed"]
+__all__ = ["DealtSampler", "SampleFeed", "DataError"]
+
+
+class DataError(ValueError):
+    """A bad record under ``strict``: the message names its file, line and reason."""
 
 
 class DealtSampler(Sampler[int]):
@@ -62,21 +66,42 @@ class SampleFeed:
                                  persistent_workers=False)
         self._iter: Iterator | None = None
         self.store: dict[int, dict[str, Any]] = {}
+        self.skipped: Counter[str] = Counter()  # skip reason -> records
+        self.examples: list[str] = []  # the first few skipped records, for the log
 
     def deal(self, uids: list[int]) -> None:
         self.sampler.queue.extend(uids)
 
-    def fetch(self, uids: list[int]) -> list[tuple[int, int, int]]:
-        """The next ``uids`` in dealt order: processed, kept, and their costs returned."""
+    def fetch(self, uids: list[int]) -> list[tuple[int, int, int] | None]:
+        """The next ``uids`` in dealt order: processed, kept, and their costs returned (``None``
+        for a skipped record, counted by reason in :attr:`skipped`).
+
+        Raises:
+            DataError: a record was bad under ``strict`` (file, line and reason); the batcher
+                stops every rank with it.
+        """
         if self._iter is None:
             self._iter = iter(self.loader)
+        costs: list[tuple[int, int, int] | None] = []
         for uid in uids:
             sample = next(self._iter)
             while sample is None:  # a marker: the sampler had nothing dealt when it was asked
                 sample = next(self._iter)
             assert sample["uid"] == uid, f"the feed is out of order: got {sample['uid']}, wanted {uid}"
-            self.store[uid] = sample
-        return [self.cost(self.store[uid]) for uid in uids]
+            costs.append(self._keep(sample))
+        return costs
+
+    def _keep(self, sample: dict[str, Any]) -> tuple[int, int, int] | None:
+        if "skip" in sample:
+            if sample["fatal"]:
+                raise DataError(f"{sample['where']}: {sample['detail']} (strict: fix or remove the record, "
+                                "or run without --strict to skip and count such records)")
+            self.skipped[sample["skip"]] += 1
+            if len(self.examples) < 5:
+                self.examples.append(f"{sample['where']}: {sample['detail']}")
+            return None
+        self.store[sample["uid"]] = sample
+        return self.cost(sample)
 
     def restore(self, uids: list[int]) -> None:
         """Processes ``uids`` in this process (a resumed batcher's window), without the loader."""

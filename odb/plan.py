@@ -46,7 +46,7 @@ from odb.cost import SampleCost
 __all__ = ["MicroBatch", "StepPlan", "Proposal", "Decision", "decide", "deal_budget", "waterfill", "HEADER"]
 
 # Proposal header fields, then per-bin cost / samples / tokens, then per-sample label tokens.
-HEADER = ("is_exhausted", "num_bins", "num_ready", "window_samples", "window_cost", "num_pending",
+HEADER = ("is_fatal", "is_exhausted", "num_bins", "num_ready", "window_samples", "window_cost", "num_pending",
           "observed_cost", "observed_cost_sq", "observed_samples")
 
 
@@ -104,6 +104,7 @@ class StepPlan(NamedTuple):
 class Proposal:
     """What one rank sends: header values, its ranked bins, their samples' label tokens."""
 
+    is_fatal: bool  # this rank must stop (a bad sample under strict, an over-cap error): all stop
     is_exhausted: bool
     num_ready: int
     window_samples: int
@@ -122,7 +123,7 @@ class Proposal:
         assert num_bins <= max_bins and len(self.sample_labels) <= max_samples, "proposal too large"
         head = len(HEADER)
         out = np.zeros(head + 3 * max_bins + max_samples, dtype=np.int64)
-        out[:head] = (int(self.is_exhausted), num_bins, self.num_ready, self.window_samples,
+        out[:head] = (int(self.is_fatal), int(self.is_exhausted), num_bins, self.num_ready, self.window_samples,
                       self.window_cost, self.num_pending, self.observed_cost, self.observed_cost_sq,
                       self.observed_samples)
         out[head:head + num_bins] = self.bin_costs

@@ -14,10 +14,11 @@ import torch
 from odb.align import TorchCommunicator
 from odb.batcher import OnlineBatcher
 from odb.cli import TrainArgs
-from odb.data import ChatDataset, sample_cost
+from odb.data import SKIP_REASONS, SampleDataset, sample_cost
 from odb.engine import OdbEngine
 from odb.feed import SampleFeed
-from odb.model import build_model, load_tokenizer
+from odb.model import build_model, load_tokenizer, vision_spec
+from odb.vision import supports_packing
 from odb.schedule import ProgressSchedule
 
 __all__ = ["Trainer"]
@@ -66,11 +67,16 @@ class Trainer:
 
         args, config = self.args, self.config
         self.tokenizer = load_tokenizer(args.tokenizer)
-        truncate_to = config.max_tokens if config.over_cap == "truncate" else None
-        self.dataset = ChatDataset(args.data, self.tokenizer, max_samples=args.max_samples,
-                                   truncate_to=truncate_to)
-        ds_config = dict(self.targs.ds_config)
         model = build_model(args.model, seed=args.seed, vocab_size=len(self.tokenizer), lora=self.targs.lora)
+        truncate_to = config.max_tokens if config.over_cap == "truncate" else None
+        self.dataset = SampleDataset(args.data, self.tokenizer, self.targs.data, seed=args.seed,
+                                     max_samples=args.max_samples, truncate_to=truncate_to,
+                                     vision=vision_spec(model, self.targs.data))
+        packed = supports_packing(model)
+        if not packed:
+            self.log(f"odb: cannot pack {model.config.model_type} correctly (its rotary positions are "
+                     "unknown to odb): training on PADDED micro-batches instead")
+        ds_config = dict(self.targs.ds_config)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = None
         if "optimizer" not in ds_config:  # a torch optimizer: no DeepSpeed op to compile
@@ -81,7 +87,7 @@ class Trainer:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer,
                                           config=ds_config)
         self.engine = OdbEngine(engine, world_size=self.world_size, max_tokens=config.max_tokens,
-                                pad_token_id=self.tokenizer.pad_token_id)
+                                pad_token_id=self.tokenizer.pad_token_id, packed=packed)
         self.feed = SampleFeed(self.dataset, sample_cost, num_workers=args.num_workers,
                                prefetch_factor=args.prefetch_factor)
         self.comm = TorchCommunicator(timeout_s=args.dist_timeout_s)
@@ -90,6 +96,7 @@ class Trainer:
         planned = config.quota if config.mode == "quota" else args.epochs * len(self.dataset)
         self.schedule = ProgressSchedule(args.lr, planned, warmup_ratio=args.warmup_ratio)
         self.samples_done = self.steps_done = 0  # over the whole run, resumes included
+        self.losses: list[float] = []  # this rank's loss per token, per step
         self.totals = {"micro_batches": 0, "dummy_micro_batches": 0, "samples": 0, "real_tokens": 0,
                        "materialized_tokens": 0, "steps": 0}
         if args.resume:
@@ -119,8 +126,9 @@ class Trainer:
                     audit.write(json.dumps({"epoch": plan.epoch, "step": plan.step, "micro": m,
                                             "ids": [u % size for u in micro.uids]}) + "\n")
             steps_this_run += 1
+            loss = result.loss_sum / max(1, result.label_tokens)
+            self.losses.append(loss)
             if plan.step % 20 == 0:
-                loss = result.loss_sum / max(1, result.label_tokens)
                 self.log(f"step {plan.step} epoch {plan.epoch} loss {loss:.4f} lr {result.lr:.2e} "
                          f"samples {self.samples_done}")
             if args.save_steps and self.steps_done % args.save_steps == 0:
@@ -172,16 +180,22 @@ class Trainer:
         if not self.args.no_final_checkpoint:
             self.save(f"step{self.steps_done}")
         keys = sorted(self.totals)
-        counts = self.batcher.counts
-        summed = dict(zip(keys + ["truncated", "dropped"], self.batcher.aligner.sum_totals(
-            [self.totals[k] for k in keys] + [counts["truncated"], counts["dropped"]])))
+        counts, skipped = self.batcher.counts, self.feed.skipped
+        summed = dict(zip(keys + ["truncated", "dropped"] + [f"skip:{r}" for r in SKIP_REASONS],
+                          self.batcher.aligner.sum_totals([self.totals[k] for k in keys] + [
+                              counts["truncated"], counts["dropped"]] + [skipped[r] for r in SKIP_REASONS])))
+        skipped_all = {r: summed[f"skip:{r}"] for r in SKIP_REASONS if summed[f"skip:{r}"]}
+        if self.feed.examples:
+            print(f"rank {self.rank} skipped records, e.g.: " + "; ".join(self.feed.examples), flush=True)
         summary = {
             "world_size": self.world_size, "dataset_samples": len(self.dataset), "epochs": self.args.epochs,
             "steps": self.totals["steps"], "micro_batches": summed["micro_batches"],
             "dummy_micro_batches": summed["dummy_micro_batches"], "samples_emitted": summed["samples"],
             "real_tokens": summed["real_tokens"], "materialized_tokens": summed["materialized_tokens"],
             "padding_ratio": round(1 - summed["real_tokens"] / max(1, summed["materialized_tokens"]), 6),
-            "truncated": summed["truncated"], "dropped": summed["dropped"],
+            "truncated": summed["truncated"], "dropped": summed["dropped"], "skipped": skipped_all,
+            "loss_first": round(sum(self.losses[:3]) / max(1, len(self.losses[:3])), 5),
+            "loss_last": round(sum(self.losses[-3:]) / max(1, len(self.losses[-3:])), 5),
             "wall_s": round(self.wall_s, 3),
             "samples_per_s": round(summed["samples"] / max(1e-9, self.wall_s), 3),
             "tokens_per_s": round(summed["real_tokens"] / max(1e-9, self.wall_s), 1),

@@ -137,7 +137,7 @@ def test_resume_continues_with_exactly_the_samples_not_yet_trained(tmp_path):
     ("--deepspeed_config", "configs/nope.json", "DeepSpeed config configs/nope.json does not exist"),
     ("--model", "models/missing", "model models/missing does not exist; pass a local HF model folder"),
     ("--model", "data", "model folder data has no config.json"),
-    ("--data", "data/missing.jsonl", "data file data/missing.jsonl does not exist"),
+    ("--data", "data/missing.jsonl", "data path data/missing.jsonl does not exist"),
 ])
 def test_bad_paths_fail_before_any_process_group(flag, value, needle):
     proc = plain([flag, value, "--output_dir", "/tmp/odb-bad-input"])

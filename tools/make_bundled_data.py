@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Writes the bundled default data: a chat set with heterogeneous lengths and its tokenizer.
 
-    python tools/make_bundled_data.py            # -> data/chat.jsonl, data/tokenizer/
+    python tools/make_bundled_data.py   # -> data/chat.jsonl, data/tokenizer/, data/mm/
 
 Synthetic and learnable (repeat, reverse, sort, count, small talk; 1-4 turns, optional system
 prompt), so a tiny model's loss visibly falls in one epoch. Deterministic (seeded); rerunning it
@@ -65,7 +65,11 @@ CHAT_TEMPLATE = (
     "{% else %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-SPECIAL = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+SPECIAL = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|vision_start|>",
+           "<|vision_end|>", "<|image_pad|>"]
+COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (230, 210, 40),
+          "purple": (140, 60, 180), "orange": (240, 140, 30)}
+SHAPES = ("square", "circle", "triangle")
 
 
 def write_tokenizer(texts: list[str], folder: Path) -> None:
@@ -83,6 +87,50 @@ def write_tokenizer(texts: list[str], folder: Path) -> None:
     fast.save_pretrained(folder)
 
 
+def draw(rng: random.Random, path: Path) -> tuple[str, str, int]:
+    """A shape of one color on a grey background, of a random size (so images cost differently)."""
+    from PIL import Image, ImageDraw
+
+    width, height = rng.randrange(56, 336), rng.randrange(56, 336)
+    color, shape = rng.choice(sorted(COLORS)), rng.choice(SHAPES)
+    image = Image.new("RGB", (width, height), (200, 200, 200))
+    pen = ImageDraw.Draw(image)
+    x0, y0 = rng.randrange(0, width // 3), rng.randrange(0, height // 3)
+    x1, y1 = x0 + max(8, width // 2), y0 + max(8, height // 2)
+    if shape == "square":
+        pen.rectangle([x0, y0, x1, y1], fill=COLORS[color])
+    elif shape == "circle":
+        pen.ellipse([x0, y0, x1, y1], fill=COLORS[color])
+    else:
+        pen.polygon([(x0, y1), ((x0 + x1) // 2, y0), (x1, y1)], fill=COLORS[color])
+    image.save(path, optimize=True)
+    count = rng.randrange(1, 6)
+    return color, shape, count
+
+
+def multimodal(rng: random.Random, folder: Path, num: int = 300) -> None:
+    """LLaVA-style records with generated images: data/mm/train.jsonl and data/mm/images/."""
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    with open(folder / "train.jsonl", "w") as f:
+        for i in range(num):
+            name = f"images/{i:04d}.png"
+            color, shape, _ = draw(rng, folder / name)
+            question = rng.choice([f"What color is the {shape}?", "Which shape is in the picture?",
+                                   "Describe the picture."])
+            if question.startswith("What color"):
+                answer = f"The {shape} is {color}."
+            elif question.startswith("Which shape"):
+                answer = f"It is a {shape}."
+            else:
+                answer = f"A {color} {shape} on a grey background."
+            conversations = [{"from": "human", "value": "<image>\n" + question},
+                             {"from": "gpt", "value": answer}]
+            if rng.random() < 0.3:  # a text follow-up turn makes lengths uneven
+                user, assistant = turn(rng)
+                conversations += [{"from": "human", "value": user}, {"from": "gpt", "value": assistant}]
+            f.write(json.dumps({"id": i, "image": name, "conversations": conversations}) + "\n")
+
+
 def main() -> None:
     rng = random.Random(20261129)
     rows = [conversation(rng) for _ in range(2000)]
@@ -92,6 +140,7 @@ def main() -> None:
             f.write(json.dumps(row) + "\n")
     texts = [m["content"] for row in rows for m in row["messages"]]
     write_tokenizer(texts, DATA / "tokenizer")
+    multimodal(random.Random(7), DATA / "mm")
 
 
 if __name__ == "__main__":
