@@ -70,8 +70,10 @@ class OdbEngine:
         model = engine.module
         self.model = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
         self.vision = getattr(getattr(self.model, "model", None), "visual", None)
+        self._blank: dict[str, torch.Tensor] | None = None
 
     def _forward_loss(self, samples: Sequence[dict[str, Any]], padded: bool) -> torch.Tensor:
+        samples = self._with_image(samples)
         if padded or not self.packed:
             batch = collate_padded(samples, pad_token_id=self.pad_token_id, max_tokens=self.max_tokens)
             batch = {k: v.to(self.device) for k, v in batch.items()}
@@ -79,7 +81,7 @@ class OdbEngine:
                 del batch["position_ids"]
                 batch["mm_token_type_ids"] = (batch["input_ids"] == self.model.config.image_token_id).int()
             logits = self.engine(**batch, use_cache=False).logits
-            return token_loss_sum(logits, batch["labels"]) + self._vision_if_idle(batch)
+            return token_loss_sum(logits, batch["labels"])
         batch = collate_packed(samples, max_tokens=self.max_tokens)
         cu = batch["cu_seqlens"].to(self.device)
         input_ids = batch["input_ids"].to(self.device)
@@ -91,28 +93,31 @@ class OdbEngine:
         logits = self.engine(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                              cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch["max_seqlen"],
                              max_length_k=batch["max_seqlen"], **extra).logits
-        return token_loss_sum(logits, batch["labels"].to(self.device)) + self._vision_if_idle(extra)
+        return token_loss_sum(logits, batch["labels"].to(self.device))
 
-    def _vision_if_idle(self, batch: dict[str, Any]) -> torch.Tensor | float:
-        """A micro-batch without images still runs the vision tower once on a tiny blank image,
-        with weight 0: under ZeRO-3 every rank must gather the same modules in every micro-batch
-        (another rank's micro-batch may have images), and under ZeRO-2 reduce the same grads."""
-        if self.vision is None or "pixel_values" in batch:
-            return 0.0
-        spec = self.model.config.vision_config
-        width = spec.in_channels * spec.temporal_patch_size * spec.patch_size ** 2
-        merge = spec.spatial_merge_size
-        pixels = torch.zeros((merge * merge, width), device=self.device, dtype=self.vision.dtype)
-        grid = torch.tensor([[1, merge, merge]], device=self.device)
-        out = self.vision(pixels, grid_thw=grid)
-        if not torch.is_tensor(out):
-            out = out.pooler_output if out.pooler_output is not None else out.last_hidden_state
-        return out.float().sum() * 0.0
+    def _with_image(self, samples: Sequence[dict[str, Any]]) -> Sequence[dict[str, Any]]:
+        """A micro-batch without images gets one tiny blank image as a sample of its own (its
+        labels all -100, its attention its own): every rank then runs the model's modules in the
+        same order in every micro-batch (embeddings, vision tower, language model), which ZeRO-3's
+        per-module parameter gathers need, and every rank has vision gradients to reduce."""
+        if self.vision is None or any(s.get("pixel_values") is not None for s in samples):
+            return samples
+        if self._blank is None:
+            spec, config = self.model.config.vision_config, self.model.config
+            merge = spec.spatial_merge_size
+            width = spec.in_channels * spec.temporal_patch_size * spec.patch_size ** 2
+            ids = torch.tensor([config.vision_start_token_id, config.image_token_id, config.vision_end_token_id])
+            self._blank = {"input_ids": ids, "labels": torch.full_like(ids, -100),
+                           "pixel_values": torch.zeros((merge * merge, width)),
+                           "image_grid_thw": torch.tensor([[1, merge, merge]])}
+        return [*samples, self._blank]
 
     def _dummy_loss(self) -> torch.Tensor:
+        if self.vision is not None:  # a real pass through every module, as the others run
+            return self._forward_loss([], padded=False) * 0.0
         ids = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=self.device)
         logits = self.engine(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False).logits
-        return logits.float().sum() * 0.0 + self._vision_if_idle({})
+        return logits.float().sum() * 0.0
 
     def train_step(self, plan: StepPlan, samples: Sequence[Sequence[dict[str, Any]]], lr: float) -> StepResult:
         """Runs the plan's micro-batches (``samples[m]``: the processed samples of micro-batch m,

@@ -1,0 +1,228 @@
+"""Data: formats, sources, processing in workers, images, skip/strict, exact costs."""
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+from PIL import Image
+
+from conftest import check_caps
+from odb.config import OdbConfig
+from odb.data import DataConfig, SampleDataset, load_data_config, sample_cost
+from odb.feed import DataError, SampleFeed
+from odb.model import build_model, load_tokenizer, vision_spec
+from odb.simulate import run_ranks
+from odb.batcher import OnlineBatcher
+from launch import ROOT, deepspeed, ds_config, odb_config
+
+TOKENIZER = load_tokenizer(ROOT / "data" / "tokenizer")
+VL = ROOT / "configs" / "tiny_vl_model.json"
+IMAGE_PAD = TOKENIZER.convert_tokens_to_ids("<|image_pad|>")
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def layout(sample):
+    """(token, is_label) pairs: the hand-checkable view of a processed sample."""
+    tokens = TOKENIZER.convert_ids_to_tokens(sample["input_ids"].tolist())
+    return [(t, int(l) != -100) for t, l in zip(tokens, sample["labels"].tolist())]
+
+
+EXPECTED_TEXT = [("<|system|>", False), ("Hello", False), ("<|end|>", False), ("<|user|>", False),
+                 ("apple", False), ("Ġriver", False), ("<|end|>", False), ("<|assistant|>", False),
+                 ("Hello", True), ("<|end|>", True)]
+
+
+@pytest.mark.parametrize("record", [
+    {"messages": [{"role": "system", "content": "Hello"}, {"role": "user", "content": "apple river"},
+                  {"role": "assistant", "content": "Hello"}]},
+    {"messages": [{"role": "system", "content": "Hello"},
+                  {"role": "user", "content": [{"type": "text", "text": "apple river"}]},
+                  {"role": "assistant", "content": "Hello"}]},
+    {"conversations": [{"from": "system", "value": "Hello"}, {"from": "human", "value": "apple river"},
+                       {"from": "gpt", "value": "Hello"}]},
+], ids=["messages", "messages-parts", "sharegpt"])
+def test_text_formats_give_the_hand_checked_layout(tmp_path, record):
+    dataset = SampleDataset(write_jsonl(tmp_path / "d.jsonl", [record]), TOKENIZER)
+    assert layout(dataset[0]) == EXPECTED_TEXT  # labels on the assistant turn and its end only
+
+
+def test_llava_record_expands_the_image_into_its_visual_tokens(tmp_path):
+    Image.new("RGB", (56, 84), (200, 10, 10)).save(tmp_path / "red.png")
+    record = {"image": "red.png", "conversations": [{"from": "human", "value": "<image>\napple"},
+                                                     {"from": "gpt", "value": "Hello"}]}
+    model = build_model(VL, seed=0, vocab_size=len(TOKENIZER))
+    dataset = SampleDataset(write_jsonl(tmp_path / "d.jsonl", [record]), TOKENIZER,
+                            vision=vision_spec(model, DataConfig()))
+    sample = dataset[0]
+    # 56 wide x 84 high, 14-pixel patches: 6 rows x 4 columns (1 frame) = 24 patches; 2 x 2 merged: 6 tokens
+    assert sample["image_grid_thw"].tolist() == [[1, 6, 4]] and sample["patches"] == 24
+    assert sample["pixel_values"].shape == (24, 3 * 2 * 14 * 14)
+    assert layout(sample) == [("<|user|>", False), ("<|vision_start|>", False)] + [("<|image_pad|>", False)] * 6 + [
+        ("<|vision_end|>", False), ("Ċ", False), ("apple", False), ("<|end|>", False), ("<|assistant|>", False),
+        ("Hello", True), ("<|end|>", True)]
+    assert sample_cost(sample) == (len(sample["input_ids"]), 2, 24)
+
+
+def test_format_is_detected_per_record_and_can_be_forced(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+            {"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    auto = SampleDataset(path, TOKENIZER)
+    assert layout(auto[0]) == layout(auto[1])
+    forced = SampleDataset(path, TOKENIZER, DataConfig(format="sharegpt"))
+    assert forced[0]["skip"] == "no_messages" and "skip" not in forced[1]
+
+
+def test_json_parquet_and_folders_are_sources(tmp_path):
+    from datasets import Dataset
+
+    rows = [{"messages": [{"role": "user", "content": f"apple {i}"}, {"role": "assistant", "content": "Hello"}]}
+            for i in range(5)]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "one.json").write_text(json.dumps(rows[:2]))
+    Dataset.from_list(rows[2:]).to_parquet(str(tmp_path / "a" / "two.parquet"))
+    dataset = SampleDataset(tmp_path / "a", TOKENIZER)
+    assert len(dataset) == 5
+    assert [layout(dataset[i]) for i in range(5)] == [layout(SampleDataset(
+        write_jsonl(tmp_path / f"r{i}.jsonl", [rows[i]]), TOKENIZER)[0]) for i in range(5)]
+
+
+def test_labels_on_all_text_when_asked():
+    dataset = SampleDataset(ROOT / "data" / "chat.jsonl", TOKENIZER, DataConfig(train_on="all"), max_samples=3)
+    sample = dataset[0]
+    assert bool((sample["labels"] == sample["input_ids"]).all())
+
+
+def test_augmentation_makes_lengths_known_only_after_processing_and_is_deterministic():
+    config = DataConfig(system_prompts=("Be brief.", "You are a very careful and precise assistant."),
+                        system_prompt_prob=0.7, turn_sampling=True)
+    dataset = SampleDataset(ROOT / "data" / "chat.jsonl", TOKENIZER, config, max_samples=200)
+    size = len(dataset)
+    epoch0 = [len(dataset[i]["input_ids"]) for i in range(size)]
+    epoch1 = [len(dataset[size + i]["input_ids"]) for i in range(size)]
+    assert epoch0 != epoch1  # the same records, other lengths in another epoch
+    assert epoch0 == [len(dataset[i]["input_ids"]) for i in range(size)]  # same uid, same sample
+
+
+BAD = [
+    ("not json {", "not_json"),
+    ({"text": "no conversation"}, "no_messages"),
+    ({"messages": [{"role": "user", "content": "apple"}]}, "no_assistant_turn"),
+    ({"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "b"}]}, "empty_content"),
+    ({"image": "missing.png", "conversations": [{"from": "human", "value": "<image>a"},
+                                                {"from": "gpt", "value": "b"}]}, "missing_image"),
+    ({"image": "broken.png", "conversations": [{"from": "human", "value": "<image>a"},
+                                               {"from": "gpt", "value": "b"}]}, "unreadable_image"),
+    ({"image": "big.png", "conversations": [{"from": "human", "value": "apple " * 40 + "<image>"},
+                                            {"from": "gpt", "value": "b"}]}, "over_cap"),
+]
+
+
+def bad_data(tmp_path):
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    Image.new("RGB", (448, 448)).save(tmp_path / "big.png")
+    good = {"messages": [{"role": "user", "content": "apple"}, {"role": "assistant", "content": "Hello"}]}
+    rows = [good] + [row for row, _ in BAD] + [good]
+    return write_jsonl(tmp_path / "bad.jsonl", rows)
+
+
+def test_bad_records_are_skipped_and_counted_by_reason(tmp_path):
+    model = build_model(VL, seed=0, vocab_size=len(TOKENIZER))
+    dataset = SampleDataset(bad_data(tmp_path), TOKENIZER, vision=vision_spec(model, DataConfig()),
+                            truncate_to=64)
+    feed = SampleFeed(dataset, sample_cost, num_workers=1)
+    uids = list(range(len(dataset)))
+    feed.deal(uids)
+    costs = feed.fetch(uids)
+    assert [c is None for c in costs] == [False] + [True] * len(BAD) + [False]
+    assert feed.skipped == Counter(reason for _, reason in BAD)
+    assert feed.examples[0].startswith(f"{tmp_path / 'bad.jsonl'}:2: not_json")
+    feed.close()
+
+
+def test_strict_stops_with_file_line_and_reason(tmp_path):
+    dataset = SampleDataset(bad_data(tmp_path), TOKENIZER, DataConfig(strict=True))
+    feed = SampleFeed(dataset, sample_cost, num_workers=0)
+    feed.deal([0, 1])
+    with pytest.raises(DataError, match=r"bad.jsonl:2: not_json .*without --strict"):
+        feed.fetch([0, 1])
+
+
+def test_no_micro_batch_exceeds_the_token_or_patch_cap_and_costs_are_what_the_model_gets():
+    model = build_model(VL, seed=0, vocab_size=len(TOKENIZER))
+    config = DataConfig(max_pixels=112 * 112 * 4)
+    dataset = SampleDataset(ROOT / "data" / "mm" / "train.jsonl", TOKENIZER, config, vision=vision_spec(model, config),
+                            truncate_to=512)
+    odb = OdbConfig(max_tokens=512, max_patches=600, window=32, sharding="static")
+    feed = SampleFeed(dataset, sample_cost, num_workers=1)
+    steps = run_ranks(1, lambda comm: list(OnlineBatcher(odb, comm, dataset_size=len(dataset), fetch=feed.fetch,
+                                                         on_deal=feed.deal)))
+    check_caps(steps, max_tokens=512, max_patches=600)
+    micro = [m for s in steps[0] for m in s.micro_batches]
+    assert sum(len(m.samples) for m in micro) + sum(feed.skipped.values()) == len(dataset)
+    for m in micro:
+        for cost in m.samples:
+            sample = feed.take(cost.uid)
+            visual = int((sample["input_ids"] == IMAGE_PAD).sum())
+            assert visual == int(sample["image_grid_thw"].prod(dim=1).sum()) // 4  # merge 2 x 2
+            assert (cost.tokens, cost.patches) == (len(sample["input_ids"]), sample["patches"])
+    feed.close()
+
+
+def test_data_config_is_strict_about_keys(tmp_path):
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps({"formt": "llava"}))
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['formt'\]"):
+        load_data_config(path)
+    assert load_data_config(ROOT / "configs" / "data.json").format == "auto"
+
+
+def test_packed_multimodal_rows_equal_each_sample_alone():
+    from odb.collate import collate_packed
+    from odb.vision import packed_position_ids
+
+    model = build_model(VL, seed=0, vocab_size=len(TOKENIZER)).eval()
+    dataset = SampleDataset(ROOT / "data" / "mm" / "train.jsonl", TOKENIZER, vision=vision_spec(model, DataConfig()))
+    samples = [dataset[i] for i in range(4)]
+    batch = collate_packed(samples)
+    cu = batch["cu_seqlens"]
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], pixel_values=batch["pixel_values"],
+                       image_grid_thw=batch["image_grid_thw"], cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                       max_length_q=batch["max_seqlen"], max_length_k=batch["max_seqlen"], use_cache=False,
+                       position_ids=packed_position_ids(model, batch["input_ids"], cu, batch["image_grid_thw"])).logits
+        bounds = cu.tolist()
+        for sample, start, end in zip(samples, bounds, bounds[1:]):
+            ids = sample["input_ids"][None]
+            alone = model(input_ids=ids, pixel_values=sample["pixel_values"], image_grid_thw=sample["image_grid_thw"],
+                          mm_token_type_ids=(ids == IMAGE_PAD).int(), use_cache=False).logits[0]
+            assert torch.allclose(packed[0, start:end], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_tiny_qwen2_vl_trains_packed_at_zero3_and_its_loss_falls(tmp_path):
+    out = tmp_path / "vl"
+    deepspeed(["--model", str(VL), "--data", str(ROOT / "data" / "mm" / "train.jsonl"),
+               "--deepspeed_config", str(ds_config(tmp_path, 3)),
+               "--odb_config", str(odb_config(tmp_path, max_tokens=256, window=16, gas=2, max_patches=1024)),
+               "--max_samples", "24", "--epochs", "12", "--lr", "5e-3", "--warmup_ratio", "0",
+               "--output_dir", str(out), "--no_final_checkpoint"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["samples_emitted"] == 24 * 12 and summary["padding_ratio"] == 0
+    assert summary["loss_last"] < 0.7 * summary["loss_first"] and summary["loss_last"] == summary["loss_last"]
+
+
+def test_bad_records_in_a_training_run_are_counted_in_the_summary_and_strict_stops_every_rank(tmp_path):
+    data = bad_data(tmp_path)
+    common = ["--model", str(VL), "--data", str(data), "--deepspeed_config", str(ds_config(tmp_path, 2)),
+              "--odb_config", str(odb_config(tmp_path, max_tokens=64, window=4)), "--no_final_checkpoint"]
+    deepspeed(common + ["--output_dir", str(tmp_path / "skip")])
+    summary = json.loads((tmp_path / "skip" / "summary.json").read_text())
+    assert summary["skipped"] == dict(Counter(reason for _, reason in BAD))
+    assert summary["samples_emitted"] == 2
+    with pytest.raises(AssertionError, match=r"DataError: \S+bad\.jsonl:\d+: \w+.*without --strict"):
+        deepspeed(common + ["--output_dir", str(tmp_path / "strict"), "--strict"], timeout=180)  # no hang
