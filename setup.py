@@ -19,6 +19,8 @@ setup(
         "transformers>=5.20,<6",
         "tokenizers>=0.21",
         "peft>=0.17",
+        "datasets>=3.0",  # Parquet sources (local files only)
+        "pillow>=10",  # images for multimodal samples
     ],
     extras_require={
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],

@@ -65,7 +65,7 @@ def test_measure_many_matches_measure():
     raw = [(3, 2, 0), (9, 8, 0), (8, 0, 0)]
     admitted, outcomes = model.measure_many([0, 1, 2], raw)
     assert admitted == [model.measure(i, *r)[0] for i, r in enumerate(raw)]
-    assert outcomes == {"truncated": 1, "dropped": 0}
+    assert outcomes == {"truncated": 1, "dropped": 0, "skipped": 0}
 
 
 def test_label_tokens_skip_first_position_and_ignored():

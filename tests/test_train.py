@@ -10,7 +10,7 @@ import torch
 from launch import ROOT, audit, deepspeed, ds_config, odb_config, plain, write_json
 from odb.attention import register
 from odb.collate import collate_packed
-from odb.data import ChatDataset
+from odb.data import SampleDataset
 from odb.engine import token_loss_sum
 from odb.model import build_model, load_tokenizer
 
@@ -75,7 +75,7 @@ def test_one_step_on_two_ranks_equals_one_process(tmp_path, stage):
 
     model = build_model(TINY, seed=0, vocab_size=len(TOKENIZER))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    dataset = ChatDataset(data, TOKENIZER)
+    dataset = SampleDataset(data, TOKENIZER)
     total, label_tokens = 0.0, 0
     for i in range(3):
         sample = dataset[i]
