@@ -19,12 +19,14 @@ setup(
         "transformers>=5.20,<6",
         "tokenizers>=0.21",
         "peft>=0.17",
+        "tqdm>=4.60",
         "datasets>=3.0",  # Parquet sources (local files only)
         "pillow>=10",  # images for multimodal samples
     ],
     extras_require={
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "matplotlib>=3.7", "wandb>=0.19"],
         "wandb": ["wandb>=0.19"],
         "gpu": ["flash-attn>=2.6"],
+        "plot": ["matplotlib>=3.7"],
     },
 )

@@ -11,7 +11,7 @@ Protocol (what callers must do):
 3. A rank that must stop (bad data under strict, an over-cap error) still joins its next round
    and says so in its vector; every rank then raises (:class:`PeerStopped` on the others), so
    no rank is left waiting in a collective.
-4. After the last round, :meth:`Aligner.sum_totals` may add up run totals (one collective).
+4. After the last round, :meth:`Aligner.gather_reports` may collect run totals (one collective).
    Nothing else in odb calls a collective. Model collectives (ZeRO) stay aligned because every
    rank receives the same number of steps and micro-batches per step from the decisions.
 
@@ -201,6 +201,7 @@ class Aligner:
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
         self.collective_s = 0.0  # time spent inside collectives (waiting for the other ranks)
+        self.reports = np.zeros((comm.world_size, 0), dtype=np.int64)  # the last round's telemetry
 
     @property
     def rank(self) -> int:
@@ -225,17 +226,26 @@ class Aligner:
                 f"(rank {self.rank} has " + ", ".join(f"{k}={settings[k]!r}" for k in differing)
                 + "); start every rank with the same config files and flags")
 
-    def sum_totals(self, values: list[int]) -> list[int]:
-        """Run totals summed over ranks: the one collective after the last round (for summaries)."""
-        gathered = self.comm.all_gather(np.asarray(values, dtype=np.int64))
-        return [int(x) for x in gathered.sum(axis=0)]
+    def gather_reports(self, values: np.ndarray) -> np.ndarray:
+        """Every rank's run report ``[world, len]``: the one collective after the last round."""
+        return self.comm.all_gather(np.asarray(values, dtype=np.int64))
 
-    def round(self, proposal: Proposal, *, max_bins: int, max_samples: int, **decide_args: Any) -> Decision:
-        """One round: exactly one all_gather, then the pure decision (same on every rank)."""
+    def round(self, proposal: Proposal, *, max_bins: int, max_samples: int, report: np.ndarray | None = None,
+              **decide_args: Any) -> Decision:
+        """One round: exactly one all_gather, then the pure decision (same on every rank).
+
+        ``report`` (the same length on every rank) rides along: telemetry figures that need no
+        collective of their own. Every rank's comes back in :attr:`reports` ``[world, len]``.
+        """
         payload = proposal.encode(max_bins, max_samples)
+        size = 0 if report is None else len(report)
+        if size:
+            payload = np.concatenate([payload, np.asarray(report, dtype=np.int64)])
         start = time.perf_counter()
         gathered = self.comm.all_gather(payload)
         self.collective_s += time.perf_counter() - start
+        self.reports = gathered[:, gathered.shape[1] - size:]
+        gathered = gathered[:, :gathered.shape[1] - size]
         failed = [r for r in range(self.world_size) if gathered[r, HEADER.index("is_fatal")]]
         if failed:
             raise PeerStopped(f"rank(s) {failed} stopped the run; their error names the cause")

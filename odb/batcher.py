@@ -48,11 +48,15 @@ class OnlineBatcher:
         num_epochs: epochs to run in join mode (quota mode runs until the quota).
         shards: optional explicit per-rank lists of dataset indices (static sharding only).
         on_deal: told every uid dealt to this rank, in fetch order (feeds a DataLoader sampler).
+        report / on_reports: this rank's telemetry vector for the next round (same length on every
+            rank) and, after the round, every rank's (``[world, len]``); see :mod:`odb.metrics`.
     """
 
     def __init__(self, config: OdbConfig, comm: Communicator, *, dataset_size: int, fetch: Fetch,
                  num_epochs: int = 1, shards: list[list[int]] | None = None,
-                 on_deal: Callable[[list[int]], None] | None = None) -> None:
+                 on_deal: Callable[[list[int]], None] | None = None,
+                 report: Callable[[], np.ndarray] | None = None,
+                 on_reports: Callable[[np.ndarray], None] | None = None) -> None:
         if dataset_size < 0 or num_epochs < 1:
             raise ValueError(f"need dataset_size >= 0 and num_epochs >= 1, got {dataset_size}, {num_epochs}")
         if shards is not None and config.sharding != "static":
@@ -67,6 +71,7 @@ class OnlineBatcher:
         self.num_epochs = num_epochs
         self.fetch = fetch
         self.on_deal = on_deal or (lambda uids: None)
+        self.report, self.on_reports = report, on_reports  # telemetry riding on each round
         self.shards = shards
         self.cost_model = CostModel.from_config(config)
         self.packer = make_packer(config, self.cost_model)
@@ -236,7 +241,8 @@ class OnlineBatcher:
                 self._proposal(), max_bins=self.capacity, max_samples=self.capacity, gas=self.config.gas,
                 seed=self.config.seed, epoch=self.epoch, round_index=self.round_index,
                 quota_left=quota_left, stream_left=self._stream_left(),
-                inflight_target=self.config.window + self.config.lookahead)
+                inflight_target=self.config.window + self.config.lookahead,
+                report=self.report() if self.report else None)
         except PeerStopped:
             if self.fatal is not None:
                 raise self.fatal from None  # this rank's own error, with its message
@@ -244,6 +250,8 @@ class OnlineBatcher:
         self._apply(decision)
         waited = self.fetch_s + self.aligner.collective_s - waited
         self.plan_s += time.perf_counter() - start - waited
+        if self.on_reports:
+            self.on_reports(self.aligner.reports)
 
     def _apply(self, decision: Decision) -> None:
         mine = decision.slots[self.rank]

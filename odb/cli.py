@@ -69,6 +69,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num_workers", type=int, default=1, help="DataLoader workers per rank")
     p.add_argument("--prefetch_factor", type=int, default=4)
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--report_to", choices=("none", "wandb"), default="none",
+                   help="also log metrics to Weights & Biases (rank 0, one run; WANDB_MODE=offline works)")
+    p.add_argument("--wandb_project", default="odb")
+    p.add_argument("--run_name", default=None, help="W&B run name (default: the output_dir's name)")
+    p.add_argument("--wandb_tags", default="", help="comma-separated W&B tags")
     p.add_argument("--dist_timeout_s", type=int, default=600, help="timeout of every collective")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by launchers
     return p

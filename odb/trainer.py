@@ -9,14 +9,16 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from odb.align import TorchCommunicator
 from odb.batcher import OnlineBatcher
 from odb.cli import TrainArgs
-from odb.data import SKIP_REASONS, SampleDataset, sample_cost
+from odb.data import SampleDataset, sample_cost
 from odb.engine import OdbEngine
 from odb.feed import SampleFeed
+from odb.metrics import StepTimes, Telemetry
 from odb.model import build_model, load_tokenizer, vision_spec
 from odb.vision import supports_packing
 from odb.schedule import ProgressSchedule
@@ -94,51 +96,106 @@ class Trainer:
         self.batcher = OnlineBatcher(config, self.comm, dataset_size=len(self.dataset), fetch=self.feed.fetch,
                                      num_epochs=args.epochs, on_deal=self.feed.deal)
         planned = config.quota if config.mode == "quota" else args.epochs * len(self.dataset)
+        self.planned = planned
         self.schedule = ProgressSchedule(args.lr, planned, warmup_ratio=args.warmup_ratio)
+        effective = self._effective_config(ds_config, packed)
+        self.wandb_run = self._wandb(effective) if args.report_to == "wandb" and self.rank == 0 else None
+        self.telemetry = Telemetry(
+            rank=self.rank, max_steps_per_round=self.batcher.capacity // config.gas + 1,
+            max_tokens=config.max_tokens, dataset_size=len(self.dataset), planned_samples=planned,
+            output_dir=self.output_dir,
+            sink=(lambda row: self.wandb_run.log(row, step=row["step"])) if self.wandb_run else None)
+        self.batcher.report = lambda: self.telemetry.report(self.feed.skipped)
+        self.batcher.on_reports = self.telemetry.on_reports
         self.samples_done = self.steps_done = 0  # over the whole run, resumes included
         self.losses: list[float] = []  # this rank's loss per token, per step
         self.totals = {"micro_batches": 0, "dummy_micro_batches": 0, "samples": 0, "real_tokens": 0,
                        "materialized_tokens": 0, "steps": 0}
         if args.resume:
             self._resume(args.resume)
-        self.log(f"odb: world {self.world_size}, {len(self.dataset)} samples x {args.epochs} epoch(s), "
-                 f"max_tokens {config.max_tokens}, window {config.window}, gas {config.gas}, "
-                 f"ZeRO {ds_config.get('zero_optimization', {}).get('stage', 0)}, "
-                 f"bf16 {ds_config.get('bf16', {}).get('enabled', False)}, planned {planned} samples")
+        self.log("odb: " + ", ".join(f"{k} {v}" for k, v in effective.items()))
         return self
+
+    def _effective_config(self, ds_config: dict, packed: bool) -> dict:
+        config, args = self.config, self.args
+        if not packed:
+            attention = "padded (sdpa)"
+        elif torch.cuda.is_available():
+            attention = "odb_varlen: flash-attn varlen" if _has_flash_attn() else "odb_varlen: torch varlen_attn"
+        else:
+            attention = "odb_varlen: per-sample SDPA (CPU)"
+        return {"world_size": self.world_size, "max_tokens": config.max_tokens, "window": config.window,
+                "gas": config.gas, "mode": config.mode, "policy": config.policy,
+                "zero_stage": ds_config.get("zero_optimization", {}).get("stage", 0),
+                "bf16": ds_config.get("bf16", {}).get("enabled", False), "attention": attention,
+                "model": args.model, "lora": bool(self.targs.lora), "data": args.data,
+                "dataset_samples": len(self.dataset), "epochs": args.epochs, "planned_samples": self.planned,
+                "lr": args.lr, "num_workers": args.num_workers}
+
+    def _wandb(self, effective: dict):
+        import wandb  # only when asked for
+
+        tags = [t for t in self.args.wandb_tags.split(",") if t]
+        return wandb.init(project=self.args.wandb_project, name=self.args.run_name or self.output_dir.name,
+                          tags=tags, dir=str(self.output_dir),
+                          config={**effective, "odb": self.config.to_dict(), "deepspeed": self.targs.ds_config})
 
     # ---- train ------------------------------------------------------------------------------
 
     def train(self) -> "Trainer":
-        args = self.args
+        args, batcher = self.args, self.batcher
         audit = open(self.output_dir / f"emitted_ids.rank{self.rank}.jsonl", "a") if args.audit_ids else None
+        progress = self._progress_bar()
         start = time.perf_counter()
         steps_this_run = 0
-        for plan in self.batcher:
+        plans = iter(batcher)
+        while True:
+            began = time.perf_counter()
+            spent = (batcher.fetch_s, batcher.plan_s, batcher.aligner.collective_s)
+            plan = next(plans, None)  # a round may run here: fetching, planning, one collective
+            if plan is None:
+                break
             samples = [[self.feed.take(uid) for uid in micro.uids] for micro in plan.micro_batches]
             result = self.engine.train_step(plan, samples, self.schedule(self.samples_done))
             self.samples_done += plan.num_samples
             self.steps_done = plan.step + 1
             self._count(plan)
+            times = StepTimes(wait=batcher.fetch_s - spent[0], plan=batcher.plan_s - spent[1],
+                              collective=batcher.aligner.collective_s - spent[2], step=time.perf_counter() - began,
+                              ended=time.time())
+            self.telemetry.record(plan, loss_sum=result.loss_sum, lr=result.lr,
+                                  materialized=sum(m.materialized for m in plan.micro_batches), times=times)
             if audit:
                 size = len(self.dataset)
                 for m, micro in enumerate(plan.micro_batches):
                     audit.write(json.dumps({"epoch": plan.epoch, "step": plan.step, "micro": m,
                                             "ids": [u % size for u in micro.uids]}) + "\n")
             steps_this_run += 1
-            loss = result.loss_sum / max(1, result.label_tokens)
-            self.losses.append(loss)
-            if plan.step % 20 == 0:
-                self.log(f"step {plan.step} epoch {plan.epoch} loss {loss:.4f} lr {result.lr:.2e} "
-                         f"samples {self.samples_done}")
+            self.losses.append(result.loss_sum / max(1, result.label_tokens))
+            if progress is not None:
+                progress.update(plan.num_samples)
+                last = self.telemetry.last
+                if last:
+                    progress.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}",
+                                         pad=f"{last['padding_ratio']:.2f}", refresh=False)
             if args.save_steps and self.steps_done % args.save_steps == 0:
                 self.save(f"step{self.steps_done}")
             if args.max_steps and steps_this_run >= args.max_steps:
                 break
         self.wall_s = time.perf_counter() - start
+        if progress is not None:
+            progress.close()
         if audit:
             audit.close()
         return self
+
+    def _progress_bar(self):
+        if self.rank != 0:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.planned, initial=self.samples_done, unit="sample", desc="odb", disable=None,
+                    dynamic_ncols=True)
 
     def _count(self, plan) -> None:
         t = self.totals
@@ -180,11 +237,13 @@ class Trainer:
         if not self.args.no_final_checkpoint:
             self.save(f"step{self.steps_done}")
         keys = sorted(self.totals)
-        counts, skipped = self.batcher.counts, self.feed.skipped
-        summed = dict(zip(keys + ["truncated", "dropped"] + [f"skip:{r}" for r in SKIP_REASONS],
-                          self.batcher.aligner.sum_totals([self.totals[k] for k in keys] + [
-                              counts["truncated"], counts["dropped"]] + [skipped[r] for r in SKIP_REASONS])))
-        skipped_all = {r: summed[f"skip:{r}"] for r in SKIP_REASONS if summed[f"skip:{r}"]}
+        counts = self.batcher.counts
+        own = [self.totals[k] for k in keys] + [counts["truncated"], counts["dropped"]]
+        tsize = self.telemetry.size
+        gathered = self.batcher.aligner.gather_reports(
+            np.concatenate([self.telemetry.report(self.feed.skipped), np.asarray(own, dtype=np.int64)]))
+        self.telemetry.on_reports(gathered[:, :tsize])  # completes the last round's steps
+        summed = dict(zip(keys + ["truncated", "dropped"], gathered[:, tsize:].sum(axis=0).tolist()))
         if self.feed.examples:
             print(f"rank {self.rank} skipped records, e.g.: " + "; ".join(self.feed.examples), flush=True)
         summary = {
@@ -193,17 +252,22 @@ class Trainer:
             "dummy_micro_batches": summed["dummy_micro_batches"], "samples_emitted": summed["samples"],
             "real_tokens": summed["real_tokens"], "materialized_tokens": summed["materialized_tokens"],
             "padding_ratio": round(1 - summed["real_tokens"] / max(1, summed["materialized_tokens"]), 6),
-            "truncated": summed["truncated"], "dropped": summed["dropped"], "skipped": skipped_all,
+            "truncated": summed["truncated"], "dropped": summed["dropped"], "skipped": self.telemetry.skipped,
             "loss_first": round(sum(self.losses[:3]) / max(1, len(self.losses[:3])), 5),
             "loss_last": round(sum(self.losses[-3:]) / max(1, len(self.losses[-3:])), 5),
             "wall_s": round(self.wall_s, 3),
             "samples_per_s": round(summed["samples"] / max(1e-9, self.wall_s), 3),
             "tokens_per_s": round(summed["real_tokens"] / max(1e-9, self.wall_s), 1),
             "policy": self.config.policy, "rounds": self.batcher.round_index,
+            "odb_collectives": self.comm.num_collectives,  # start check + one per round + this close
         }
         if self.rank == 0:
             (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             self.log(f"done: {json.dumps(summary)}")
+            if self.wandb_run is not None:
+                self.wandb_run.summary.update(summary)
+                self.wandb_run.finish()
+        self.telemetry.close()
         self.feed.close()
         dist.barrier()
         dist.destroy_process_group()
@@ -212,3 +276,11 @@ class Trainer:
     def log(self, message: str) -> None:
         if self.rank == 0:
             print(message, flush=True)
+
+
+def _has_flash_attn() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True

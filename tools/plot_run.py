@@ -1,0 +1,67 @@
+#!/usr/bin/env python
+"""Plot training runs from their metrics.jsonl: tokens/s, samples/s, padding, micro-batches per
+step and rank balance over steps, several runs overlaid.
+
+    python tools/plot_run.py runs/odb runs/fixed --out runs/compare.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless
+import matplotlib.pyplot as plt  # noqa: E402
+
+PANELS = [("tokens_per_s", "real tokens / s"), ("samples_per_s", "samples / s"),
+          ("padding_ratio", "padding ratio"), ("micro_batches", "micro-batches per step"),
+          ("rank_balance", "rank balance (min / max tokens)"), ("loss", "loss")]
+
+
+def load(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"{path} does not exist: pass the --output_dir of a training run")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for row in rows:
+        row["rank_balance"] = row["rank_tokens_min"] / row["rank_tokens_max"] if row["rank_tokens_max"] else 1.0
+    return rows
+
+
+def smooth(values: list[float], width: int) -> list[float]:
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value - (values[i - width] if i >= width else 0.0)
+        out.append(total / min(i + 1, width))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories (training --output_dir)")
+    parser.add_argument("--out", type=Path, default=Path("run_plots.png"))
+    parser.add_argument("--smooth", type=int, default=5, help="moving average over this many steps")
+    parser.add_argument("--labels", nargs="*", help="one legend label per run (default: folder names)")
+    args = parser.parse_args()
+    labels = args.labels or [run.name for run in args.runs]
+    figure, axes = plt.subplots(2, 3, figsize=(15, 8), dpi=80)
+    for run, label in zip(args.runs, labels):
+        rows = load(run)
+        steps = [row["step"] for row in rows]
+        for ax, (key, title) in zip(axes.flat, PANELS):
+            ax.plot(steps, smooth([float(row[key]) for row in rows], args.smooth), label=label)
+            ax.set_title(title)
+            ax.set_xlabel("optimizer step")
+            ax.grid(alpha=0.3)
+    axes.flat[0].legend()
+    figure.tight_layout()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
