@@ -217,12 +217,12 @@ class Aligner:
         Every rank must pass the same keys (in any order); values are compared by fingerprint.
         """
         keys = sorted(settings)
-        mine = np.array([len(keys)] + [_fingerprint([k, settings[k]]) for k in keys], dtype=np.int64)
+        mine = np.array([_fingerprint([k, settings[k]]) for k in keys], dtype=np.int64)
         gathered = self.comm.all_gather(mine)
-        differing = [k for i, k in enumerate(keys) if len(set(gathered[:, i + 1].tolist())) > 1]
-        if len(set(gathered[:, 0].tolist())) > 1 or differing:
+        differing = [k for i, k in enumerate(keys) if len(set(gathered[:, i].tolist())) > 1]
+        if differing:
             raise SettingsMismatch(
-                f"ranks were started with different settings: {differing or 'different keys'} "
+                f"ranks were started with different settings: {differing} "
                 f"(rank {self.rank} has " + ", ".join(f"{k}={settings[k]!r}" for k in differing)
                 + "); start every rank with the same config files and flags")
 

@@ -6,7 +6,8 @@ Usage on every rank (the same calls, in lockstep)::
     for step in batcher:            # StepPlan: GAS micro-batches + the step's global label tokens
         train(step)
 
-``fetch(uids)`` returns ``(tokens, label_tokens, patches)`` for each processed sample, in order;
+``fetch(uids)`` returns ``(tokens, label_tokens, patches)`` for each processed sample, in order
+(``None`` for a record the data layer skipped);
 a uid is ``epoch * dataset_size + dataset_index``. ``on_deal(uids)`` is told, in fetch order,
 every uid dealt to this rank (feed them to the DataLoader's sampler); :meth:`held_uids` lists the
 samples a resumed batcher still needs (processed again after loading a state).
@@ -29,7 +30,7 @@ from odb.state import STATE_VERSION, check_state, decode_steps, encode_steps
 
 __all__ = ["OnlineBatcher", "epoch_order"]
 
-Fetch = Callable[[list[int]], list[tuple[int, int, int]]]
+Fetch = Callable[[list[int]], list[tuple[int, int, int] | None]]
 
 
 def epoch_order(seed: int, epoch: int, dataset_size: int) -> np.ndarray:
@@ -48,6 +49,7 @@ class OnlineBatcher:
         num_epochs: epochs to run in join mode (quota mode runs until the quota).
         shards: optional explicit per-rank lists of dataset indices (static sharding only).
         on_deal: told every uid dealt to this rank, in fetch order (feeds a DataLoader sampler).
+        on_drop: told the fetched uids that will not be trained (skipped, or dropped over the cap).
         report / on_reports: this rank's telemetry vector for the next round (same length on every
             rank) and, after the round, every rank's (``[world, len]``); see :mod:`odb.metrics`.
     """
@@ -55,6 +57,7 @@ class OnlineBatcher:
     def __init__(self, config: OdbConfig, comm: Communicator, *, dataset_size: int, fetch: Fetch,
                  num_epochs: int = 1, shards: list[list[int]] | None = None,
                  on_deal: Callable[[list[int]], None] | None = None,
+                 on_drop: Callable[[list[int]], None] | None = None,
                  report: Callable[[], np.ndarray] | None = None,
                  on_reports: Callable[[np.ndarray], None] | None = None) -> None:
         if dataset_size < 0 or num_epochs < 1:
@@ -71,6 +74,7 @@ class OnlineBatcher:
         self.num_epochs = num_epochs
         self.fetch = fetch
         self.on_deal = on_deal or (lambda uids: None)
+        self.on_drop = on_drop
         self.report, self.on_reports = report, on_reports  # telemetry riding on each round
         self.shards = shards
         self.cost_model = CostModel.from_config(config)
@@ -91,8 +95,8 @@ class OnlineBatcher:
         self.observed_cost = 0
         self.observed_cost_sq = 0
         self.observed_samples = 0
-        self.counts = {"truncated": 0, "dropped": 0, "skipped": 0, "dummy_micro_batches": 0, "micro_batches": 0}
-        self.fatal: ValueError | None = None
+        self.counts = {"truncated": 0, "dropped": 0, "skipped": 0}
+        self.fatal: Exception | None = None
         self.is_done = False
         # Time in odb's own planning (packing, decisions, dealing), in waiting for processed
         # samples and in collectives: telemetry, not state.
@@ -129,6 +133,11 @@ class OnlineBatcher:
             indices = self._order(epoch)[self.rank::self.world_size].tolist()
         return [epoch * self.dataset_size + int(i) for i in indices]
 
+    def _static_shard_size(self) -> int:
+        if self.shards is not None:
+            return len(self.shards[self.rank])
+        return len(range(self.rank, self.dataset_size, self.world_size))
+
     def _stream_left(self) -> int | None:
         if self.config.sharding == "static":
             return None
@@ -164,7 +173,7 @@ class OnlineBatcher:
         if self.pending:
             return False
         if self.config.sharding == "static":
-            return self.config.mode == "join" or not self._static_shard(0)
+            return self.config.mode == "join" or not self._static_shard_size()
         return self._stream_left() == 0
 
     # ---- what callers see --------------------------------------------------------------------
@@ -195,7 +204,7 @@ class OnlineBatcher:
 
     def _fill_window(self) -> None:
         if self.config.sharding == "static" and self.config.mode == "quota":
-            while len(self.pending) < self.config.window + self.config.lookahead and self._static_shard(0):
+            while len(self.pending) < self.config.window + self.config.lookahead and self._static_shard_size():
                 self.epoch_of_shard += 1  # the shard again, in the next epoch's order
                 more = self._static_shard(self.epoch_of_shard)
                 self.pending.extend(more)
@@ -209,9 +218,12 @@ class OnlineBatcher:
             raw = self.fetch(uids)
             self.fetch_s += time.perf_counter() - start
             admitted, outcomes = self.cost_model.measure_many(uids, raw)
-        except ValueError as err:  # bad data under strict, an over-cap error, an empty sample
+        except Exception as err:  # noqa: BLE001 - bad data under strict, over-cap error, a dead worker
             self.fatal = err  # told to every rank in this round's vector; raised after it
             return
+        if len(admitted) < len(uids) and self.on_drop:
+            kept = {s.uid for s in admitted}
+            self.on_drop([u for u in uids if u not in kept])
         for outcome, count in outcomes.items():
             self.counts[outcome] += count
         self.observed_cost += sum(s.cost for s in admitted)
@@ -272,8 +284,6 @@ class OnlineBatcher:
                 num_label_tokens=n_step, num_samples=n_samples, rank_costs=tuple(costs[at]),
                 rank_tokens=tuple(tokens[at])))
             self.step_index += 1
-        self.counts["micro_batches"] += sum(not m.is_dummy for m in micro)
-        self.counts["dummy_micro_batches"] += sum(m.is_dummy for m in micro)
         self.num_emitted += sum(decision.samples_taken)
         self.round_index += 1
         if any(decision.new_indices):
@@ -310,7 +320,7 @@ class OnlineBatcher:
                     dataset_size=self.dataset_size)
         self.epoch, self.round_index = state["epoch"], state["round_index"]
         self.step_index, self.stream_pos = state["step_index"], state["stream_pos"]
-        self.num_emitted, self.num_epochs = state["num_emitted"], state["num_epochs"]
+        self.num_emitted = state["num_emitted"]  # num_epochs stays this run's: a resume may extend it
         self.pending = list(state["pending"])
         self.on_deal(list(self.pending))
         self.epoch_of_shard = state["epoch_of_shard"]

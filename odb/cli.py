@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup_ratio", type=float, default=0.03)
     p.add_argument("--weight_decay", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="default: the odb config's seed (0)")
     p.add_argument("--lora", nargs="?", const=str(ROOT / "configs" / "lora.json"), default=None,
                    help="train PEFT LoRA adapters (rank, alpha, targets from this JSON)")
     p.add_argument("--resume", nargs="?", const="latest", default=None,
@@ -93,6 +93,7 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
             raise ValueError(f"--{name} must be >= 1")
     odb = load_odb_config(_need_file(args.odb_config, "odb config", "pass --odb_config configs/odb.json"),
                           seed=args.seed)
+    args.seed = odb.seed  # one seed: sample order, augmentation, random init
     import torch
 
     # launchers (deepspeed, torchrun, srun via our sbatch) set WORLD_SIZE before we start

@@ -32,7 +32,9 @@ from odb.collate import collate_packed, collate_padded
 from odb.plan import StepPlan
 from odb.vision import packed_position_ids
 
-__all__ = ["OdbEngine", "StepResult", "token_loss_sum"]
+__all__ = ["OdbEngine", "StepResult", "token_loss_sum", "BLANK_IMAGE_TOKENS"]
+
+BLANK_IMAGE_TOKENS = 3  # vision start, one image pad (a 2x2-merged 4-patch image), vision end
 
 
 @dataclass
@@ -125,7 +127,7 @@ class OdbEngine:
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
         scale = self.world_size / plan.num_label_tokens if plan.num_label_tokens else 0.0
-        loss_sum, label_tokens = 0.0, 0
+        loss_sum, label_tokens = torch.zeros((), device=self.device), 0  # one host sync per step
         last = len(plan.micro_batches) - 1
         for m, (micro, micro_samples) in enumerate(zip(plan.micro_batches, samples, strict=True)):
             self.engine.set_gradient_accumulation_boundary(m == last)
@@ -133,9 +135,9 @@ class OdbEngine:
                 loss = self._dummy_loss()
             else:
                 summed = self._forward_loss(micro_samples, micro.padded)
-                loss_sum += float(summed.detach())
+                loss_sum += summed.detach()
                 label_tokens += micro.label_tokens
                 loss = summed * scale
             self.engine.backward(loss, scale_wrt_gas=False)
         self.engine.step()
-        return StepResult(loss_sum=loss_sum, label_tokens=label_tokens, lr=lr)
+        return StepResult(loss_sum=float(loss_sum), label_tokens=label_tokens, lr=lr)

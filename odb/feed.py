@@ -119,6 +119,11 @@ class SampleFeed:
         for uid in uids:
             self.store[uid] = self.dataset[uid]
 
+    def forget(self, uids: list[int]) -> None:
+        """Samples that will not be trained (the batcher dropped them): free them."""
+        for uid in uids:
+            self.store.pop(uid, None)
+
     def take(self, uid: int) -> dict[str, Any]:
         return self.store.pop(uid)
 

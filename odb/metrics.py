@@ -46,20 +46,21 @@ class Telemetry:
     Args:
         max_steps_per_round: the most steps a round can plan (window + lookahead over GAS, + 1).
         max_tokens: the micro-batch budget (for budget fill).
-        dataset_size, planned_samples: for epoch progress.
+        dataset_size: for epochs done.
+        samples_done: samples trained before this process (a resumed run).
         output_dir: where rank 0 writes ``metrics.jsonl``.
         sink: rank 0's extra consumer of each metrics dict (e.g. W&B's ``log``), or None.
     """
 
     def __init__(self, *, rank: int, max_steps_per_round: int, max_tokens: int, dataset_size: int,
-                 planned_samples: int, output_dir: Path, sink=None) -> None:
+                 samples_done: int = 0, output_dir: Path, sink=None) -> None:
         self.rank, self.max_steps = rank, max_steps_per_round
-        self.max_tokens, self.dataset_size, self.planned = max_tokens, dataset_size, planned_samples
+        self.max_tokens, self.dataset_size = max_tokens, dataset_size
         self.sink = sink
         self.pending: list[tuple[StepPlan, float, float, int, StepTimes]] = []  # not yet reported
         self.reported: list[tuple[StepPlan, float, StepTimes]] = []  # reported, not yet gathered
         self.skipped: dict[str, int] = {}
-        self.samples_done = 0
+        self.samples_done = samples_done
         self.file = open(output_dir / "metrics.jsonl", "a") if rank == 0 else None
         self.last: dict[str, Any] = {}
 

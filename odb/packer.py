@@ -221,10 +221,9 @@ class FixedPacker(Packer):
 
     def add(self, samples: list[SampleCost]) -> None:
         self.unpacked.extend(samples)
-        size = self.batch_size
-        while len(self.unpacked) >= size:
-            self.bins.append(Bin.of(self.unpacked[:size], self.cost_model, padded=True))
-            self.unpacked = self.unpacked[size:]
+        size, full = self.batch_size, len(self.unpacked) // self.batch_size * self.batch_size
+        self.bins += [Bin.of(self.unpacked[i:i + size], self.cost_model, padded=True) for i in range(0, full, size)]
+        del self.unpacked[:full]
 
     def ranked(self, window: int, is_exhausted: bool, min_bins: int = 1) -> int:
         if is_exhausted and self.unpacked:

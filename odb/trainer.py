@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -16,7 +17,7 @@ from odb.align import TorchCommunicator
 from odb.batcher import OnlineBatcher
 from odb.cli import TrainArgs
 from odb.data import SampleDataset, sample_cost
-from odb.engine import OdbEngine
+from odb.engine import BLANK_IMAGE_TOKENS, OdbEngine
 from odb.feed import SampleFeed
 from odb.metrics import StepTimes, Telemetry
 from odb.model import build_model, load_tokenizer, vision_spec
@@ -67,9 +68,15 @@ class Trainer:
     def build(self) -> "Trainer":
         import deepspeed
 
-        args, config = self.args, self.config
+        args = self.args
         self.tokenizer = load_tokenizer(args.tokenizer)
         model = build_model(args.model, seed=args.seed, vocab_size=len(self.tokenizer), lora=self.targs.lora)
+        if vision_spec(model, self.targs.data) is not None:
+            # a micro-batch without images carries a 3-token blank image (odb/engine.py): keep room
+            self.config = dataclasses.replace(self.config, max_tokens=self.config.max_tokens - BLANK_IMAGE_TOKENS)
+            self.log(f"odb: vision model: samples packed under max_tokens - {BLANK_IMAGE_TOKENS} "
+                     f"= {self.config.max_tokens} (room for the blank image of imageless micro-batches)")
+        config = self.config
         truncate_to = config.max_tokens if config.over_cap == "truncate" else None
         self.dataset = SampleDataset(args.data, self.tokenizer, self.targs.data, seed=args.seed,
                                      max_samples=args.max_samples, truncate_to=truncate_to,
@@ -94,25 +101,26 @@ class Trainer:
                                prefetch_factor=args.prefetch_factor)
         self.comm = TorchCommunicator(timeout_s=args.dist_timeout_s)
         self.batcher = OnlineBatcher(config, self.comm, dataset_size=len(self.dataset), fetch=self.feed.fetch,
-                                     num_epochs=args.epochs, on_deal=self.feed.deal)
+                                     num_epochs=args.epochs, on_deal=self.feed.deal, on_drop=self.feed.forget)
         planned = config.quota if config.mode == "quota" else args.epochs * len(self.dataset)
         self.planned = planned
         self.schedule = ProgressSchedule(args.lr, planned, warmup_ratio=args.warmup_ratio)
         effective = self._effective_config(ds_config, packed)
         self.wandb_run = self._wandb(effective) if args.report_to == "wandb" and self.rank == 0 else None
-        self.telemetry = Telemetry(
-            rank=self.rank, max_steps_per_round=self.batcher.capacity // config.gas + 1,
-            max_tokens=config.max_tokens, dataset_size=len(self.dataset), planned_samples=planned,
-            output_dir=self.output_dir,
-            sink=(lambda row: self.wandb_run.log(row, step=row["step"])) if self.wandb_run else None)
-        self.batcher.report = lambda: self.telemetry.report(self.feed.skipped)
-        self.batcher.on_reports = self.telemetry.on_reports
         self.samples_done = self.steps_done = 0  # over the whole run, resumes included
         self.losses: list[float] = []  # this rank's loss per token, per step
         self.totals = {"micro_batches": 0, "dummy_micro_batches": 0, "samples": 0, "real_tokens": 0,
                        "materialized_tokens": 0, "steps": 0}
+        self.saved: str | None = None  # the last checkpoint tag written
         if args.resume:
             self._resume(args.resume)
+        self.telemetry = Telemetry(
+            rank=self.rank, max_steps_per_round=self.batcher.capacity // config.gas + 1,
+            max_tokens=config.max_tokens, dataset_size=len(self.dataset), samples_done=self.samples_done,
+            output_dir=self.output_dir,
+            sink=(lambda row: self.wandb_run.log(row, step=row["step"])) if self.wandb_run else None)
+        self.batcher.report = lambda: self.telemetry.report(self.feed.skipped)
+        self.batcher.on_reports = self.telemetry.on_reports
         self.log("odb: " + ", ".join(f"{k} {v}" for k, v in effective.items()))
         return self
 
@@ -123,7 +131,7 @@ class Trainer:
         elif torch.cuda.is_available():
             attention = "odb_varlen: flash-attn varlen" if _has_flash_attn() else "odb_varlen: torch varlen_attn"
         else:
-            attention = "odb_varlen: per-sample SDPA (CPU)"
+            attention = "odb_varlen: SDPA per group of similar-length samples (CPU)"
         return {"world_size": self.world_size, "max_tokens": config.max_tokens, "window": config.window,
                 "gas": config.gas, "mode": config.mode, "policy": config.policy,
                 "zero_stage": ds_config.get("zero_optimization", {}).get("stage", 0),
@@ -200,7 +208,7 @@ class Trainer:
     def _count(self, plan) -> None:
         t = self.totals
         t["steps"] += 1
-        for micro, tokens in zip(plan.micro_batches, plan.rank_tokens):
+        for micro in plan.micro_batches:
             t["micro_batches"] += not micro.is_dummy
             t["dummy_micro_batches"] += micro.is_dummy
             t["samples"] += len(micro.samples)
@@ -215,6 +223,7 @@ class Trainer:
             "samples_done": self.samples_done, "steps_done": self.steps_done})
         state = self.batcher.state_dict()
         (folder / tag / f"odb_state.rank{self.rank}.json").write_text(json.dumps(state))
+        self.saved = tag
 
     def _resume(self, tag: str) -> None:
         folder = self.output_dir / "checkpoints"
@@ -234,7 +243,7 @@ class Trainer:
     def close(self) -> dict:
         import torch.distributed as dist
 
-        if not self.args.no_final_checkpoint:
+        if not self.args.no_final_checkpoint and self.saved != f"step{self.steps_done}":
             self.save(f"step{self.steps_done}")
         keys = sorted(self.totals)
         counts = self.batcher.counts
@@ -279,8 +288,6 @@ class Trainer:
 
 
 def _has_flash_attn() -> bool:
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None

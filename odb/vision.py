@@ -67,13 +67,13 @@ def packed_position_ids(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor
     """``[4, 1, T]`` positions of a packed row: text positions, then each sample's M-RoPE."""
     inner = model.model
     image_token = model.config.image_token_id
+    merge = model.config.vision_config.spatial_merge_size
     bounds = cu_seqlens.tolist()
     grids = iter(image_grid_thw if image_grid_thw is not None else [])
     rows = []
     for start, end in zip(bounds, bounds[1:]):
         ids = input_ids[0, start:end][None]
         mm = (ids == image_token).int()
-        merge = model.config.vision_config.spatial_merge_size
         count, own = int(mm.sum()), []
         while count > 0:
             grid = next(grids)

@@ -2,24 +2,16 @@
 a hang fails the test instead of stalling CI."""
 
 import json
-import socket
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
-import pytest
-
 from conftest import check_aligned, check_exact_once, check_label_tokens
+from launch import free_port
 from odb.state import decode_steps
 
 WORKER = Path(__file__).with_name("gloo_worker.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(tmp_path, world: int, scenario: dict) -> list[dict]:

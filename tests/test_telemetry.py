@@ -92,7 +92,7 @@ def test_metrics_jsonl_matches_what_was_trained(wandb_run):
     assert rows[-1]["samples_done"] == 120 == summary["samples_emitted"]
     # telemetry rode on the rounds: the start check, one per round, one at the end, nothing else
     assert summary["odb_collectives"] == summary["rounds"] + 2
-    assert "attention odb_varlen: per-sample SDPA (CPU)" in proc.stdout and "zero_stage 2" in proc.stdout
+    assert "attention odb_varlen: SDPA per group" in proc.stdout and "zero_stage 2" in proc.stdout
 
 
 def test_padding_figures_of_fixed_batches_are_right(tmp_path):
