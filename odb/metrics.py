@@ -94,17 +94,16 @@ class Telemetry:
         base = 1 + len(SKIP_REASONS)
         self.skipped = {r: int(v) for r, v in zip(SKIP_REASONS, reports[:, 1:base].sum(axis=0)) if v}
         assert all(int(n) == len(self.reported) for n in reports[:, 0]), "ranks reported different steps"
-        rows = []
-        for i, (plan, lr, times) in enumerate(self.reported):
-            per_rank = reports[:, base + _PER_STEP * i:base + _PER_STEP * (i + 1)]
-            rows.append(self._metrics(plan, lr, times, per_rank))
-        self.reported = []
-        if self.rank == 0:
-            for row in rows:
-                self.file.write(json.dumps(row) + "\n")
-                if self.sink is not None:
-                    self.sink(row)
-            self.file.flush()
+        reported, self.reported = self.reported, []
+        if self.rank != 0:  # only rank 0 writes the rows
+            return []
+        rows = [self._metrics(plan, lr, times, reports[:, base + _PER_STEP * i:base + _PER_STEP * (i + 1)])
+                for i, (plan, lr, times) in enumerate(reported)]
+        for row in rows:
+            self.file.write(json.dumps(row) + "\n")
+            if self.sink is not None:
+                self.sink(row)
+        self.file.flush()
         return rows
 
     def _metrics(self, plan: StepPlan, lr: float, times: StepTimes, per_rank: np.ndarray) -> dict[str, Any]:

@@ -23,14 +23,13 @@ __all__ = ["Bin", "Packer", "OnlinePacker", "FixedPacker", "GmtPacker", "BmtPack
 class Bin:
     """Samples that go through the model together as one micro-batch."""
 
-    __slots__ = ("samples", "tokens", "patches", "cost", "label_tokens", "longest", "padded")
+    __slots__ = ("samples", "tokens", "patches", "cost", "longest", "padded")
 
     def __init__(self, padded: bool = False) -> None:
         self.samples: list[SampleCost] = []
         self.tokens = 0
         self.patches = 0
         self.cost = 0
-        self.label_tokens = 0
         self.longest = 0
         self.padded = padded
 
@@ -42,7 +41,6 @@ class Bin:
             new.tokens += sample.tokens
             new.patches += sample.patches
             new.cost += sample.cost
-            new.label_tokens += sample.label_tokens
         new.longest = max((s.tokens for s in chosen), default=0)
         if padded:
             new.cost = cost_model.padded_cost(len(new.samples), new.longest)
@@ -53,7 +51,6 @@ class Bin:
         self.tokens += sample.tokens
         self.patches += sample.patches
         self.cost += sample.cost
-        self.label_tokens += sample.label_tokens
         if sample.tokens > self.longest:
             self.longest = sample.tokens
 
@@ -201,7 +198,6 @@ class OnlinePacker(Packer):
         current.tokens -= outgoing.tokens
         current.patches -= outgoing.patches
         current.cost -= outgoing.cost
-        current.label_tokens -= outgoing.label_tokens
         current.add(incoming)
         current.longest = max(s.tokens for s in current.samples)
         at = bisect.bisect_left(sizes, outgoing.tokens)

@@ -142,7 +142,6 @@ class Decision:
     dummy; ``cut`` = (rank, bin index, samples kept) when quota closure cuts one bin.
     """
 
-    num_slots: int
     slots: list[list[int]]
     cut: tuple[int, int, int] | None
     step_label_tokens: list[int]
@@ -271,7 +270,7 @@ def decide(gathered: np.ndarray, *, max_bins: int, gas: int, seed: int, epoch: i
     step_samples = slot_samples.sum(axis=0).reshape(-1, gas).sum(axis=1) if target else np.zeros(0)
     took = np.arange(max_bins)[None, :] < take[:, None]
     samples_taken = (taken_samples * took).sum(axis=1)
-    return Decision(num_slots=target, slots=slots.tolist(), cut=cut,
+    return Decision(slots=slots.tolist(), cut=cut,
                     step_label_tokens=[int(x) for x in step_labels],
                     step_samples=[int(x) for x in step_samples], slot_costs=slot_costs,
                     slot_tokens=slot_tokens, samples_taken=[int(x) for x in samples_taken],
