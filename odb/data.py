@@ -3,7 +3,9 @@
 The true cost of a sample (tokens after templating, augmentation and image -> visual-token
 expansion; vision patches) is known only here; the batcher sees it through :func:`sample_cost`.
 A record that cannot be a sample is skipped and counted by reason (:data:`SKIP_REASONS`); with
-``strict`` it stops the run with its file, line and reason instead, on every rank.
+``strict`` it stops the run with its file, line and reason instead, on every rank. A text model
+(``vision=None``) skips records with images (``image_for_text_model``) rather than training on
+their text alone, and reads ``<image>`` as text.
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ from odb.formats import FORMATS, IMAGE_PLACEHOLDER, SkipSample, normalize
 from odb.sources import Source
 from odb.vision import IMAGE_PAD, ImageProcessor, VisionSpec, expand_placeholders
 
-__all__ = ["DataConfig", "SampleDataset", "sample_cost", "load_data_config", "SKIP_REASONS"]
+__all__ = ["SKIP_REASONS", "DataConfig", "SampleDataset", "load_data_config", "sample_cost"]
 
 SKIP_REASONS = ("not_json", "not_an_object", "no_messages", "bad_role", "bad_content", "empty_content",
-                "no_assistant_turn", "image_placeholder_mismatch", "missing_image", "unreadable_image",
-                "over_cap", "error")
+                "no_assistant_turn", "image_placeholder_mismatch", "mixed_image_sources", "image_for_text_model",
+                "missing_image", "unreadable_image", "over_cap", "error")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,7 +81,8 @@ class SampleDataset(Dataset):
 
     A sample: ``uid``, ``index``, ``input_ids``, ``labels`` and, with images, ``pixel_values``,
     ``image_grid_thw`` and ``patches``. A record that is skipped: ``{"uid", "skip": reason,
-    "where": "file:line", "fatal": strict}``.
+    "where": "file:line", "fatal": strict}``. ``vision`` is the image geometry of a vision-language
+    model (:func:`odb.model.vision_spec`); None means a text model, which takes no images.
     """
 
     def __init__(self, path: str | Path, tokenizer, config: DataConfig = DataConfig(), *, seed: int = 0,
@@ -90,9 +93,9 @@ class SampleDataset(Dataset):
         self.tokenizer, self.config, self.seed, self.truncate_to = tokenizer, config, seed, truncate_to
         root = Path(path) if Path(path).is_dir() else Path(path).parent
         self.image_folder = Path(config.image_folder) if config.image_folder else root
-        self.vision = vision or VisionSpec(min_pixels=config.min_pixels, max_pixels=config.max_pixels)
+        self.vision = vision
         self._images: ImageProcessor | None = None  # built in the worker on first use
-        self.image_pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        self.image_pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD) if vision is not None else None
 
     def __len__(self) -> int:
         return self.size
@@ -112,10 +115,11 @@ class SampleDataset(Dataset):
                     "detail": f"{type(err).__name__}: {err}", "fatal": self.config.strict}
 
     def _process(self, uid: int, index: int, value: dict[str, Any]) -> dict[str, Any]:
-        conversation = normalize(value, self.config.format)
+        conversation = normalize(value, self.config.format, text_only=self.vision is None)
         messages = self._augment(conversation.messages, random.Random(self.seed * 1_000_003 + uid))
         sample: dict[str, Any] = {"uid": uid, "index": index, "patches": 0}
         if conversation.images:
+            assert self.vision is not None, "normalize(text_only=True) lets no image through"
             pixel_values, grids = self._load_images(conversation.images)
             grid_list = list(grids)
             expanded = []
@@ -134,7 +138,8 @@ class SampleDataset(Dataset):
             keep = torch.tensor(encoded["assistant_masks"], dtype=torch.bool)
         else:
             keep = torch.ones_like(input_ids, dtype=torch.bool)
-        keep &= input_ids != self.image_pad_id
+        if self.image_pad_id is not None:
+            keep &= input_ids != self.image_pad_id
         labels = torch.where(keep, input_ids, torch.full_like(input_ids, -100))
         if self.truncate_to is not None and len(input_ids) > self.truncate_to:
             if conversation.images and bool((input_ids[self.truncate_to:] == self.image_pad_id).any()):

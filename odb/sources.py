@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Source", "RawRecord"]
+__all__ = ["RawRecord", "Source"]
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -60,7 +60,8 @@ class Source:
             if not isinstance(rows, list):
                 raise ValueError(f"{file} must hold a list of records (or {{'data': [...]}})")
             return rows
-        from datasets import Dataset  # Parquet through Hugging Face datasets, no hub access
+        # Parquet through Hugging Face datasets, no hub access
+        from datasets import Dataset
 
         return Dataset.from_parquet(str(file))
 

@@ -5,16 +5,16 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import check_caps
 from PIL import Image
 
-from conftest import check_caps
+from launch import ROOT, deepspeed, ds_config, odb_config
+from odb.batcher import OnlineBatcher
 from odb.config import OdbConfig
 from odb.data import DataConfig, SampleDataset, load_data_config, sample_cost
 from odb.feed import DataError, SampleFeed
 from odb.model import build_model, load_tokenizer, vision_spec
 from odb.simulate import run_ranks
-from odb.batcher import OnlineBatcher
-from launch import ROOT, deepspeed, ds_config, odb_config
 
 TOKENIZER = load_tokenizer(ROOT / "data" / "tokenizer")
 VL = ROOT / "configs" / "tiny_vl_model.json"
@@ -66,6 +66,117 @@ def test_llava_record_expands_the_image_into_its_visual_tokens(tmp_path):
         ("<|vision_end|>", False), ("Ċ", False), ("apple", False), ("<|end|>", False), ("<|assistant|>", False),
         ("Hello", True), ("<|end|>", True)]
     assert sample_cost(sample) == (len(sample["input_ids"]), 2, 24)
+
+
+TAG = ["<", "i", "m", "a", "ge", ">"]  # a literal "<image>" as text
+
+
+@pytest.mark.parametrize("model", ["text", "vl"])
+@pytest.mark.parametrize("record", [
+    {"messages": [{"role": "user", "content": "apple <image>"}, {"role": "assistant", "content": "Hello <image>"}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "apple <image>"}]},
+                  {"role": "assistant", "content": "Hello <image>"}]},
+    {"conversations": [{"from": "human", "value": "apple <image>"}, {"from": "gpt", "value": "Hello <image>"}]},
+], ids=["messages", "messages-parts", "sharegpt"])
+def test_a_literal_image_tag_in_a_record_without_images_is_text(tmp_path, record, model):
+    vision = vision_spec(build_model(VL, seed=0, vocab_size=len(TOKENIZER)), DataConfig()) if model == "vl" else None
+    dataset = SampleDataset(write_jsonl(tmp_path / "d.jsonl", [record]), TOKENIZER, vision=vision)
+    assert layout(dataset[0]) == ([("<|user|>", False), ("apple", False), ("Ġ", False)] + [(t, False) for t in TAG]
+                                  + [("<|end|>", False), ("<|assistant|>", False), ("Hello", True), ("Ġ", True)]
+                                  + [(t, True) for t in TAG] + [("<|end|>", True)])
+
+
+IMAGE_RECORDS = [  # the same two-image chat: red.png (56 x 84), then blue.png (56 x 56)
+    {"images": ["red.png", "blue.png"], "conversations": [{"from": "human", "value": "<image>apple<image>"},
+                                                          {"from": "gpt", "value": "Hello"}]},
+    {"images": ["red.png", "blue.png"],  # TRL / Hugging Face: the parts carry no path
+     "messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "apple"}, {"type": "image"}]},
+                  {"role": "assistant", "content": [{"type": "text", "text": "Hello"}]}]},
+    {"images": ["red.png", "blue.png"],  # as Parquet gives it back: Arrow fills every part's fields
+     "messages": [{"role": "user", "content": [{"type": "image", "image": None, "text": None},
+                                               {"type": "text", "image": None, "text": "apple"},
+                                               {"type": "image", "image": None, "text": None}]},
+                  {"role": "assistant", "content": "Hello"}]},
+    {"images": ["red.png", "blue.png"], "messages": [{"role": "user", "content": "<image>apple<image>"},
+                                                     {"role": "assistant", "content": "Hello"}]},
+    {"messages": [{"role": "user", "content": [{"type": "image", "image": "red.png"}, {"type": "text", "text": "apple"},
+                                               {"type": "image", "image": "blue.png"}]},
+                  {"role": "assistant", "content": "Hello"}]},
+    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "red.png"}},
+                                               {"type": "text", "text": "apple"},
+                                               {"type": "image_url", "image_url": {"url": "blue.png"}}]},
+                  {"role": "assistant", "content": "Hello"}]},
+]
+
+
+def image_files(tmp_path):
+    Image.new("RGB", (56, 84), (200, 10, 10)).save(tmp_path / "red.png")
+    Image.new("RGB", (56, 56), (10, 10, 200)).save(tmp_path / "blue.png")
+
+
+@pytest.mark.parametrize("record", IMAGE_RECORDS[1:], ids=["trl", "trl-parquet", "messages-placeholders",
+                                                           "messages-image-paths", "messages-image-urls"])
+def test_every_image_record_style_gives_the_llava_sample(tmp_path, record):
+    image_files(tmp_path)
+    vision = vision_spec(build_model(VL, seed=0, vocab_size=len(TOKENIZER)), DataConfig())
+    dataset = SampleDataset(write_jsonl(tmp_path / "d.jsonl", [IMAGE_RECORDS[0], record]), TOKENIZER, vision=vision)
+    llava, sample = dataset[0], dataset[1]
+    # 56 x 84: 6 x 4 patches, 6 visual tokens; 56 x 56: 4 x 4 patches, 4 visual tokens
+    assert llava["image_grid_thw"].tolist() == [[1, 6, 4], [1, 4, 4]] and llava["patches"] == 40
+    assert layout(llava) == ([("<|user|>", False), ("<|vision_start|>", False)] + [("<|image_pad|>", False)] * 6
+                             + [("<|vision_end|>", False), ("apple", False), ("<|vision_start|>", False)]
+                             + [("<|image_pad|>", False)] * 4 + [("<|vision_end|>", False), ("<|end|>", False),
+                                                                 ("<|assistant|>", False), ("Hello", True), ("<|end|>", True)])
+    for key in ("input_ids", "labels", "pixel_values", "image_grid_thw"):
+        assert torch.equal(sample[key], llava[key]), key
+    assert sample["patches"] == llava["patches"]
+
+
+def image_part(path=None):
+    return {"type": "image"} if path is None else {"type": "image", "image": path}
+
+
+def chat(content, **extra):
+    return {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "Hello"}], **extra}
+
+
+@pytest.mark.parametrize("record, reason", [
+    (chat([image_part("red.png"), image_part()], images=["blue.png"]), "mixed_image_sources"),
+    (chat([image_part("red.png")], images=["red.png"]), "mixed_image_sources"),
+    (chat([image_part(), {"type": "text", "text": "apple"}]), "image_placeholder_mismatch"),
+    (chat([image_part(), image_part()], images=["red.png"]), "image_placeholder_mismatch"),
+    (chat("<image> apple <image>", images=["red.png"]), "image_placeholder_mismatch"),
+    (chat(5), "bad_content"),
+    (chat({"text": "apple"}), "bad_content"),
+    (chat([{"type": "text", "text": 5}]), "bad_content"),
+    (chat([{"type": "audio", "audio": "a.wav"}]), "bad_content"),
+    (chat([image_part(5)]), "bad_content"),
+    (chat("<image> apple", images=[5]), "bad_content"),
+    ({"image": {"path": "red.png"}, "conversations": [{"from": "human", "value": "<image>"},
+                                                      {"from": "gpt", "value": "b"}]}, "bad_content"),
+], ids=["parts-and-list", "parts-and-same-list", "no-path-no-list", "two-parts-one-image", "two-tags-one-image",
+        "int-content", "dict-content", "int-text-part", "unknown-part", "int-image-part", "int-image-list",
+        "dict-image"])
+def test_records_whose_images_do_not_add_up_are_skipped_with_a_clear_reason(tmp_path, record, reason):
+    image_files(tmp_path)
+    vision = vision_spec(build_model(VL, seed=0, vocab_size=len(TOKENIZER)), DataConfig())
+    sample = SampleDataset(write_jsonl(tmp_path / "d.jsonl", [record]), TOKENIZER, vision=vision)[0]
+    assert sample.get("skip") == reason, sample.get("detail", sample.keys())
+
+
+@pytest.mark.parametrize("record", IMAGE_RECORDS + [chat("apple", image="red.png")],
+                         ids=["llava", "trl", "trl-parquet", "messages-placeholders", "messages-image-paths",
+                              "messages-image-urls", "one-image-no-placeholder"])
+def test_a_text_model_skips_records_with_images_and_strict_stops(tmp_path, record):
+    image_files(tmp_path)
+    path = write_jsonl(tmp_path / "d.jsonl", [record])
+    skipped = SampleDataset(path, TOKENIZER)[0]  # vision=None: a text model, as odb.model.vision_spec says
+    assert skipped.get("skip") == "image_for_text_model", skipped.get("detail", skipped.keys())
+    assert "vision-language model (e.g. Qwen2-VL) or drop the images" in skipped["detail"]
+    feed = SampleFeed(SampleDataset(path, TOKENIZER, DataConfig(strict=True)), sample_cost, num_workers=0)
+    feed.deal([0])
+    with pytest.raises(DataError, match=r"d\.jsonl:1: image_for_text_model: [12] image\(s\) for a text-only model"):
+        feed.fetch([0])
 
 
 def test_format_is_detected_per_record_and_can_be_forced(tmp_path):
@@ -120,6 +231,8 @@ BAD = [
                                                {"from": "gpt", "value": "b"}]}, "unreadable_image"),
     ({"image": "big.png", "conversations": [{"from": "human", "value": "apple " * 40 + "<image>"},
                                             {"from": "gpt", "value": "b"}]}, "over_cap"),
+    ({"images": ["big.png"], "messages": [{"role": "user", "content": [{"type": "image", "image": "big.png"}]},
+                                          {"role": "assistant", "content": "b"}]}, "mixed_image_sources"),
 ]
 
 
