@@ -116,11 +116,11 @@ class SampleDataset(Dataset):
 
     def _process(self, uid: int, index: int, value: dict[str, Any]) -> dict[str, Any]:
         conversation = normalize(value, self.config.format, text_only=self.vision is None)
-        messages = self._augment(conversation.messages, random.Random(self.seed * 1_000_003 + uid))
+        messages, images = self._augment_with_images(conversation, random.Random(self.seed * 1_000_003 + uid))
         sample: dict[str, Any] = {"uid": uid, "index": index, "patches": 0}
-        if conversation.images:
+        if images:
             assert self.vision is not None, "normalize(text_only=True) lets no image through"
-            pixel_values, grids = self._load_images(conversation.images)
+            pixel_values, grids = self._load_images(images)
             grid_list = list(grids)
             expanded = []
             for message in messages:
@@ -142,12 +142,24 @@ class SampleDataset(Dataset):
             keep &= input_ids != self.image_pad_id
         labels = torch.where(keep, input_ids, torch.full_like(input_ids, -100))
         if self.truncate_to is not None and len(input_ids) > self.truncate_to:
-            if conversation.images and bool((input_ids[self.truncate_to:] == self.image_pad_id).any()):
+            if images and bool((input_ids[self.truncate_to:] == self.image_pad_id).any()):
                 raise SkipSample("over_cap", f"{len(input_ids)} tokens; cutting at {self.truncate_to} "
                                  "would cut an image")
             input_ids, labels = input_ids[:self.truncate_to], labels[:self.truncate_to]
         sample.update(input_ids=input_ids, labels=labels)
         return sample
+
+    def _augment_with_images(self, conversation, rng: random.Random) -> tuple[list[dict[str, str]], list[str]]:
+        """The augmented messages and the images of their ``<image>`` placeholders, in order: a
+        turn that augmentation leaves out takes its images with it."""
+        owned, at = [], 0
+        for message in conversation.messages:
+            count = message["content"].count(IMAGE_PLACEHOLDER) if conversation.images else 0
+            owned.append((message, conversation.images[at:at + count]))
+            at += count
+        by_message = {id(message): paths for message, paths in owned}
+        messages = self._augment([m for m, _ in owned], rng)
+        return messages, [p for m in messages for p in by_message.get(id(m), [])]
 
     def _augment(self, messages: list[dict[str, str]], rng: random.Random) -> list[dict[str, str]]:
         config = self.config

@@ -339,3 +339,24 @@ def test_bad_records_in_a_training_run_are_counted_in_the_summary_and_strict_sto
     assert summary["samples_emitted"] == 2
     with pytest.raises(AssertionError, match=r"DataError: \S+bad\.jsonl:\d+: \w+.*without --strict"):
         deepspeed(common + ["--output_dir", str(tmp_path / "strict"), "--strict"], timeout=180)  # no hang
+
+
+def test_turn_sampling_drops_the_images_of_the_turns_it_leaves_out(tmp_path):
+    """Two exchanges, one image each (different sizes): a sample cut to the first exchange holds
+    the first image only; its visual tokens match its grids."""
+    Image.new("RGB", (56, 56), (200, 10, 10)).save(tmp_path / "a.png")
+    Image.new("RGB", (112, 56), (10, 200, 10)).save(tmp_path / "b.png")
+    record = {"images": ["a.png", "b.png"], "conversations": [
+        {"from": "human", "value": "<image> first"}, {"from": "gpt", "value": "one"},
+        {"from": "human", "value": "<image> second"}, {"from": "gpt", "value": "two"}]}
+    model = build_model(VL, seed=0, vocab_size=len(TOKENIZER))
+    dataset = SampleDataset(write_jsonl(tmp_path / "d.jsonl", [record]), TOKENIZER, DataConfig(turn_sampling=True),
+                            vision=vision_spec(model, DataConfig()))
+    grids_seen = set()
+    for uid in range(12):  # each uid draws its own cut
+        sample = dataset[uid]
+        visual_tokens = int((sample["input_ids"] == IMAGE_PAD).sum())
+        assert visual_tokens == int(sample["image_grid_thw"].prod(dim=1).sum()) // 4 == sample["patches"] // 4
+        assert len(sample["pixel_values"]) == sample["patches"]
+        grids_seen.add(tuple(map(tuple, sample["image_grid_thw"].tolist())))
+    assert grids_seen == {((1, 4, 4),), ((1, 4, 4), (1, 4, 8))}  # both cuts were drawn
