@@ -12,7 +12,7 @@ import torch
 from odb.attention import register
 from odb.vision import VisionSpec
 
-__all__ = ["load_tokenizer", "build_model", "vision_spec"]
+__all__ = ["build_model", "load_tokenizer", "vision_spec"]
 
 
 def load_tokenizer(path: str | Path):
@@ -30,7 +30,11 @@ def load_tokenizer(path: str | Path):
 def build_model(path: str | Path, *, seed: int, vocab_size: int, lora: dict[str, Any] | None = None,
                 dtype: torch.dtype = torch.float32):
     """A causal LM with ``attn_implementation="odb_varlen"``; ``use_cache`` off for training."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+    )
 
     attn = register()
     path = Path(path)

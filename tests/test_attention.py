@@ -1,0 +1,333 @@
+"""odb_varlen against the model's own eager attention on each sample alone (STYLE 16).
+
+Tiny random-init models of the families odb trains (Llama; Qwen2 and Mistral with sliding
+windows; Gemma-2 with soft-capping and alternating window layers; Qwen2-VL, Qwen2.5-VL and
+Qwen3-VL with their vision towers), built twice from one state dict: ``"odb_varlen"`` on a packed
+row against ``"eager"`` on each sample alone, in train mode, forward and gradients. Then: dropout
+keeps samples apart, padded rows match eager, and a spy checks that every argument any layer
+passes to the attention function is one odb_varlen implements.
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import pytest
+import torch
+from transformers import (
+    AttentionInterface,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+)
+from transformers.masking_utils import (
+    and_masks,
+    bidirectional_mask_function,
+    causal_mask_function,
+    sliding_window_causal_mask_function,
+)
+from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+from odb import attention
+from odb.collate import collate_packed, collate_padded
+from odb.engine import token_loss_sum
+from odb.vision import packed_position_ids
+
+WINDOW = 16
+TEXT = {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "initializer_range": 0.1,
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1}
+TEXT_FAMILIES = {
+    "llama": {"model_type": "llama"},
+    "qwen2": {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+    "mistral": {"model_type": "mistral", "sliding_window": WINDOW},
+    "gemma2": {"model_type": "gemma2", "sliding_window": WINDOW, "attn_logit_softcapping": 1.0,
+               "final_logit_softcapping": None, "query_pre_attn_scalar": 16},
+}
+ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+VISION = {"depth": 2, "hidden_size": 64, "num_heads": 4, "patch_size": 14, "spatial_merge_size": 2,
+          "temporal_patch_size": 2, "in_channels": 3, "initializer_range": 0.1}
+IMAGE_IDS = {"image_token_id": 7, "video_token_id": 8, "vision_start_token_id": 5, "vision_end_token_id": 6}
+VL_FAMILIES = {
+    "qwen2_vl": {"model_type": "qwen2_vl",
+                 "text_config": {"model_type": "qwen2_vl_text", "rope_parameters": ROPE, **TEXT},
+                 "vision_config": {"model_type": "qwen2_vl", "embed_dim": 64, "mlp_ratio": 2, **VISION}},
+    "qwen2_5_vl": {"model_type": "qwen2_5_vl",
+                   "text_config": {"model_type": "qwen2_5_vl_text", "rope_parameters": ROPE, **TEXT},
+                   "vision_config": {"model_type": "qwen2_5_vl", "intermediate_size": 128, "out_hidden_size": 64,
+                                     "window_size": 56, "fullatt_block_indexes": [1], **VISION}},
+    "qwen3_vl": {"model_type": "qwen3_vl",
+                 "text_config": {"model_type": "qwen3_vl_text", "rope_parameters": {**ROPE, "mrope_interleaved": True},
+                                 **TEXT},
+                 "vision_config": {"model_type": "qwen3_vl", "intermediate_size": 128, "out_hidden_size": 64,
+                                   "num_position_embeddings": 64, "deepstack_visual_indexes": [0], **VISION}},
+}
+TEXT_LENGTHS = (40, 7, 96, 1, 23, 64)
+PATCH_WIDTH = 3 * 2 * 14 * 14
+
+
+def config(family: str, **overrides):
+    if family in VL_FAMILIES:
+        spec = VL_FAMILIES[family]
+        text = {**spec["text_config"], **overrides}
+        return AutoConfig.for_model(**{**spec, "text_config": text}, **IMAGE_IDS)
+    return AutoConfig.for_model(**{**TEXT, **TEXT_FAMILIES[family], **overrides})
+
+
+def build(family: str, implementation: str, state: dict | None = None, **overrides):
+    """A train-mode model of ``family``; with ``state``, those weights."""
+    auto = AutoModelForImageTextToText if family in VL_FAMILIES else AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = auto.from_config(config(family, **overrides), attn_implementation=implementation)
+    if state is not None:
+        model.load_state_dict(state)
+    return model.train()
+
+
+def pair(family: str, **overrides):
+    """The same weights twice: odb_varlen (packed rows) and eager (the oracle)."""
+    packed = build(family, attention.register(), **overrides)
+    return packed, build(family, "eager", packed.state_dict(), **overrides)
+
+
+def text_samples(lengths=TEXT_LENGTHS, seed: int = 0) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(10, 1000, (n,), generator=gen).tolist()} for n in lengths]
+
+
+def image_sample(grid: tuple[int, int, int], num_text: int, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = grid[0] * grid[1] * grid[2] // 4
+    ids = [5] + [7] * tokens + [6] + torch.randint(10, 1000, (num_text,), generator=gen).tolist()
+    return {"input_ids": ids, "pixel_values": torch.randn(grid[0] * grid[1] * grid[2], PATCH_WIDTH, generator=gen),
+            "image_grid_thw": torch.tensor([grid])}
+
+
+def vl_samples() -> list[dict]:
+    return [image_sample((1, 8, 8), 30, 0), *text_samples((20,), 1), image_sample((1, 4, 4), 10, 2),
+            image_sample((1, 4, 6), 45, 3)]
+
+
+def packed_forward(model, samples: list[dict]):
+    """odb's packed call (odb/engine.py ``_forward_loss``): logits ``[1, T, V]``, labels, bounds."""
+    batch = collate_packed(samples)
+    cu = batch["cu_seqlens"]
+    extra = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}
+    if extra:
+        position_ids = packed_position_ids(model, batch["input_ids"], cu, extra["image_grid_thw"])
+    else:
+        position_ids = batch["position_ids"]
+    logits = model(input_ids=batch["input_ids"], position_ids=position_ids, use_cache=False, cu_seq_lens_q=cu,
+                   cu_seq_lens_k=cu, max_length_q=batch["max_seqlen"], max_length_k=batch["max_seqlen"],
+                   **extra).logits
+    return logits, batch["labels"], cu.tolist()
+
+
+def alone_forward(model, sample: dict):
+    """One sample on its own, the plain transformers way: logits ``[1, L, V]`` and labels."""
+    batch = collate_packed([sample])
+    extra = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}
+    if getattr(model.config, "vision_config", None) is not None:  # M-RoPE from the image tokens
+        extra["mm_token_type_ids"] = (batch["input_ids"] == IMAGE_IDS["image_token_id"]).int()
+    return model(input_ids=batch["input_ids"], use_cache=False, **extra).logits, batch["labels"]
+
+
+def max_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).detach().abs().max())
+
+
+def check_close(actual, expected, atol: float, what: str) -> None:
+    diff = max_diff(actual, expected)
+    print(f"{what}: max abs diff {diff:.2e}")
+    assert diff <= atol, f"{what}: max abs diff {diff:.2e} > {atol:.0e}"
+
+
+def check_grads(packed, oracle, rtol: float, what: str) -> None:
+    """Every parameter gradient of ``packed`` equals the oracle's, relative to its largest entry."""
+    oracle_grads = dict(oracle.named_parameters())
+    worst, worst_name = 0.0, ""
+    for name, param in packed.named_parameters():
+        expected = oracle_grads[name].grad
+        assert (param.grad is None) == (expected is None), name
+        if expected is None:
+            continue
+        rel = max_diff(param.grad, expected) / max(float(expected.abs().max()), 1e-12)
+        worst, worst_name = max((worst, worst_name), (rel, name))
+    print(f"{what}: worst relative gradient diff {worst:.2e} ({worst_name})")
+    assert worst <= rtol, f"{what}: gradient of {worst_name} off by {worst:.2e} (relative)"
+
+
+def compare_packed_with_alone(family: str, samples: list[dict]) -> None:
+    packed, oracle = pair(family)
+    logits, labels, bounds = packed_forward(packed, samples)
+    token_loss_sum(logits, labels).backward()
+    total, diffs = 0.0, []
+    for sample, start, end in zip(samples, bounds, bounds[1:]):
+        alone, alone_labels = alone_forward(oracle, sample)
+        diffs.append(max_diff(logits[0, start:end], alone[0]))
+        total = total + token_loss_sum(alone, alone_labels)
+    lengths = [end - start for start, end in pairwise(bounds)]
+    check_close(torch.tensor(diffs), torch.zeros(len(diffs)), 1e-5,
+                f"{family} logits, samples of {lengths} tokens ({', '.join(f'{d:.1e}' for d in diffs)})")
+    total.backward()
+    check_grads(packed, oracle, 1e-5, family)
+
+
+@pytest.mark.parametrize("family", sorted(TEXT_FAMILIES))
+def test_packed_text_row_matches_eager_on_each_sample_alone(family):
+    """Windows (16, samples up to 96 tokens) and soft-capping are honoured per sample, in train
+    mode at dropout 0: logits and the gradient of the summed loss."""
+    compare_packed_with_alone(family, text_samples())
+
+
+@pytest.mark.parametrize("family", sorted(VL_FAMILIES))
+def test_packed_vl_row_matches_eager_on_each_sample_alone(family):
+    """Images, a text-only sample and M-RoPE in one row; the vision tower's gradients included."""
+    compare_packed_with_alone(family, vl_samples())
+
+
+@pytest.mark.parametrize("family", sorted(VL_FAMILIES))
+def test_vision_tower_is_bidirectional_and_matches_eager(family):
+    packed, oracle = pair(family)
+    image, other = image_sample((1, 8, 8), 0, 0), image_sample((1, 4, 6), 0, 1)
+    pixels = torch.cat([image["pixel_values"], other["pixel_values"]])
+    grid = torch.cat([image["image_grid_thw"], other["image_grid_thw"]])
+    out = packed.model.visual(pixels, grid_thw=grid).pooler_output
+    check_close(out, oracle.model.visual(pixels, grid_thw=grid).pooler_output, 1e-5, f"{family} vision tower")
+    perturbed = pixels.clone()
+    perturbed[63] += 1.0  # the first image's last patch
+    moved = max_diff(packed.model.visual(perturbed, grid_thw=grid).pooler_output[0], out[0])
+    print(f"{family}: first visual token moved {moved:.2e} when the last patch changed")
+    assert moved > 1e-4, "the first visual token does not see the image's last patch: the tower ran causal"
+
+
+def test_dropout_stays_inside_each_sample():
+    """Train mode, attention dropout 0.1: changing only sample A leaves sample B exactly as it was
+    under the same seed; another seed moves B (the dropout is applied, not dropped)."""
+    model = build("llama", attention.register(), attention_dropout=0.1)
+    a, b = text_samples((40, 30), seed=0)
+    a_changed = text_samples((40,), seed=5)[0]
+
+    def b_logits(first: dict, seed: int) -> torch.Tensor:
+        torch.manual_seed(seed)
+        logits, _, bounds = packed_forward(model, [first, b])
+        return logits[0, bounds[1]:bounds[2]].detach()
+
+    moved = max_diff(b_logits(a_changed, 0), b_logits(a, 0))
+    print(f"sample B moved {moved:.2e} when only sample A changed")
+    assert moved == 0.0, f"sample B moved {moved:.2e} when only sample A changed: dropout path leaks"
+    assert max_diff(b_logits(a, 1), b_logits(a, 0)) > 1e-3, "attention dropout was not applied"
+
+
+@pytest.mark.parametrize("family", sorted(TEXT_FAMILIES))
+def test_padded_rows_match_eager(family):
+    """The padded baselines (an attention_mask) and full rows of one length (no mask at all)."""
+    packed, oracle = pair(family)
+    for lengths in ((40, 7, 23), (12, 12)):
+        batch = collate_padded(text_samples(lengths), pad_token_id=0)
+        kwargs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        real = batch["attention_mask"].bool()
+        actual, expected = (m(**kwargs, use_cache=False).logits[real].detach() for m in (packed, oracle))
+        check_close(actual, expected, 1e-5, f"{family} padded {lengths}")
+
+
+class _Layer(torch.nn.Module):
+    """What eager's attention function reads from its module."""
+
+    num_key_value_groups = 2
+    is_causal = True
+
+
+FUNCTION_CASES = {  # name: (varlen kwargs, transformers' mask function)
+    "causal": ({}, causal_mask_function),
+    "window": ({"sliding_window": 5}, sliding_window_causal_mask_function(5)),
+    "softcap": ({"softcap": 1.0}, causal_mask_function),
+    "window+softcap": ({"sliding_window": 5, "softcap": 1.0}, sliding_window_causal_mask_function(5)),
+    "bidirectional": ({"is_causal": False}, and_masks(bidirectional_mask_function)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FUNCTION_CASES))
+def test_attention_function_matches_transformers_eager_per_sample(case):
+    """The function alone, scores of order 1 (so a cap of 1.0 bites), GQA 4:2, with and without
+    ``cu_seq_lens_q``; oracle: transformers' eager attention with its own mask, sample by sample."""
+    kwargs, mask_function = FUNCTION_CASES[case]
+    gen = torch.Generator().manual_seed(0)
+    bounds = [0, 9, 10, 31, 38]
+    q = torch.randn(1, 4, bounds[-1], 16, generator=gen)
+    k, v = (torch.randn(1, 2, bounds[-1], 16, generator=gen) for _ in range(2))
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    positions = torch.cat([torch.arange(b - a) for a, b in pairwise(bounds)])[None]
+    module = _Layer()
+    for how in ({"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}, {"position_ids": positions}):
+        out, _ = attention.varlen_attention(module, q, k, v, None, scaling=0.25, **kwargs, **how)
+        expected = []
+        for start, end in pairwise(bounds):
+            index = torch.arange(end - start)
+            allowed = mask_function(0, 0, index[:, None], index[None, :])
+            mask = torch.zeros(end - start, end - start).masked_fill(~allowed, torch.finfo(q.dtype).min)
+            alone, _ = eager_attention_forward(module, q[:, :, start:end], k[:, :, start:end], v[:, :, start:end],
+                                               mask[None, None], scaling=0.25, softcap=kwargs.get("softcap"))
+            expected.append(alone)
+        check_close(out, torch.cat(expected, dim=1), 1e-5, f"{case}, samples by {next(iter(how))}")
+
+
+def test_flash_window_is_transformers_sliding_window():
+    """The (left, right) odb_varlen hands Flash Attention keeps exactly the keys transformers'
+    sliding window keeps (flash: key j visible iff i - left <= j <= i + right; -1 no limit)."""
+    index = torch.arange(40)
+    q_idx, kv_idx = index[:, None], index[None, :]
+    for window in (1, 5, 16):
+        left, right = attention._flash_window(attention._Pattern(True, window, None, 0.0))
+        flash = ((left < 0) | (kv_idx >= q_idx - left)) & ((right < 0) | (kv_idx <= q_idx + right))
+        assert torch.equal(flash, sliding_window_causal_mask_function(window)(0, 0, q_idx, kv_idx)), window
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"s_aux": torch.zeros(4)}, "s_aux"),
+    ({"position_bias": torch.zeros(1, 4, 8, 8)}, "position_bias"),
+    ({"output_attentions": True}, "output_attentions"),
+    ({"is_causal": False, "sliding_window": 4}, "sliding_window"),
+])
+def test_an_argument_odb_varlen_does_not_implement_raises_naming_it(kwargs, needle):
+    q = torch.randn(1, 4, 8, 16)
+    with pytest.raises(ValueError, match=needle):
+        attention.varlen_attention(_Layer(), q, q[:, :2], q[:, :2], None, **kwargs)
+
+
+def test_decoding_with_a_cache_is_refused():
+    q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="use_cache=False"):
+        attention.varlen_attention(_Layer(), q, k, k, None)
+
+
+def test_every_argument_any_layer_passes_is_implemented(monkeypatch):
+    """Every family in train mode (attention dropout 0.1), text layers and vision towers: every
+    argument that reaches odb_varlen with a value is in ``HANDLED_KWARGS``, so the next model
+    family cannot slip an argument past it."""
+    received: dict[str, set[str]] = {}  # argument -> the modules that passed it
+    scalars: set[tuple[str, object]] = set()  # (argument, value) for the non-tensor ones
+    refused: list[str] = []
+    original = AttentionInterface._global_mapping[attention.register()]
+
+    def spy(module, query, key, value, attention_mask=None, **kwargs):
+        for name, value_ in {"attention_mask": attention_mask, **kwargs}.items():
+            if value_ is not None:
+                received.setdefault(name, set()).add(type(module).__name__)
+                if isinstance(value_, bool | int | float | str):
+                    scalars.add((name, value_))
+        try:
+            return original(module, query, key, value, attention_mask, **kwargs)
+        except ValueError as error:  # collected, so one run names every gap
+            refused.append(f"{type(module).__name__}: {error}")
+            return query.transpose(1, 2).contiguous(), None
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, attention.ATTN_IMPLEMENTATION, spy)
+    for family in sorted(TEXT_FAMILIES):
+        packed_forward(build(family, attention.ATTN_IMPLEMENTATION, attention_dropout=0.1), text_samples())
+    for family in sorted(VL_FAMILIES):
+        packed_forward(build(family, attention.ATTN_IMPLEMENTATION, attention_dropout=0.1), vl_samples())
+    assert {("dropout", 0.1), ("sliding_window", WINDOW), ("softcap", 1.0), ("is_causal", False)} <= scalars
+    unknown = {name: sorted(modules) for name, modules in received.items() if name not in attention.HANDLED_KWARGS}
+    assert not unknown, f"odb_varlen received arguments it does not implement: {unknown}"
+    assert not refused, f"odb_varlen refused calls of families odb trains: {sorted(set(refused))}"
