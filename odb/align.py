@@ -34,7 +34,7 @@ import numpy as np
 
 from odb.plan import HEADER, Decision, Proposal, decide
 
-__all__ = ["Communicator", "SimulatedGroup", "TorchCommunicator", "Aligner", "SettingsMismatch", "PeerStopped"]
+__all__ = ["Aligner", "Communicator", "PeerStopped", "SettingsMismatch", "SimulatedGroup", "TorchCommunicator"]
 
 
 T = TypeVar("T")
@@ -85,7 +85,7 @@ class SimulatedGroup:
         self._baton = threading.Lock()
         self._holds_baton = [False] * world_size
 
-    def communicator(self, rank: int) -> "_SimulatedCommunicator":
+    def communicator(self, rank: int) -> _SimulatedCommunicator:
         return _SimulatedCommunicator(self, rank)
 
     def abort(self) -> None:
@@ -249,4 +249,4 @@ class Aligner:
         failed = [r for r in range(self.world_size) if gathered[r, HEADER.index("is_fatal")]]
         if failed:
             raise PeerStopped(f"rank(s) {failed} stopped the run; their error names the cause")
-        return decide(gathered, max_bins=max_bins, **decide_args)
+        return decide(gathered, max_bins=max_bins, max_samples=max_samples, **decide_args)

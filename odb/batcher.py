@@ -235,14 +235,25 @@ class OnlineBatcher:
         is_exhausted = self._is_exhausted()
         num_ready = self.packer.ranked(self.config.window, is_exhausted, min_bins=self.config.gas)
         bins = self.packer.bins
+        is_quota = self.config.mode == "quota"  # quota closure may cut a bin: price its samples
         return Proposal(
-            is_fatal=self.fatal is not None, is_exhausted=is_exhausted, num_ready=num_ready, window_samples=self.packer.num_samples,
-            window_cost=sum(b.cost for b in bins), num_pending=len(self.pending),
-            observed_cost=self.observed_cost, observed_cost_sq=self.observed_cost_sq,
-            observed_samples=self.observed_samples,
+            is_fatal=self.fatal is not None, is_exhausted=is_exhausted, num_ready=num_ready,
+            window_samples=self.packer.num_samples, window_cost=sum(b.cost for b in bins),
+            num_pending=len(self.pending), observed_cost=self.observed_cost,
+            observed_cost_sq=self.observed_cost_sq, observed_samples=self.observed_samples,
+            is_first_pass_open=self._is_first_pass_open(), num_skipped=self.counts["skipped"],
+            num_dropped=self.counts["dropped"],
             bin_costs=[b.cost for b in bins], bin_samples=[len(b.samples) for b in bins],
             bin_tokens=[b.tokens for b in bins],
-            sample_labels=[s.label_tokens for b in bins for s in b.samples])
+            sample_labels=[s.label_tokens for b in bins for s in b.samples],
+            sample_tokens=[s.tokens for b in bins for s in b.samples] if is_quota else None,
+            sample_costs=[c for b in bins for c in b.cost_steps(self.cost_model)] if is_quota else None)
+
+    def _is_first_pass_open(self) -> bool:
+        """Whether indices of the run's first pass over the data are still to be fetched here."""
+        if self.config.sharding == "dynamic" and self.stream_pos < self.dataset_size:
+            return True  # not all dealt yet
+        return bool(self.pending) and self.pending[0] < self.dataset_size  # pending is in stream order
 
     def _round(self) -> None:
         start, waited = time.perf_counter(), self.fetch_s + self.aligner.collective_s
@@ -330,6 +341,9 @@ class OnlineBatcher:
         self.observed_cost, self.observed_cost_sq, self.observed_samples = state["observed"]
         self.counts = dict(state["counts"])
         self.is_done = state["is_done"]
+        if self.is_done and self.config.mode == "join" and self.epoch < self.num_epochs:
+            self.is_done = False  # a finished run resumed with more epochs: the next one starts
+            self._start_epoch()
 
 
 def _sample_row(s: SampleCost) -> tuple[int, int, int, int, int]:

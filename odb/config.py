@@ -24,6 +24,10 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
 @dataclass(frozen=True, kw_only=True)
 class OdbConfig:
     """How odb forms micro-batches. Every field is a flag of the same name in the tools."""
@@ -60,6 +64,9 @@ class OdbConfig:
     """Samples per micro-batch for the 'fixed' baseline."""
     bucket_size: int = 4096
     """Samples per sorting bucket for the 'bmt' baseline."""
+    pad_rows: bool = False
+    """Set by the trainer when the model cannot pack; bins then hold len(samples) * longest <=
+    max_tokens and are marked padded (the baselines pad anyway)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -92,6 +99,20 @@ class OdbConfig:
         for name in ("min_fill", "max_carry"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"--{name} must be within [0, 1], got {getattr(self, name)}")
+        if not _is_bool(self.pad_rows):
+            raise ValueError(f"--pad_rows must be true or false, got {self.pad_rows!r}")
+        self._check_policy()
+
+    def _check_policy(self) -> None:
+        """Combinations a baseline policy cannot run (they would never form a micro-batch)."""
+        if self.policy == "fixed" and self.window < self.batch_size:
+            raise ValueError(f"--policy fixed needs --window >= --batch_size (a rank must hold a whole batch), "
+                             f"got window {self.window} < batch_size {self.batch_size}; raise --window or "
+                             "lower --batch_size")
+        if self.policy in ("gmt", "bmt") and self.mode == "quota":
+            raise ValueError(f"--policy {self.policy} does not support --mode quota (it needs every length of "
+                             "its shard before its first step, and quota mode streams the data over and over); "
+                             "use --mode join with --epochs, or --policy odb / fixed for quota mode")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -101,7 +122,7 @@ class OdbConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any], *, source: str = "odb config") -> "OdbConfig":
+    def from_dict(cls, values: dict[str, Any], *, source: str = "odb config") -> OdbConfig:
         known = cls.field_names()
         unknown = sorted(set(values) - set(known))
         if unknown:

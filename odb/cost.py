@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["SampleCost", "CostModel", "OverCapError", "count_label_tokens"]
+__all__ = ["CostModel", "OverCapError", "SampleCost", "count_label_tokens"]
 
 
 class OverCapError(ValueError):
@@ -57,7 +57,7 @@ class CostModel:
         self.over_cap = over_cap
 
     @classmethod
-    def from_config(cls, config) -> "CostModel":
+    def from_config(cls, config) -> CostModel:
         return cls(max_tokens=config.max_tokens, max_patches=config.max_patches,
                    attn_coef=config.attn_coef, patch_coef=config.patch_coef, over_cap=config.over_cap)
 

@@ -3,7 +3,9 @@
 :class:`OnlinePacker` is odb's packer: best-fit decreasing over the samples that arrive, into
 the bins still open from earlier rounds, never above ``max_tokens`` (or ``max_patches``). Bins
 that are not full enough stay in the window for the next round, where new samples can fill them
-(carry, never drop). No length cache: only samples already processed are packed.
+(carry, never drop). No length cache: only samples already processed are packed. For a model
+that cannot pack, ``OnlinePacker(..., padded=True)`` forms padded bins instead: rows of similar
+length with ``len(samples) * longest <= max_tokens``.
 
 The padded baselines (``fixed``, ``gmt``, ``bmt``) implement the same small interface so that the
 alignment, plans and benchmark treat every policy alike.
@@ -17,13 +19,13 @@ from collections.abc import Iterable
 
 from odb.cost import CostModel, SampleCost
 
-__all__ = ["Bin", "Packer", "OnlinePacker", "FixedPacker", "GmtPacker", "BmtPacker", "make_packer"]
+__all__ = ["Bin", "BmtPacker", "FixedPacker", "GmtPacker", "OnlinePacker", "Packer", "make_packer"]
 
 
 class Bin:
     """Samples that go through the model together as one micro-batch."""
 
-    __slots__ = ("samples", "tokens", "patches", "cost", "longest", "padded")
+    __slots__ = ("cost", "longest", "padded", "patches", "samples", "tokens")
 
     def __init__(self, padded: bool = False) -> None:
         self.samples: list[SampleCost] = []
@@ -34,7 +36,7 @@ class Bin:
         self.padded = padded
 
     @classmethod
-    def of(cls, samples: Iterable[SampleCost], cost_model: CostModel, padded: bool = False) -> "Bin":
+    def of(cls, samples: Iterable[SampleCost], cost_model: CostModel, padded: bool = False) -> Bin:
         new = cls(padded)
         new.samples = chosen = list(samples)
         for sample in chosen:
@@ -51,18 +53,30 @@ class Bin:
         self.tokens += sample.tokens
         self.patches += sample.patches
         self.cost += sample.cost
-        if sample.tokens > self.longest:
-            self.longest = sample.tokens
+        self.longest = max(self.longest, sample.tokens)
 
     @property
     def materialized(self) -> int:
         """Tokens the model processes, padding included."""
         return len(self.samples) * self.longest if self.padded else self.tokens
 
-    def split(self, keep: int, cost_model: CostModel) -> tuple["Bin", "Bin"]:
+    def split(self, keep: int, cost_model: CostModel) -> tuple[Bin, Bin]:
         """The first ``keep`` samples and the rest, as two bins (quota closure uses it)."""
         return (Bin.of(self.samples[:keep], cost_model, self.padded),
                 Bin.of(self.samples[keep:], cost_model, self.padded))
+
+    def cost_steps(self, cost_model: CostModel) -> list[int]:
+        """Per-sample cost increments: the first k sum to ``split(k)[0].cost``, the cost of the
+        first k samples as one bin (a padded bin's cost grows with its longest row)."""
+        if not self.padded:
+            return [s.cost for s in self.samples]
+        steps, before, longest = [], 0, 0
+        for count, sample in enumerate(self.samples, 1):
+            longest = max(longest, sample.tokens)
+            now = cost_model.padded_cost(count, longest)
+            steps.append(now - before)
+            before = now
+        return steps
 
 
 class Packer:
@@ -104,35 +118,48 @@ class OnlinePacker(Packer):
     swaps with the pool that fill the gap; bins under ``min_fill`` wait (carry) and go back to the
     pool with the next samples, up to ``max_carry`` of the window.
 
+    Padded (``padded=True``, for a model that cannot pack): each bin takes the largest sample of
+    the pool and the next largest after it, as many rows as ``max_tokens // longest`` allows, so
+    ``len(samples) * longest <= max_tokens``; a bin is full when no further row fits.
+
     Args:
         cost_model: the caps and costs.
         min_fill: a bin at least this full (fraction of ``max_tokens``) may be trained now.
         max_carry: at most this fraction of the window's samples waits in bins under ``min_fill``;
             beyond it the fullest of them are trained anyway, so every round makes progress.
+        padded: form padded bins (rows padded to the longest) instead of packed rows.
     """
 
     max_swaps = 4  # improvement passes per bin; each one only ever fills the bin further
 
-    def __init__(self, cost_model: CostModel, *, min_fill: float, max_carry: float) -> None:
+    def __init__(self, cost_model: CostModel, *, min_fill: float, max_carry: float, padded: bool = False) -> None:
         super().__init__(cost_model)
         self.min_fill_tokens = min_fill * cost_model.max_tokens
         self.max_carry = max_carry
+        self.padded = padded
+
+    def is_full(self, current: Bin) -> bool:
+        """Whether ``current`` may be trained now (it is at least ``min_fill`` full, or padded with
+        no room for another row)."""
+        if current.tokens >= self.min_fill_tokens:
+            return True
+        return current.padded and (len(current.samples) + 1) * current.longest > self.cost_model.max_tokens
 
     def ranked(self, window: int, is_exhausted: bool, min_bins: int = 1) -> int:
-        keep = [b for b in self.bins if b.tokens >= self.min_fill_tokens]
-        pool = [s for b in self.bins if b.tokens < self.min_fill_tokens for s in b.samples] + self.unpacked
+        keep = [b for b in self.bins if self.is_full(b)]
+        pool = [s for b in self.bins if not self.is_full(b) for s in b.samples] + self.unpacked
         self.unpacked = []
-        self.bins = keep + self._pack(pool)
+        self.bins = keep + (self._pack_padded(pool) if self.padded else self._pack(pool))
         while len(self.bins) < min_bins:  # a step needs GAS micro-batches: split rather than pad
             largest = max(self.bins, key=lambda b: len(b.samples), default=None)
             if largest is None or len(largest.samples) < 2:
                 break
             self.bins.remove(largest)
             self.bins += largest.split(len(largest.samples) // 2, self.cost_model)
-        self.bins.sort(key=lambda b: (-b.tokens, b.samples[0].uid))
+        self.bins.sort(key=lambda b: (not self.is_full(b), -b.tokens, b.samples[0].uid))  # full ones first
         if is_exhausted:
             return len(self.bins)
-        ready = sum(1 for b in self.bins if b.tokens >= self.min_fill_tokens)
+        ready = sum(1 for b in self.bins if self.is_full(b))
         carry_allowed = int(self.max_carry * window)
         carried = 0
         first_carried = len(self.bins)
@@ -140,6 +167,22 @@ class OnlinePacker(Packer):
             first_carried -= 1
             carried += len(self.bins[first_carried].samples)
         return max(ready, first_carried)
+
+    def _pack_padded(self, pool: list[SampleCost]) -> list[Bin]:
+        """Padded bins: the longest sample left, then the next longest while rows fit."""
+        cap, cap_patches = self.cost_model.max_tokens, self.cost_model.max_patches
+        items = sorted(pool, key=lambda s: (s.tokens, s.uid))
+        bins = []
+        while items:
+            first = items.pop()
+            chosen, patches, i = [first], first.patches, len(items) - 1
+            while i >= 0 and (len(chosen) + 1) * first.tokens <= cap:
+                if cap_patches is None or patches + items[i].patches <= cap_patches:
+                    patches += items[i].patches
+                    chosen.append(items.pop(i))
+                i -= 1
+            bins.append(Bin.of(chosen, self.cost_model, padded=True))
+        return bins
 
     def _pack(self, pool: list[SampleCost]) -> list[Bin]:
         cap = self.cost_model.max_tokens
@@ -274,8 +317,10 @@ class BmtPacker(GmtPacker):
 
 
 def make_packer(config, cost_model: CostModel) -> Packer:
+    """The packer of ``config.policy`` (``pad_rows`` pads odb's bins; the baselines pad anyway)."""
     if config.policy == "odb":
-        return OnlinePacker(cost_model, min_fill=config.min_fill, max_carry=config.max_carry)
+        return OnlinePacker(cost_model, min_fill=config.min_fill, max_carry=config.max_carry,
+                            padded=config.pad_rows)
     if config.policy == "fixed":
         return FixedPacker(cost_model, batch_size=config.batch_size)
     if config.policy == "gmt":

@@ -6,11 +6,12 @@ every rank runs :func:`decide` on the same matrix and so reaches the same decisi
 
 * ``T``, the micro-batch slots every rank fills this round, a multiple of GAS (I1). While some
   rank still expects input, ``T`` is the smallest number of ready bins over those ranks, rounded
-  down to GAS; bins beyond it stay in the window (carry, never drop). ``T = 0`` only in a round
-  that deals new indices (a starved rank waits for them); with nothing to deal ``T`` is at least
-  GAS, so every round makes progress. When every rank's input is exhausted, ``T`` is the largest
-  bin count, rounded up, and ranks with fewer bins fill with dummies: the epoch ends in that
-  round (I2, I3).
+  down to GAS; bins beyond it stay in the window (carry, never drop). ``T = 0`` in a round that
+  deals new indices (a starved rank waits for them) and in a round where no rank holds a bin
+  (every window was skipped or dropped: the ranks fetch more next round); otherwise ``T`` is at
+  least GAS, so every round makes progress. When every rank's input is exhausted, ``T`` is the
+  largest bin count, rounded up, and ranks with fewer bins fill with dummies: the epoch ends in
+  that round (I2, I3).
 * Which bin goes to which slot: each rank's bins sorted by cost, then one permutation shared by
   all ranks, so the micro-batches that meet at each ZeRO sync point cost about the same.
 * ``N_step``, the label tokens of every step over all ranks, known before its first backward (I4).
@@ -19,18 +20,27 @@ every rank runs :func:`decide` on the same matrix and so reaches the same decisi
   back (:func:`deal_budget`) so all ranks run out together.
 * Quota mode: in the round where the quota is reached, bins are taken position-major
   round-robin over ranks and the last one is cut, so exactly ``quota`` samples are trained and
-  only the last step holds dummies (given ``window >= GAS`` and no empty static shard).
+  only the last step holds dummies (given ``window >= GAS`` and no empty static shard). The cut
+  bin's tokens and cost are those of the samples it keeps: in quota mode every proposal carries
+  per-sample tokens and cost steps (:meth:`odb.packer.Bin.cost_steps`) beside the label tokens.
+  A run whose first full pass over the data admits no sample (all skipped or dropped over the
+  cap) can never reach its quota: :func:`decide` raises :class:`NoSampleAdmitted` on every rank.
 
 Bounds (I3), tested exhaustively on small instances and by property tests:
 
-* static shards: every round trains at least one sample of every rank that still has input,
-  so an epoch ends within ``max(shard size) + 1`` rounds (the +1: the drain round);
-* dynamic dealing: a round trains at least one bin or deals at least one index, so an epoch of
-  N samples ends within ``2 * N + 2`` rounds. Measured on 16k-sample traces with 8 ranks and a
-  1024 window: 6-10 rounds.
-* dummies: a rank that still expects input gets at most ``GAS - 1`` in a round (only when it
-  holds fewer than GAS samples); a rank whose input is used up gets ``T - bins`` (it joins the
-  others' steps with zero-weight passes, as I1 requires).
+* static shards: every round consumes at least one sample of every rank that still has input
+  (trains it, or fetched it and found it skipped or dropped), so an epoch ends within
+  ``max(shard size) + 1`` rounds (the +1: the drain round). The ``fixed`` baseline may hold
+  fetched samples short of a batch: with skipped samples its bound is ``2 * max(shard size) + 1``.
+* dynamic dealing: a round trains at least one bin, deals at least one index, or fetched at least
+  one index that was skipped or dropped, so an epoch of N samples ends within ``2 * N + 2``
+  rounds. Measured on 16k-sample traces with 8 ranks and a 1024 window: 6-10 rounds.
+* quota mode: if the first pass admits nothing, the run stops in the round that fetches the last
+  index of that pass.
+* dummies: a rank that still expects input gets at most ``GAS - 1`` in a round when it holds
+  fewer than GAS samples, ``GAS`` when every sample it fetched was skipped or dropped; a rank whose
+  input is used up gets ``T - bins`` (it joins the others' steps with zero-weight passes, as I1
+  requires).
 """
 
 from __future__ import annotations
@@ -43,11 +53,27 @@ import numpy as np
 
 from odb.cost import SampleCost
 
-__all__ = ["MicroBatch", "StepPlan", "Proposal", "Decision", "decide", "deal_budget", "waterfill", "HEADER"]
+__all__ = [
+    "HEADER",
+    "Decision",
+    "MicroBatch",
+    "NoSampleAdmitted",
+    "Proposal",
+    "StepPlan",
+    "deal_budget",
+    "decide",
+    "waterfill",
+]
 
-# Proposal header fields, then per-bin cost / samples / tokens, then per-sample label tokens.
+# Proposal header fields, then per-bin cost / samples / tokens, then per-sample label tokens (and,
+# in quota mode, per-sample tokens and cost steps).
 HEADER = ("is_fatal", "is_exhausted", "num_bins", "num_ready", "window_samples", "window_cost", "num_pending",
-          "observed_cost", "observed_cost_sq", "observed_samples")
+          "observed_cost", "observed_cost_sq", "observed_samples", "is_first_pass_open", "num_skipped",
+          "num_dropped")
+
+
+class NoSampleAdmitted(ValueError):
+    """Quota mode: a full pass over the data admitted no sample, so the quota is out of reach."""
 
 
 class MicroBatch(NamedTuple):
@@ -102,7 +128,12 @@ class StepPlan(NamedTuple):
 
 @dataclass
 class Proposal:
-    """What one rank sends: header values, its ranked bins, their samples' label tokens."""
+    """What one rank sends: header values, its ranked bins, their samples' label tokens.
+
+    ``sample_tokens`` and ``sample_costs`` (quota mode only, ``None`` otherwise) let every rank
+    price a cut bin exactly: the first k cost steps of a bin sum to the cost of its first k
+    samples as one bin.
+    """
 
     is_fatal: bool  # this rank must stop (a bad sample under strict, an over-cap error): all stop
     is_exhausted: bool
@@ -112,25 +143,35 @@ class Proposal:
     num_pending: int
     observed_cost: int
     observed_cost_sq: int
-    observed_samples: int
+    observed_samples: int  # samples admitted over the whole run
+    is_first_pass_open: bool  # indices of the run's first pass over the data still to be fetched
+    num_skipped: int  # over the whole run: records the data layer skipped
+    num_dropped: int  # ... and samples dropped over the cap
     bin_costs: list[int]
     bin_samples: list[int]
     bin_tokens: list[int]
     sample_labels: list[int]
+    sample_tokens: list[int] | None = None
+    sample_costs: list[int] | None = None
 
     def encode(self, max_bins: int, max_samples: int) -> np.ndarray:
-        num_bins = len(self.bin_costs)
-        assert num_bins <= max_bins and len(self.sample_labels) <= max_samples, "proposal too large"
+        """``[header, costs, samples, tokens (max_bins each), labels (, tokens, costs) (max_samples)]``."""
+        num_bins, num_samples = len(self.bin_costs), len(self.sample_labels)
+        assert num_bins <= max_bins and num_samples <= max_samples, "proposal too large"
+        per_sample = [self.sample_labels]
+        if self.sample_tokens is not None:
+            per_sample += [self.sample_tokens, self.sample_costs]
         head = len(HEADER)
-        out = np.zeros(head + 3 * max_bins + max_samples, dtype=np.int64)
+        out = np.zeros(head + 3 * max_bins + len(per_sample) * max_samples, dtype=np.int64)
         out[:head] = (int(self.is_fatal), int(self.is_exhausted), num_bins, self.num_ready, self.window_samples,
                       self.window_cost, self.num_pending, self.observed_cost, self.observed_cost_sq,
-                      self.observed_samples)
-        out[head:head + num_bins] = self.bin_costs
-        out[head + max_bins:head + max_bins + num_bins] = self.bin_samples
-        out[head + 2 * max_bins:head + 2 * max_bins + num_bins] = self.bin_tokens
+                      self.observed_samples, int(self.is_first_pass_open), self.num_skipped, self.num_dropped)
+        for i, values in enumerate((self.bin_costs, self.bin_samples, self.bin_tokens)):
+            out[head + i * max_bins:head + i * max_bins + num_bins] = values
         base = head + 3 * max_bins
-        out[base:base + len(self.sample_labels)] = self.sample_labels
+        for i, values in enumerate(per_sample):
+            assert len(values) == num_samples, "one value per sample"
+            out[base + i * max_samples:base + i * max_samples + num_samples] = values
         return out
 
 
@@ -187,95 +228,164 @@ def waterfill(loads: list[int], unit: int, total: int, caps: list[int]) -> list[
     return counts
 
 
-def _unpack(gathered: np.ndarray, max_bins: int):
-    head = len(HEADER)
+class _Gathered(NamedTuple):
+    """The gathered proposals, cut to the columns in use (``B``: the most bins any rank holds,
+    ``S``: the most samples)."""
+
+    fields: dict[str, np.ndarray]  # header field -> [world]
+    costs: np.ndarray  # [world, B] per ranked bin
+    samples: np.ndarray  # [world, B]
+    tokens: np.ndarray  # [world, B]
+    labels: np.ndarray  # [world, S] per sample, bin after bin
+    sample_tokens: np.ndarray | None  # [world, S], quota mode only
+    sample_costs: np.ndarray | None  # [world, S], quota mode only
+
+    @property
+    def num_bins(self) -> np.ndarray:
+        return self.fields["num_bins"]
+
+
+def _unpack(gathered: np.ndarray, max_bins: int, max_samples: int) -> _Gathered:
+    head, base = len(HEADER), len(HEADER) + 3 * max_bins
     fields = {name: gathered[:, i] for i, name in enumerate(HEADER)}
-    costs = gathered[:, head:head + max_bins]
-    samples = gathered[:, head + max_bins:head + 2 * max_bins]
-    tokens = gathered[:, head + 2 * max_bins:head + 3 * max_bins]
-    labels = gathered[:, head + 3 * max_bins:]
-    return fields, costs, samples, tokens, labels
+    used_bins = int(fields["num_bins"].max())
+    costs, samples, tokens = (gathered[:, head + i * max_bins:head + i * max_bins + used_bins] for i in range(3))
+    used = int(samples.sum(axis=1).max()) if used_bins else 0
+    num_rows = (gathered.shape[1] - base) // max_samples if max_samples else 1
+    assert num_rows in (1, 3) and base + num_rows * max_samples == gathered.shape[1], "unknown proposal layout"
+    rows = [gathered[:, base + i * max_samples:base + i * max_samples + used] for i in range(num_rows)]
+    if num_rows == 1:
+        rows += [None, None]
+    return _Gathered(fields, costs, samples, tokens, *rows)
 
 
-def decide(gathered: np.ndarray, *, max_bins: int, gas: int, seed: int, epoch: int, round_index: int,
-           quota_left: int | None, stream_left: int | None, inflight_target: int) -> Decision:
+def decide(gathered: np.ndarray, *, max_bins: int, max_samples: int, gas: int, seed: int, epoch: int,
+           round_index: int, quota_left: int | None, stream_left: int | None, inflight_target: int) -> Decision:
     """The round decision from the gathered proposals ``[world, len]``; see the module docstring.
 
     Args:
+        max_bins, max_samples: the proposal layout (:meth:`Proposal.encode`).
         quota_left: samples still to train in quota mode, ``None`` in join mode.
         stream_left: indices not yet dealt (``None``: static shards, nothing to deal).
         inflight_target: samples each rank should hold or expect (window + lookahead).
+
+    Raises:
+        NoSampleAdmitted: quota mode, on every rank alike, once a full pass admitted nothing.
     """
-    fields, costs, samples, tokens, labels = _unpack(gathered, max_bins)
+    g = _unpack(gathered, max_bins, max_samples)
     world = gathered.shape[0]
-    num_bins = fields["num_bins"]
-    max_bins = int(num_bins.max())  # the columns in use
-    costs, samples, tokens = costs[:, :max_bins], samples[:, :max_bins], tokens[:, :max_bins]
-    labels = labels[:, :int(samples.sum(axis=1).max()) if max_bins else 0]
-    active = fields["is_exhausted"] == 0
-    is_drain = not active.any()
-    if is_drain:
-        target = -(-int(num_bins.max()) // gas) * gas
-    else:
-        target = int(fields["num_ready"][active].min()) // gas * gas
-    deal = _Dealer(fields, costs, samples, max_bins, stream_left, inflight_target)
-    new_indices = deal(np.minimum(num_bins, target))
-    if target == 0 and not is_drain and not any(new_indices):
-        target = gas  # nothing to wait for: train what there is, so every round makes progress
-        new_indices = deal(np.minimum(num_bins, target))
-    take = np.minimum(num_bins, target)
-
-    cut = None
-    is_quota_done = False
-    if quota_left is not None and target:
-        rows = np.arange(max_bins)[None, :] < take[:, None]
-        if int((samples * rows).sum()) >= quota_left:
-            take, cut = _close_quota(samples, num_bins, quota_left)
-            target = -(-int(take.max()) // gas) * gas
-            is_quota_done = True
-            new_indices = [0] * world
-
-    # Label tokens of each ranked bin: differences of the per-sample cumulative sums.
-    csum = np.zeros((world, labels.shape[1] + 1), dtype=np.int64)
-    np.cumsum(labels, axis=1, out=csum[:, 1:])
-    ends = np.cumsum(samples, axis=1)
-    bin_labels = np.take_along_axis(csum, ends, 1) - np.take_along_axis(csum, ends - samples, 1)
-    bin_costs, bin_tokens, taken_samples = costs, tokens, samples
-    if cut is not None:
-        r, b, keep = cut
-        bin_costs, bin_tokens, taken_samples = costs.copy(), tokens.copy(), samples.copy()
-        start = int(ends[r, b] - samples[r, b])
-        bin_labels[r, b] = csum[r, start + keep] - csum[r, start]
-        bin_costs[r, b] = costs[r, b] * keep // max(1, samples[r, b])
-        bin_tokens[r, b] = tokens[r, b] * keep // max(1, samples[r, b])
-        taken_samples[r, b] = keep
-
-    # Slots: bins by cost (descending), dummies last; then one shared permutation of positions.
-    width = int(take.max()) if world else 0
-    taken_cost = np.where(np.arange(width)[None, :] < take[:, None], bin_costs[:, :width], -1)
-    slots = np.full((world, target), -1, dtype=np.int64)
-    slots[:, :width] = np.argsort(-taken_cost, axis=1, kind="stable")
-    slots[:, :width][taken_cost[np.arange(world)[:, None], slots[:, :width]] < 0] = -1
+    if quota_left is not None:
+        _check_quota_reachable(g.fields, quota_left)
+    deal = _Dealer(g.fields, g.costs, g.samples, stream_left, inflight_target)
+    target, is_drain, new_indices = _target(g.fields, gas, deal)
+    take = np.minimum(g.num_bins, target)
+    cut, is_quota_done = None, False
+    if quota_left is not None and target and int((g.samples * _first(take, g.samples)).sum()) >= quota_left:
+        take, cut = _close_quota(g.samples, g.num_bins, quota_left)
+        target = _round_up(int(take.max()), gas)
+        is_quota_done, new_indices = True, [0] * world
+    figures = _bin_figures(g, cut)
+    slots = _slots(figures.costs, take, target)
     if target and not is_quota_done:
-        rng = np.random.default_rng([seed, epoch, round_index])
-        slots = slots[:, rng.permutation(target)]
-    valid = slots >= 0
-    safe = np.where(valid, slots, 0)
-    row = np.arange(world)[:, None]
-    slot_costs = np.where(valid, bin_costs[row, safe], 0)
-    slot_tokens = np.where(valid, bin_tokens[row, safe], 0)
-    slot_labels = np.where(valid, bin_labels[row, safe], 0)
-    slot_samples = np.where(valid, taken_samples[row, safe], 0)
-    step_labels = slot_labels.sum(axis=0).reshape(-1, gas).sum(axis=1) if target else np.zeros(0)
-    step_samples = slot_samples.sum(axis=0).reshape(-1, gas).sum(axis=1) if target else np.zeros(0)
-    took = np.arange(max_bins)[None, :] < take[:, None]
-    samples_taken = (taken_samples * took).sum(axis=1)
+        slots = slots[:, np.random.default_rng([seed, epoch, round_index]).permutation(target)]
+    slot_costs, slot_tokens, slot_labels, slot_samples = _at_slots(figures, slots)
     return Decision(slots=slots.tolist(), cut=cut,
-                    step_label_tokens=[int(x) for x in step_labels],
-                    step_samples=[int(x) for x in step_samples], slot_costs=slot_costs,
-                    slot_tokens=slot_tokens, samples_taken=[int(x) for x in samples_taken],
+                    step_label_tokens=_per_step(slot_labels, gas), step_samples=_per_step(slot_samples, gas),
+                    slot_costs=slot_costs, slot_tokens=slot_tokens,
+                    samples_taken=[int(x) for x in (figures.samples * _first(take, figures.samples)).sum(axis=1)],
                     new_indices=new_indices, is_epoch_done=is_drain or is_quota_done,
                     is_quota_done=is_quota_done)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _first(take: np.ndarray, like: np.ndarray) -> np.ndarray:
+    """``[world, B]`` mask of each rank's first ``take[r]`` ranked bins."""
+    return np.arange(like.shape[1])[None, :] < take[:, None]
+
+
+def _per_step(slot_values: np.ndarray, gas: int) -> list[int]:
+    """Sums over ranks and over the GAS slots of each step (no steps: an empty list)."""
+    return [int(x) for x in slot_values.sum(axis=0).reshape(-1, gas).sum(axis=1)]
+
+
+def _check_quota_reachable(fields: dict[str, np.ndarray], quota_left: int) -> None:
+    """Raise on every rank alike once the first pass over the data is fetched and admitted nothing."""
+    if fields["observed_samples"].sum() or fields["is_first_pass_open"].any():
+        return
+    skipped, dropped = int(fields["num_skipped"].sum()), int(fields["num_dropped"].sum())
+    raise NoSampleAdmitted(
+        f"quota mode: a full pass over the data admitted no sample: {skipped} skipped (the data layer "
+        f"returned None), {dropped} dropped over the cap; the {quota_left} samples left of the quota can "
+        "never be trained. Fix the data or its format (e.g. records without an assistant turn), or "
+        "raise --max_tokens / --max_patches or set --over_cap truncate")
+
+
+def _target(fields: dict[str, np.ndarray], gas: int, deal: _Dealer) -> tuple[int, bool, list[int]]:
+    """``T``, whether this is the drain round, and the indices dealt (see the module docstring)."""
+    num_bins = fields["num_bins"]
+    active = fields["is_exhausted"] == 0
+    if not active.any():  # drain: every rank's input is used up (nothing is left to deal)
+        return _round_up(int(num_bins.max()), gas), True, [0] * len(num_bins)
+    target = int(fields["num_ready"][active].min()) // gas * gas
+    new_indices = deal(np.minimum(num_bins, target))
+    if target == 0 and not any(new_indices) and num_bins.any():
+        target = gas  # nothing to wait for: train what there is, so every round makes progress
+        new_indices = deal(np.minimum(num_bins, target))
+    # No rank holds a bin and nothing is dealt: T = 0; every active rank fetches more next round.
+    return target, False, new_indices
+
+
+class _BinFigures(NamedTuple):
+    """Per ranked bin ``[world, B]``, as trained this round (a cut bin: the samples it keeps)."""
+
+    costs: np.ndarray
+    tokens: np.ndarray
+    labels: np.ndarray
+    samples: np.ndarray
+
+
+def _bin_figures(g: _Gathered, cut: tuple[int, int, int] | None) -> _BinFigures:
+    """Costs, tokens, label tokens and samples of each ranked bin; a cut bin's from the samples it
+    keeps (its first ``keep``: per-sample figures, exact, never pro-rated)."""
+    # Label tokens of each ranked bin: differences of the per-sample cumulative sums.
+    world = g.samples.shape[0]
+    csum = np.zeros((world, g.labels.shape[1] + 1), dtype=np.int64)
+    np.cumsum(g.labels, axis=1, out=csum[:, 1:])
+    ends = np.cumsum(g.samples, axis=1)
+    labels = np.take_along_axis(csum, ends, 1) - np.take_along_axis(csum, ends - g.samples, 1)
+    figures = _BinFigures(g.costs.copy(), g.tokens.copy(), labels, g.samples.copy())
+    if cut is not None:
+        assert g.sample_tokens is not None, "quota mode proposals carry per-sample tokens and costs"
+        r, b, keep = cut
+        start = int(ends[r, b] - g.samples[r, b])
+        kept = slice(start, start + keep)
+        figures.costs[r, b] = g.sample_costs[r, kept].sum()
+        figures.tokens[r, b] = g.sample_tokens[r, kept].sum()
+        figures.labels[r, b] = g.labels[r, kept].sum()
+        figures.samples[r, b] = keep
+    return figures
+
+
+def _slots(bin_costs: np.ndarray, take: np.ndarray, target: int) -> np.ndarray:
+    """``[world, T]``: each rank's first ``take[r]`` bins by cost (descending), then dummies (-1)."""
+    world, width = len(take), int(take.max())
+    taken = _first(take, bin_costs)[:, :width]
+    order = np.argsort(np.where(taken, -bin_costs[:, :width], 1), axis=1, kind="stable")
+    slots = np.full((world, target), -1, dtype=np.int64)
+    slots[:, :width] = np.where(np.take_along_axis(taken, order, 1), order, -1)
+    return slots
+
+
+def _at_slots(figures: _BinFigures, slots: np.ndarray) -> list[np.ndarray]:
+    """Each figure ``[world, T]`` at the slots (0 for dummies)."""
+    valid = slots >= 0
+    if not valid.any():  # no bins at all (possibly zero columns to index)
+        return [np.zeros(slots.shape, dtype=np.int64) for _ in figures]
+    safe = np.where(valid, slots, 0)
+    return [np.where(valid, np.take_along_axis(values, safe, 1), 0) for values in figures]
 
 
 class _Dealer:
@@ -285,9 +395,9 @@ class _Dealer:
     mean cost) is smallest get more, up to ``window + lookahead`` in flight per rank.
     """
 
-    def __init__(self, fields, costs, samples, max_bins, stream_left, inflight_target) -> None:
+    def __init__(self, fields, costs, samples, stream_left, inflight_target) -> None:
         self.fields, self.costs, self.samples = fields, costs, samples
-        self.max_bins, self.stream_left, self.inflight_target = max_bins, stream_left, inflight_target
+        self.stream_left, self.inflight_target = stream_left, inflight_target
         observed = int(fields["observed_samples"].sum())
         self.unit, self.spread = 1, 1.0
         if observed:
@@ -300,7 +410,7 @@ class _Dealer:
         fields, world, left = self.fields, len(take), self.stream_left
         if not left:
             return [0] * world
-        took = np.arange(self.max_bins)[None, :] < take[:, None]
+        took = _first(take, self.costs)
         carry_cost = fields["window_cost"] - (self.costs * took).sum(axis=1)
         carry_samples = fields["window_samples"] - (self.samples * took).sum(axis=1)
         room = self.inflight_target - (carry_samples + fields["num_pending"])

@@ -16,7 +16,7 @@ from odb.batcher import OnlineBatcher
 from odb.config import OdbConfig
 from odb.plan import StepPlan
 
-__all__ = ["run_ranks", "simulate", "SimulationResult", "make_fetch"]
+__all__ = ["SimulationResult", "make_fetch", "run_ranks", "simulate"]
 
 T = TypeVar("T")
 

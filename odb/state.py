@@ -6,13 +6,15 @@ elsewhere raises ``ValueError`` naming what differs and what to do, and never mu
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
+from odb.config import OdbConfig
 from odb.cost import SampleCost
 from odb.plan import MicroBatch, StepPlan
 
-__all__ = ["STATE_VERSION", "check_state", "encode_steps", "decode_steps"]
+__all__ = ["STATE_VERSION", "check_state", "decode_steps", "encode_steps"]
 
 STATE_VERSION = 1
 
@@ -32,10 +34,16 @@ def check_state(state: dict[str, Any], *, world_size: int, rank: int, config: di
     if state["dataset_size"] != dataset_size:
         raise ValueError(f"state was taken on a dataset of {state['dataset_size']} samples, this one has "
                          f"{dataset_size}; resume on the same data")
-    differing = sorted(k for k in set(config) | set(state["config"]) if config.get(k) != state["config"].get(k))
+    # A setting added after the state was written held its default then (e.g. pad_rows).
+    saved = {**{k: v for k, v in _defaults().items() if k in config}, **state["config"]}
+    differing = sorted(k for k in set(config) | set(saved) if config.get(k) != saved.get(k))
     if differing:
         raise ValueError(f"odb settings differ from the checkpoint in {differing}; resume with the "
                          "settings the run started with")
+
+
+def _defaults() -> dict[str, Any]:
+    return {f.name: f.default for f in dataclasses.fields(OdbConfig)}
 
 
 def _micro_row(micro: MicroBatch) -> list:
