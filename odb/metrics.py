@@ -8,8 +8,14 @@ round's gather arrives, rank 0 completes the steps reported in it and writes the
 ``metrics.jsonl`` (and W&B). The steps of the last round are completed by the run's one final
 collective (:meth:`odb.align.Aligner.gather_reports`).
 
-Report layout: ``[steps, skipped by reason..., then per step: loss_sum_micro, materialized,
-wait_us, plan_us, collective_us]`` (loss sums in millionths).
+Report layout: ``[steps, skipped by reason..., fetched, lost, then per step: loss_sum_micro,
+materialized, wait_us, plan_us, collective_us, epoch]`` (loss sums in millionths; ``epoch``: the
+latest epoch of the rank's samples in the step (``uid // dataset_size``), or -1 for dummies only,
+so that a quota-mode step, whose samples may come from a later pass, is labelled by its data; ``fetched``: records
+this rank has processed over the whole run, ``lost``: those of them that will never train,
+skipped or dropped over the cap). Every rank gets every report, so the run-wide figures derived
+from them (:attr:`Telemetry.fetched`, :attr:`Telemetry.lost`) are identical on every rank and
+may steer the run (the learning-rate schedule plans by what will train).
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from odb.plan import StepPlan
 
 __all__ = ["Telemetry", "StepTimes"]
 
-_PER_STEP = 5
+_PER_STEP = 6
+_HEAD = 1 + len(SKIP_REASONS) + 2  # steps, skipped by reason, fetched, lost
 
 
 @dataclass
@@ -60,29 +67,34 @@ class Telemetry:
         self.pending: list[tuple[StepPlan, float, float, int, StepTimes]] = []  # not yet reported
         self.reported: list[tuple[StepPlan, float, StepTimes]] = []  # reported, not yet gathered
         self.skipped: dict[str, int] = {}
+        self.fetched = self.lost = 0  # over all ranks and the whole run, as of the last round
+        self.losses: list[float] = []  # rank 0: the global loss per token of each step with labels
         self.samples_done = samples_done
         self.file = open(output_dir / "metrics.jsonl", "a") if rank == 0 else None
         self.last: dict[str, Any] = {}
 
     @property
     def size(self) -> int:
-        return 1 + len(SKIP_REASONS) + _PER_STEP * self.max_steps
+        return _HEAD + _PER_STEP * self.max_steps
 
     def record(self, plan: StepPlan, *, loss_sum: float, lr: float, materialized: int, times: StepTimes) -> None:
         """This rank trained ``plan`` (call once per step, in order)."""
         self.pending.append((plan, loss_sum, lr, materialized, times))
 
-    def report(self, skipped: dict[str, int]) -> np.ndarray:
-        """This rank's vector for the next round: the steps trained since the last one."""
+    def report(self, skipped: dict[str, int], *, fetched: int = 0, lost: int = 0) -> np.ndarray:
+        """This rank's vector for the next round: the steps trained since the last one, and its
+        whole-run record counts (``skipped`` by reason, ``fetched``, ``lost``)."""
         assert len(self.pending) <= self.max_steps, "more steps between rounds than a round plans"
         out = np.zeros(self.size, dtype=np.int64)
         out[0] = len(self.pending)
         out[1:1 + len(SKIP_REASONS)] = [skipped.get(r, 0) for r in SKIP_REASONS]
-        base = 1 + len(SKIP_REASONS)
-        for i, (_, loss_sum, _, materialized, times) in enumerate(self.pending):
+        out[_HEAD - 2:_HEAD] = fetched, lost
+        base = _HEAD
+        for i, (plan, loss_sum, _, materialized, times) in enumerate(self.pending):
+            epoch = max((u // max(1, self.dataset_size) for m in plan.micro_batches for u in m.uids), default=-1)
             out[base + _PER_STEP * i:base + _PER_STEP * (i + 1)] = (
                 round(loss_sum * 1e6), materialized, round(times.wait * 1e6), round(times.plan * 1e6),
-                round(times.collective * 1e6))
+                round(times.collective * 1e6), epoch)
         self.reported = [(plan, lr, times) for plan, _, lr, _, times in self.pending]
         self.pending = []
         return out
@@ -91,8 +103,9 @@ class Telemetry:
         """Every rank's report: rank 0 completes and writes the steps it covers."""
         if reports.shape[1] == 0:
             return []
-        base = 1 + len(SKIP_REASONS)
-        self.skipped = {r: int(v) for r, v in zip(SKIP_REASONS, reports[:, 1:base].sum(axis=0)) if v}
+        base = _HEAD
+        self.skipped = {r: int(v) for r, v in zip(SKIP_REASONS, reports[:, 1:base - 2].sum(axis=0)) if v}
+        self.fetched, self.lost = (int(v) for v in reports[:, base - 2:base].sum(axis=0))
         assert all(int(n) == len(self.reported) for n in reports[:, 0]), "ranks reported different steps"
         reported, self.reported = self.reported, []
         if self.rank != 0:  # only rank 0 writes the rows
@@ -116,9 +129,13 @@ class Telemetry:
         per_rank_tokens = rank_tokens.sum(axis=0)
         self.samples_done += plan.num_samples
         slowest = rank_costs.max(axis=1).sum()
+        loss = float(per_rank[:, 0].sum()) / 1e6 / max(1, plan.num_label_tokens)
+        if plan.num_label_tokens:
+            self.losses.append(loss)
+        latest = int(per_rank[:, 5].max())
         row = {
-            "step": plan.step, "epoch": plan.epoch, "time": round(times.ended, 3),
-            "loss": round(float(per_rank[:, 0].sum()) / 1e6 / max(1, plan.num_label_tokens), 6),
+            "step": plan.step, "epoch": latest if latest >= 0 else plan.epoch, "time": round(times.ended, 3),
+            "loss": round(loss, 6),
             "lr": lr, "samples": plan.num_samples, "samples_done": self.samples_done,
             "epochs_done": round(self.samples_done / max(1, self.dataset_size), 4),
             "label_tokens": plan.num_label_tokens, "real_tokens": real, "materialized_tokens": materialized,

@@ -1,11 +1,16 @@
 """Learning rate by progress: the number of optimizer steps is not known up front (it depends on
-how samples pack), so warmup and decay follow the samples trained over the planned total."""
+how samples pack), so warmup and decay follow the samples trained over the planned total.
+
+The planned total counts only what will train: records that are skipped or dropped over the cap
+never train, and are known only once processed. :func:`planned_to_train` estimates the total from
+the share of processed records lost so far (exact once every record has been processed), from
+run-wide counts that every rank has, so every rank sets the same learning rate."""
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["ProgressSchedule"]
+__all__ = ["ProgressSchedule", "planned_to_train"]
 
 
 class ProgressSchedule:
@@ -23,10 +28,19 @@ class ProgressSchedule:
         self.lr, self.total = lr, total_samples
         self.warmup_ratio, self.min_ratio = warmup_ratio, min_ratio
 
-    def __call__(self, samples_done: int) -> float:
-        progress = min(1.0, samples_done / self.total)
+    def __call__(self, samples_done: int, total: int | None = None) -> float:
+        """The learning rate after ``samples_done`` of ``total`` (default: the planned total)."""
+        progress = min(1.0, samples_done / max(1, total or self.total))
         if self.warmup_ratio and progress < self.warmup_ratio:
             return self.lr * max(progress / self.warmup_ratio, 1e-3)
         span = max(1e-12, 1.0 - self.warmup_ratio)
         cosine = 0.5 * (1.0 + math.cos(math.pi * (progress - self.warmup_ratio) / span))
         return self.lr * (self.min_ratio + (1.0 - self.min_ratio) * cosine)
+
+
+def planned_to_train(planned: int, *, fetched: int, lost: int) -> int:
+    """Of ``planned`` sample visits (epochs x records), those expected to train, given that
+    ``lost`` of the ``fetched`` records processed so far were skipped or dropped."""
+    if not fetched or not lost:
+        return planned
+    return max(1, planned - round(planned * lost / fetched))

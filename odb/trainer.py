@@ -22,7 +22,7 @@ from odb.feed import SampleFeed
 from odb.metrics import StepTimes, Telemetry
 from odb.model import build_model, load_tokenizer, vision_spec
 from odb.vision import supports_packing
-from odb.schedule import ProgressSchedule
+from odb.schedule import ProgressSchedule, planned_to_train
 
 __all__ = ["Trainer"]
 
@@ -84,7 +84,10 @@ class Trainer:
         packed = supports_packing(model)
         if not packed:
             self.log(f"odb: cannot pack {model.config.model_type} correctly (its rotary positions are "
-                     "unknown to odb): training on PADDED micro-batches instead")
+                     "unknown to odb): training on PADDED micro-batches instead, each within "
+                     f"rows x longest <= {config.max_tokens} tokens")
+            if config.policy == "odb":
+                self.config = config = dataclasses.replace(config, pad_rows=True)
         ds_config = dict(self.targs.ds_config)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = None
@@ -108,9 +111,14 @@ class Trainer:
         effective = self._effective_config(ds_config, packed)
         self.wandb_run = self._wandb(effective) if args.report_to == "wandb" and self.rank == 0 else None
         self.samples_done = self.steps_done = 0  # over the whole run, resumes included
-        self.losses: list[float] = []  # this rank's loss per token, per step
+        # This rank's counts over the whole run (restored on resume); summed over ranks at the end.
         self.totals = {"micro_batches": 0, "dummy_micro_batches": 0, "samples": 0, "real_tokens": 0,
-                       "materialized_tokens": 0, "steps": 0}
+                       "materialized_tokens": 0, "steps": 0, "wall_us": 0}
+        self.this_process = {"steps": 0, "samples": 0, "rounds_before": 0}
+        self.first_losses: list[float] = []  # the run's first global step losses (kept on resume)
+        self.fetched_lost = [0, 0]  # run-wide records processed and lost, as of the last round
+        self.wall_s = 0.0
+        self._started: float | None = None  # while the train loop runs
         self.saved: str | None = None  # the last checkpoint tag written
         if args.resume:
             self._resume(args.resume)
@@ -119,7 +127,8 @@ class Trainer:
             max_tokens=config.max_tokens, dataset_size=len(self.dataset), samples_done=self.samples_done,
             output_dir=self.output_dir,
             sink=(lambda row: self.wandb_run.log(row, step=row["step"])) if self.wandb_run else None)
-        self.batcher.report = lambda: self.telemetry.report(self.feed.skipped)
+        self.telemetry.fetched, self.telemetry.lost = self.fetched_lost  # the LR plan, as it stood
+        self.batcher.report = self._report
         self.batcher.on_reports = self.telemetry.on_reports
         self.log("odb: " + ", ".join(f"{k} {v}" for k, v in effective.items()))
         return self
@@ -129,7 +138,8 @@ class Trainer:
         if not packed:
             attention = "padded (sdpa)"
         elif torch.cuda.is_available():
-            attention = "odb_varlen: flash-attn varlen" if _has_flash_attn() else "odb_varlen: torch varlen_attn"
+            attention = ("odb_varlen: flash-attn varlen" if _has_flash_attn() else
+                         "odb_varlen: torch varlen_attn (attention dropout, softcap or fp32: per-group SDPA)")
         else:
             attention = "odb_varlen: SDPA per group of similar-length samples (CPU)"
         return {"world_size": self.world_size, "max_tokens": config.max_tokens, "window": config.window,
@@ -154,7 +164,7 @@ class Trainer:
         args, batcher = self.args, self.batcher
         audit = open(self.output_dir / f"emitted_ids.rank{self.rank}.jsonl", "a") if args.audit_ids else None
         progress = self._progress_bar()
-        start = time.perf_counter()
+        start = self._started = time.perf_counter()
         steps_this_run = 0
         plans = iter(batcher)
         while True:
@@ -164,7 +174,7 @@ class Trainer:
             if plan is None:
                 break
             samples = [[self.feed.take(uid) for uid in micro.uids] for micro in plan.micro_batches]
-            result = self.engine.train_step(plan, samples, self.schedule(self.samples_done))
+            result = self.engine.train_step(plan, samples, self._lr())
             self.samples_done += plan.num_samples
             self.steps_done = plan.step + 1
             self._count(plan)
@@ -176,10 +186,11 @@ class Trainer:
             if audit:
                 size = len(self.dataset)
                 for m, micro in enumerate(plan.micro_batches):
+                    # each sample's own epoch: in quota mode a step may mix passes over the data
                     audit.write(json.dumps({"epoch": plan.epoch, "step": plan.step, "micro": m,
-                                            "ids": [u % size for u in micro.uids]}) + "\n")
+                                            "ids": [u % size for u in micro.uids],
+                                            "epochs": [u // size for u in micro.uids]}) + "\n")
             steps_this_run += 1
-            self.losses.append(result.loss_sum / max(1, result.label_tokens))
             if progress is not None:
                 progress.update(plan.num_samples)
                 last = self.telemetry.last
@@ -191,6 +202,8 @@ class Trainer:
             if args.max_steps and steps_this_run >= args.max_steps:
                 break
         self.wall_s = time.perf_counter() - start
+        self.totals["wall_us"] += round(self.wall_s * 1e6)
+        self._started = None
         if progress is not None:
             progress.close()
         if audit:
@@ -205,9 +218,25 @@ class Trainer:
         return tqdm(total=self.planned, initial=self.samples_done, unit="sample", desc="odb", disable=None,
                     dynamic_ncols=True)
 
+    def _report(self) -> np.ndarray:
+        """This rank's telemetry vector for the next round (its steps, its whole-run counts)."""
+        counts = self.batcher.counts
+        lost = counts["skipped"] + counts["dropped"]
+        return self.telemetry.report(self.feed.skipped, fetched=self.batcher.observed_samples + lost, lost=lost)
+
+    def _lr(self) -> float:
+        """The learning rate of the next step, planned over the samples that will train (join
+        mode: skipped and dropped records never train); the same on every rank."""
+        total = self.planned
+        if self.config.mode == "join":
+            total = planned_to_train(total, fetched=self.telemetry.fetched, lost=self.telemetry.lost)
+        return self.schedule(self.samples_done, total)
+
     def _count(self, plan) -> None:
         t = self.totals
         t["steps"] += 1
+        self.this_process["steps"] += 1
+        self.this_process["samples"] += plan.num_samples
         for micro in plan.micro_batches:
             t["micro_batches"] += not micro.is_dummy
             t["dummy_micro_batches"] += micro.is_dummy
@@ -223,6 +252,12 @@ class Trainer:
             "samples_done": self.samples_done, "steps_done": self.steps_done})
         state = self.batcher.state_dict()
         (folder / tag / f"odb_state.rank{self.rank}.json").write_text(json.dumps(state))
+        wall_us = self.totals["wall_us"] + (round((time.perf_counter() - self._started) * 1e6)
+                                            if self._started is not None else 0)
+        run = {"totals": {**self.totals, "wall_us": wall_us}, "skipped": dict(self.feed.skipped),
+               "first_losses": (self.first_losses or self.telemetry.losses)[:3],
+               "fetched_lost": [self.telemetry.fetched, self.telemetry.lost]}
+        (folder / tag / f"run_state.rank{self.rank}.json").write_text(json.dumps(run))
         self.saved = tag
 
     def _resume(self, tag: str) -> None:
@@ -232,11 +267,24 @@ class Trainer:
         if path is None:
             raise FileNotFoundError(f"--resume: no DeepSpeed checkpoint {folder / tag}")
         state = json.loads((folder / tag / f"odb_state.rank{self.rank}.json").read_text())
+        if state["is_done"] and state["config"]["mode"] == "join" and state["epoch"] >= self.args.epochs:
+            raise ValueError(f"--resume: the run in {self.output_dir} already trained all {state['epoch']} "
+                             f"epoch(s); pass --epochs > {state['epoch']} to train more, or start a new "
+                             "--output_dir")
         self.feed.sampler.queue.clear()  # the fresh batcher's first deal is replaced by the state's
         self.batcher.load_state_dict(state)
         self.feed.restore(self.batcher.held_uids())
         self.samples_done, self.steps_done = client["samples_done"], client["steps_done"]
-        self.log(f"resumed from {folder / tag}: {self.samples_done} samples done")
+        run_state = folder / tag / f"run_state.rank{self.rank}.json"
+        if run_state.is_file():  # whole-run counts, so the summary reports the whole run
+            run = json.loads(run_state.read_text())
+            self.totals.update(run["totals"])
+            self.feed.skipped.update(run["skipped"])
+            self.first_losses = run["first_losses"]
+            self.fetched_lost = run["fetched_lost"]
+        self.this_process["rounds_before"] = self.batcher.round_index
+        extended = " (extended to --epochs {})".format(self.args.epochs) if state["is_done"] else ""
+        self.log(f"resumed from {folder / tag}: {self.samples_done} samples done{extended}")
 
     # ---- close ------------------------------------------------------------------------------
 
@@ -249,27 +297,12 @@ class Trainer:
         counts = self.batcher.counts
         own = [self.totals[k] for k in keys] + [counts["truncated"], counts["dropped"]]
         tsize = self.telemetry.size
-        gathered = self.batcher.aligner.gather_reports(
-            np.concatenate([self.telemetry.report(self.feed.skipped), np.asarray(own, dtype=np.int64)]))
+        gathered = self.batcher.aligner.gather_reports(np.concatenate([self._report(), np.asarray(own, dtype=np.int64)]))
         self.telemetry.on_reports(gathered[:, :tsize])  # completes the last round's steps
         summed = dict(zip(keys + ["truncated", "dropped"], gathered[:, tsize:].sum(axis=0).tolist()))
         if self.feed.examples:
             print(f"rank {self.rank} skipped records, e.g.: " + "; ".join(self.feed.examples), flush=True)
-        summary = {
-            "world_size": self.world_size, "dataset_samples": len(self.dataset), "epochs": self.args.epochs,
-            "steps": self.totals["steps"], "micro_batches": summed["micro_batches"],
-            "dummy_micro_batches": summed["dummy_micro_batches"], "samples_emitted": summed["samples"],
-            "real_tokens": summed["real_tokens"], "materialized_tokens": summed["materialized_tokens"],
-            "padding_ratio": round(1 - summed["real_tokens"] / max(1, summed["materialized_tokens"]), 6),
-            "truncated": summed["truncated"], "dropped": summed["dropped"], "skipped": self.telemetry.skipped,
-            "loss_first": round(sum(self.losses[:3]) / max(1, len(self.losses[:3])), 5),
-            "loss_last": round(sum(self.losses[-3:]) / max(1, len(self.losses[-3:])), 5),
-            "wall_s": round(self.wall_s, 3),
-            "samples_per_s": round(summed["samples"] / max(1e-9, self.wall_s), 3),
-            "tokens_per_s": round(summed["real_tokens"] / max(1e-9, self.wall_s), 1),
-            "policy": self.config.policy, "rounds": self.batcher.round_index,
-            "odb_collectives": self.comm.num_collectives,  # start check + one per round + this close
-        }
+        summary = self._summary(summed)
         if self.rank == 0:
             (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             self.log(f"done: {json.dumps(summary)}")
@@ -281,6 +314,34 @@ class Trainer:
         dist.barrier()
         dist.destroy_process_group()
         return summary
+
+    def _summary(self, summed: dict[str, int]) -> dict:
+        """The whole run's figures (resumes included), and this process's apart."""
+        wall_s = summed["wall_us"] / 1e6 / self.world_size  # every rank's train loop, averaged
+        losses = self.first_losses or self.telemetry.losses  # global per-step losses (rank 0)
+        last = self.telemetry.losses[-3:] or losses[-3:]
+        mine = self.this_process
+        epochs = self.args.epochs if self.config.mode == "join" else round(summed["samples"] / max(1, len(self.dataset)), 4)
+        return {
+            "world_size": self.world_size, "dataset_samples": len(self.dataset), "epochs": epochs,
+            "steps": self.steps_done, "micro_batches": summed["micro_batches"],
+            "dummy_micro_batches": summed["dummy_micro_batches"], "samples_emitted": summed["samples"],
+            "real_tokens": summed["real_tokens"], "materialized_tokens": summed["materialized_tokens"],
+            "padding_ratio": round(1 - summed["real_tokens"] / max(1, summed["materialized_tokens"]), 6),
+            "truncated": summed["truncated"], "dropped": summed["dropped"], "skipped": self.telemetry.skipped,
+            "loss_first": round(sum(losses[:3]) / max(1, len(losses[:3])), 5),
+            "loss_last": round(sum(last) / max(1, len(last)), 5),
+            "wall_s": round(wall_s, 3),
+            "samples_per_s": round(summed["samples"] / max(1e-9, wall_s), 3),
+            "tokens_per_s": round(summed["real_tokens"] / max(1e-9, wall_s), 1),
+            "policy": self.config.policy, "rounds": self.batcher.round_index,
+            "this_process": {
+                "steps": mine["steps"], "samples": mine["samples"],
+                "rounds": self.batcher.round_index - mine["rounds_before"],
+                "odb_collectives": self.comm.num_collectives,  # start check + one per round + the close
+                "wall_s": round(self.wall_s, 3),
+                "samples_per_s": round(mine["samples"] / max(1e-9, self.wall_s), 3)},
+        }
 
     def log(self, message: str) -> None:
         if self.rank == 0:

@@ -55,11 +55,14 @@ def expand_placeholders(text: str, grids: list[torch.Tensor], merge_size: int, p
 
 
 def supports_packing(model) -> bool:
-    """Text causal LMs pack; multimodal models pack when odb knows their rotary positions."""
-    inner = getattr(model, "model", model)
-    if getattr(model.config, "vision_config", None) is None:
+    """Text causal LMs pack; multimodal models pack when odb knows their rotary positions.
+
+    ``model`` may be wrapped by PEFT: the check looks at the Hugging Face model inside.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(base.config, "vision_config", None) is None:
         return True
-    return hasattr(inner, "get_rope_index")
+    return hasattr(getattr(base, "model", None), "get_rope_index")
 
 
 def packed_position_ids(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,

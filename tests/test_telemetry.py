@@ -91,7 +91,11 @@ def test_metrics_jsonl_matches_what_was_trained(wandb_run):
         assert row["loss"] > 0 and row["lr"] > 0
     assert rows[-1]["samples_done"] == 120 == summary["samples_emitted"]
     # telemetry rode on the rounds: the start check, one per round, one at the end, nothing else
-    assert summary["odb_collectives"] == summary["rounds"] + 2
+    assert summary["this_process"]["odb_collectives"] == summary["rounds"] + 2
+    # the run's first and last losses are the global per-step losses, not rank 0's own
+    losses = [r["loss"] for r in rows if r["label_tokens"]]
+    assert summary["loss_first"] == pytest.approx(sum(losses[:3]) / 3, abs=1e-5)
+    assert summary["loss_last"] == pytest.approx(sum(losses[-3:]) / 3, abs=1e-5)
     assert "attention odb_varlen: SDPA per group" in proc.stdout and "zero_stage 2" in proc.stdout
 
 

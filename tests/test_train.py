@@ -130,6 +130,16 @@ def test_resume_continues_with_exactly_the_samples_not_yet_trained(tmp_path):
         assert first[rank] + second[rank] == reference[rank]  # the same batches, from step k on too
     ids = Counter(i for rows in first + second for r in rows for i in r["ids"])
     assert ids == Counter(range(80))
+    # the summary of the resumed run reports the whole run, as the uninterrupted one does
+    whole, resumed = (json.loads((o / "summary.json").read_text()) for o in (full, part))
+    for key in ("steps", "micro_batches", "dummy_micro_batches", "samples_emitted", "real_tokens",
+                "materialized_tokens", "rounds", "truncated", "dropped", "skipped"):
+        assert resumed[key] == whole[key], key
+    assert resumed["loss_first"] == pytest.approx(whole["loss_first"], rel=1e-4)
+    assert resumed["loss_last"] == pytest.approx(whole["loss_last"], rel=1e-4)
+    mine = resumed["this_process"]
+    assert mine["steps"] == whole["steps"] - k and mine["samples"] == 80 - sum(len(r["ids"]) for rows in first for r in rows)
+    assert mine["odb_collectives"] == mine["rounds"] + 2
 
 
 @pytest.mark.parametrize("flag,value,needle", [
