@@ -12,8 +12,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from odb.cli import parse_args  # noqa: E402
-from odb.trainer import Trainer  # noqa: E402
+from odb.training.cli import parse_args  # noqa: E402
+from odb.training.run import Trainer  # noqa: E402
 
 
 def main() -> None:

@@ -1,10 +1,10 @@
 """odb: online dynamic batching for DeepSpeed fine-tuning."""
 
-from odb.align import Aligner, Communicator, SettingsMismatch, SimulatedGroup, TorchCommunicator
-from odb.batcher import OnlineBatcher, epoch_order
-from odb.config import OdbConfig, load_odb_config
-from odb.cost import CostModel, OverCapError, SampleCost
-from odb.plan import MicroBatch, StepPlan
+from odb.batching.align import Aligner, Communicator, SettingsMismatch, SimulatedGroup, TorchCommunicator
+from odb.batching.batcher import OnlineBatcher, epoch_order
+from odb.batching.config import OdbConfig, load_odb_config
+from odb.batching.cost import CostModel, OverCapError, SampleCost
+from odb.batching.plan import MicroBatch, StepPlan
 
 __all__ = ["Aligner", "Communicator", "CostModel", "MicroBatch", "OdbConfig", "OnlineBatcher",
            "OverCapError", "SampleCost", "SettingsMismatch", "SimulatedGroup", "StepPlan",

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from odb.plan import StepPlan  # noqa: E402
+from odb.batching.plan import StepPlan  # noqa: E402
 
 
 def check_aligned(steps: list[list[StepPlan]]) -> None:

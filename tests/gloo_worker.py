@@ -13,11 +13,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch.distributed as dist  # noqa: E402
 
-from odb.align import TorchCommunicator  # noqa: E402
-from odb.batcher import OnlineBatcher  # noqa: E402
-from odb.config import OdbConfig  # noqa: E402
-from odb.simulate import make_fetch  # noqa: E402
-from odb.state import encode_steps  # noqa: E402
+from odb.batching.align import TorchCommunicator  # noqa: E402
+from odb.batching.batcher import OnlineBatcher  # noqa: E402
+from odb.batching.config import OdbConfig  # noqa: E402
+from odb.batching.simulate import make_fetch  # noqa: E402
+from odb.batching.state import encode_steps  # noqa: E402
 
 
 def main() -> None:

@@ -7,12 +7,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import check_aligned, check_caps, check_exact_once, check_label_tokens, roundtrip
-from odb.align import SettingsMismatch
-from odb.batcher import OnlineBatcher
-from odb.config import OdbConfig
-from odb.cost import OverCapError
-from odb.plan import waterfill
-from odb.simulate import make_fetch, run_ranks, simulate
+from odb.batching.align import SettingsMismatch
+from odb.batching.batcher import OnlineBatcher
+from odb.batching.config import OdbConfig
+from odb.batching.cost import OverCapError
+from odb.batching.plan import waterfill
+from odb.batching.simulate import make_fetch, run_ranks, simulate
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

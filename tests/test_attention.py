@@ -28,10 +28,10 @@ from transformers.masking_utils import (
 )
 from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
-from odb import attention
-from odb.collate import collate_packed, collate_padded
-from odb.engine import token_loss_sum
-from odb.vision import packed_position_ids
+from odb.training import attention
+from odb.data.collate import collate_packed, collate_padded
+from odb.training.engine import token_loss_sum
+from odb.training.mrope import packed_position_ids
 
 WINDOW = 16
 TEXT = {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -109,7 +109,7 @@ def vl_samples() -> list[dict]:
 
 
 def packed_forward(model, samples: list[dict]):
-    """odb's packed call (odb/engine.py ``_forward_loss``): logits ``[1, T, V]``, labels, bounds."""
+    """odb's packed call (odb/training/engine.py ``_forward_loss``): logits ``[1, T, V]``, labels, bounds."""
     batch = collate_packed(samples)
     cu = batch["cu_seqlens"]
     extra = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}

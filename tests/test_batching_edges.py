@@ -18,11 +18,11 @@ from conftest import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from odb.batcher import OnlineBatcher
-from odb.config import OdbConfig
-from odb.cost import CostModel
-from odb.packer import Bin, OnlinePacker
-from odb.simulate import make_fetch, run_ranks, simulate
+from odb.batching.batcher import OnlineBatcher
+from odb.batching.config import OdbConfig
+from odb.batching.cost import CostModel
+from odb.batching.packer import Bin, OnlinePacker
+from odb.batching.simulate import make_fetch, run_ranks, simulate
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -51,7 +51,7 @@ def admitted(lengths: list[int | None], max_tokens: int, num_epochs: int = 1, ov
 
 
 def round_bound(config: OdbConfig, lengths: list, world: int) -> int:
-    """I3 (odb/plan.py): static ``max(shard) + 1`` (fixed: ``2 * max(shard) + 1``), dynamic ``2N + 2``."""
+    """I3 (odb/batching/plan.py): static ``max(shard) + 1`` (fixed: ``2 * max(shard) + 1``), dynamic ``2N + 2``."""
     if config.sharding == "dynamic":
         return 2 * len(lengths) + 2
     shard = len(range(0, len(lengths), world))

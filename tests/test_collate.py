@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from odb.collate import collate_packed, collate_padded
-from odb.cost import count_label_tokens
+from odb.data.collate import collate_packed, collate_padded
+from odb.batching.cost import count_label_tokens
 
 
 def test_worked_example_of_the_docstring():

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from odb.config import OdbConfig, load_odb_config
-from odb.cost import CostModel, OverCapError, count_label_tokens
+from odb.batching.config import OdbConfig, load_odb_config
+from odb.batching.cost import CostModel, OverCapError, count_label_tokens
 
 
 @pytest.mark.parametrize("field,value,needle", [

@@ -9,12 +9,12 @@ from conftest import check_caps
 from PIL import Image
 
 from launch import ROOT, deepspeed, ds_config, odb_config
-from odb.batcher import OnlineBatcher
-from odb.config import OdbConfig
-from odb.data import DataConfig, SampleDataset, load_data_config, sample_cost
-from odb.feed import DataError, SampleFeed
-from odb.model import build_model, load_tokenizer, vision_spec
-from odb.simulate import run_ranks
+from odb.batching.batcher import OnlineBatcher
+from odb.batching.config import OdbConfig
+from odb.data.processing import DataConfig, SampleDataset, load_data_config, sample_cost
+from odb.data.feed import DataError, SampleFeed
+from odb.training.model import build_model, load_tokenizer, vision_spec
+from odb.batching.simulate import run_ranks
 
 TOKENIZER = load_tokenizer(ROOT / "data" / "tokenizer")
 VL = ROOT / "configs" / "tiny_vl_model.json"
@@ -170,7 +170,7 @@ def test_records_whose_images_do_not_add_up_are_skipped_with_a_clear_reason(tmp_
 def test_a_text_model_skips_records_with_images_and_strict_stops(tmp_path, record):
     image_files(tmp_path)
     path = write_jsonl(tmp_path / "d.jsonl", [record])
-    skipped = SampleDataset(path, TOKENIZER)[0]  # vision=None: a text model, as odb.model.vision_spec says
+    skipped = SampleDataset(path, TOKENIZER)[0]  # vision=None: a text model, as odb.training.model.vision_spec says
     assert skipped.get("skip") == "image_for_text_model", skipped.get("detail", skipped.keys())
     assert "vision-language model (e.g. Qwen2-VL) or drop the images" in skipped["detail"]
     feed = SampleFeed(SampleDataset(path, TOKENIZER, DataConfig(strict=True)), sample_cost, num_workers=0)
@@ -296,8 +296,8 @@ def test_data_config_is_strict_about_keys(tmp_path):
 
 
 def test_packed_multimodal_rows_equal_each_sample_alone():
-    from odb.collate import collate_packed
-    from odb.vision import packed_position_ids
+    from odb.data.collate import collate_packed
+    from odb.training.mrope import packed_position_ids
 
     model = build_model(VL, seed=0, vocab_size=len(TOKENIZER)).eval()
     dataset = SampleDataset(ROOT / "data" / "mm" / "train.jsonl", TOKENIZER, vision=vision_spec(model, DataConfig()))

@@ -12,8 +12,8 @@ import pytest
 
 from conftest import check_aligned, check_caps, check_exact_once, check_label_tokens
 from collections import Counter
-from odb.config import OdbConfig
-from odb.simulate import simulate
+from odb.batching.config import OdbConfig
+from odb.batching.simulate import simulate
 
 LENGTHS = (1, 3)
 CONFIGS = [(window, gas) for window in (1, 2, 3) for gas in (1, 2) if window >= gas]

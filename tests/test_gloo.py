@@ -9,7 +9,7 @@ from pathlib import Path
 
 from conftest import check_aligned, check_exact_once, check_label_tokens
 from launch import free_port
-from odb.state import decode_steps
+from odb.batching.state import decode_steps
 
 WORKER = Path(__file__).with_name("gloo_worker.py")
 

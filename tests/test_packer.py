@@ -3,8 +3,8 @@ from collections import Counter
 
 from hypothesis import given, settings, strategies as st
 
-from odb.cost import CostModel
-from odb.packer import BmtPacker, FixedPacker, GmtPacker, OnlinePacker
+from odb.batching.cost import CostModel
+from odb.batching.packer import BmtPacker, FixedPacker, GmtPacker, OnlinePacker
 
 
 def samples(model, lengths, patches=None):

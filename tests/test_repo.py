@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from conftest import ROOT
-from odb.config import load_odb_config
+from odb.batching.config import load_odb_config
 
 BENCH_KEYS = {"policy", "world_size", "samples", "emitted", "duplicated", "dropped", "truncated", "steps",
               "micro_batches", "dummy_micro_batches", "real_tokens", "materialized_tokens", "padding_ratio",

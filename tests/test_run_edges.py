@@ -6,8 +6,8 @@ import math
 from collections import Counter
 
 from launch import ROOT, audit, deepspeed, ds_config, odb_config
-from odb.model import build_model, load_tokenizer
-from odb.vision import supports_packing
+from odb.training.model import build_model, load_tokenizer
+from odb.training.mrope import supports_packing
 
 TOKENIZER = load_tokenizer(ROOT / "data" / "tokenizer")
 VL = ROOT / "configs" / "tiny_vl_model.json"

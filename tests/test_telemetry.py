@@ -9,8 +9,8 @@ import pytest
 from PIL import Image
 
 from launch import ROOT, audit, deepspeed, ds_config, odb_config
-from odb.data import SampleDataset
-from odb.model import load_tokenizer
+from odb.data.processing import SampleDataset
+from odb.training.model import load_tokenizer
 
 TOKENIZER = load_tokenizer(ROOT / "data" / "tokenizer")
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from launch import ROOT, audit, deepspeed, ds_config, odb_config, plain, write_json
-from odb.attention import register
-from odb.collate import collate_packed
-from odb.data import SampleDataset
-from odb.engine import token_loss_sum
-from odb.model import build_model, load_tokenizer
+from odb.training.attention import register
+from odb.data.collate import collate_packed
+from odb.data.processing import SampleDataset
+from odb.training.engine import token_loss_sum
+from odb.training.model import build_model, load_tokenizer
 
 TOKENIZER = load_tokenizer(ROOT / "data" / "tokenizer")
 TINY = ROOT / "configs" / "tiny_model.json"

@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from odb.config import OdbConfig  # noqa: E402
-from odb.simulate import SimulationResult, simulate  # noqa: E402
+from odb.batching.config import OdbConfig  # noqa: E402
+from odb.batching.simulate import SimulationResult, simulate  # noqa: E402
 
 
 def read_lengths(path: str) -> list[tuple[int, int]]:

@@ -17,9 +17,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from odb.data import DataConfig, SampleDataset, sample_cost  # noqa: E402
-from odb.feed import SampleFeed  # noqa: E402
-from odb.model import build_model, load_tokenizer, vision_spec  # noqa: E402
+from odb.data.processing import DataConfig, SampleDataset, sample_cost  # noqa: E402
+from odb.data.feed import SampleFeed  # noqa: E402
+from odb.training.model import build_model, load_tokenizer, vision_spec  # noqa: E402
 
 
 def measure(dataset: SampleDataset, workers: int, epochs: int, window: int) -> float:

@@ -1,6 +1,6 @@
 """Step plans and the round decision: a pure function of what every rank gathered.
 
-One round (see :mod:`odb.align` for the protocol): every rank packs its window, ranks its bins
+One round (see :mod:`odb.batching.align` for the protocol): every rank packs its window, ranks its bins
 (best first) and sends one fixed-size int64 vector, its *proposal*. After the one ``all_gather``,
 every rank runs :func:`decide` on the same matrix and so reaches the same decision:
 
@@ -22,7 +22,7 @@ every rank runs :func:`decide` on the same matrix and so reaches the same decisi
   round-robin over ranks and the last one is cut, so exactly ``quota`` samples are trained and
   only the last step holds dummies (given ``window >= GAS`` and no empty static shard). The cut
   bin's tokens and cost are those of the samples it keeps: in quota mode every proposal carries
-  per-sample tokens and cost steps (:meth:`odb.packer.Bin.cost_steps`) beside the label tokens.
+  per-sample tokens and cost steps (:meth:`odb.batching.packer.Bin.cost_steps`) beside the label tokens.
   A run whose first full pass over the data admits no sample (all skipped or dropped over the
   cap) can never reach its quota: :func:`decide` raises :class:`NoSampleAdmitted` on every rank.
 
@@ -51,7 +51,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from odb.cost import SampleCost
+from odb.batching.cost import SampleCost
 
 __all__ = [
     "HEADER",

@@ -17,7 +17,7 @@ import bisect
 import random
 from collections.abc import Iterable
 
-from odb.cost import CostModel, SampleCost
+from odb.batching.cost import CostModel, SampleCost
 
 __all__ = ["Bin", "BmtPacker", "FixedPacker", "GmtPacker", "OnlinePacker", "Packer", "make_packer"]
 

@@ -209,7 +209,7 @@ def _check_kwargs(kwargs: dict) -> None:
     if unknown:
         raise ValueError(f"odb_varlen does not implement the attention argument(s) {unknown} this model "
                          "passes; train it padded (attn_implementation 'sdpa' or 'eager') or teach "
-                         "odb/attention.py those arguments")
+                         "odb/training/attention.py those arguments")
     if kwargs.get("output_attentions"):
         raise ValueError("odb_varlen returns no attention weights; drop output_attentions=True")
 

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from odb.collate import collate_packed, collate_padded
-from odb.plan import StepPlan
-from odb.vision import packed_position_ids
+from odb.data.collate import collate_packed, collate_padded
+from odb.batching.plan import StepPlan
+from odb.training.mrope import packed_position_ids
 
 __all__ = ["OdbEngine", "StepResult", "token_loss_sum", "BLANK_IMAGE_TOKENS"]
 

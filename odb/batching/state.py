@@ -10,9 +10,9 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-from odb.config import OdbConfig
-from odb.cost import SampleCost
-from odb.plan import MicroBatch, StepPlan
+from odb.batching.config import OdbConfig
+from odb.batching.cost import SampleCost
+from odb.batching.plan import MicroBatch, StepPlan
 
 __all__ = ["STATE_VERSION", "check_state", "decode_steps", "encode_steps"]
 

@@ -11,10 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from odb.align import SimulatedGroup
-from odb.batcher import OnlineBatcher
-from odb.config import OdbConfig
-from odb.plan import StepPlan
+from odb.batching.align import SimulatedGroup
+from odb.batching.batcher import OnlineBatcher
+from odb.batching.config import OdbConfig
+from odb.batching.plan import StepPlan
 
 __all__ = ["SimulationResult", "make_fetch", "run_ranks", "simulate"]
 

@@ -13,16 +13,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from odb.align import TorchCommunicator
-from odb.batcher import OnlineBatcher
-from odb.cli import TrainArgs
-from odb.data import SampleDataset, sample_cost
-from odb.engine import BLANK_IMAGE_TOKENS, OdbEngine
-from odb.feed import SampleFeed
-from odb.metrics import StepTimes, Telemetry
-from odb.model import build_model, load_tokenizer, vision_spec
-from odb.vision import supports_packing
-from odb.schedule import ProgressSchedule, planned_to_train
+from odb.batching.align import TorchCommunicator
+from odb.batching.batcher import OnlineBatcher
+from odb.training.cli import TrainArgs
+from odb.data.processing import SampleDataset, sample_cost
+from odb.training.engine import BLANK_IMAGE_TOKENS, OdbEngine
+from odb.data.feed import SampleFeed
+from odb.telemetry import StepTimes, Telemetry
+from odb.training.model import build_model, load_tokenizer, vision_spec
+from odb.training.mrope import supports_packing
+from odb.training.schedule import ProgressSchedule, planned_to_train
 
 __all__ = ["Trainer"]
 
@@ -72,7 +72,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(args.tokenizer)
         model = build_model(args.model, seed=args.seed, vocab_size=len(self.tokenizer), lora=self.targs.lora)
         if vision_spec(model, self.targs.data) is not None:
-            # a micro-batch without images carries a 3-token blank image (odb/engine.py): keep room
+            # a micro-batch without images carries a 3-token blank image (odb/training/engine.py): keep room
             self.config = dataclasses.replace(self.config, max_tokens=self.config.max_tokens - BLANK_IMAGE_TOKENS)
             self.log(f"odb: vision model: samples packed under max_tokens - {BLANK_IMAGE_TOKENS} "
                      f"= {self.config.max_tokens} (room for the blank image of imageless micro-batches)")

@@ -17,7 +17,7 @@ Samples with images add ``pixel_values`` and ``image_grid_thw``, concatenated in
 The model shifts labels by one (logits at t predict labels[t+1]), so the -100 at ``b0`` keeps the
 last token of A from being trained to predict the first token of B; varlen attention over
 ``cu_seqlens`` (or per-sample masks built from ``position_ids``) keeps B from attending to A.
-The loss normalizer is the number of labels != -100: :func:`odb.cost.count_label_tokens`.
+The loss normalizer is the number of labels != -100: :func:`odb.batching.cost.count_label_tokens`.
 
 :func:`collate_padded` gives the padded layout of the same samples, for the baselines.
 """

@@ -32,7 +32,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from odb.plan import HEADER, Decision, Proposal, decide
+from odb.batching.plan import HEADER, Decision, Proposal, decide
 
 __all__ = ["Aligner", "Communicator", "PeerStopped", "SettingsMismatch", "SimulatedGroup", "TorchCommunicator"]
 

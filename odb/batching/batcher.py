@@ -21,12 +21,12 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from odb.align import Aligner, Communicator, PeerStopped
-from odb.config import OdbConfig
-from odb.cost import CostModel, SampleCost
-from odb.packer import make_packer
-from odb.plan import Decision, MicroBatch, Proposal, StepPlan, deal_budget
-from odb.state import STATE_VERSION, check_state, decode_steps, encode_steps
+from odb.batching.align import Aligner, Communicator, PeerStopped
+from odb.batching.config import OdbConfig
+from odb.batching.cost import CostModel, SampleCost
+from odb.batching.packer import make_packer
+from odb.batching.plan import Decision, MicroBatch, Proposal, StepPlan, deal_budget
+from odb.batching.state import STATE_VERSION, check_state, decode_steps, encode_steps
 
 __all__ = ["OnlineBatcher", "epoch_order"]
 
@@ -51,7 +51,7 @@ class OnlineBatcher:
         on_deal: told every uid dealt to this rank, in fetch order (feeds a DataLoader sampler).
         on_drop: told the fetched uids that will not be trained (skipped, or dropped over the cap).
         report / on_reports: this rank's telemetry vector for the next round (same length on every
-            rank) and, after the round, every rank's (``[world, len]``); see :mod:`odb.metrics`.
+            rank) and, after the round, every rank's (``[world, len]``); see :mod:`odb.telemetry`.
     """
 
     def __init__(self, config: OdbConfig, comm: Communicator, *, dataset_size: int, fetch: Fetch,

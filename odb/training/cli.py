@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from odb.config import OdbConfig, load_odb_config, read_json_object
-from odb.data import DataConfig, load_data_config
-from odb.ds_config import load_ds_config, resolve_ds_config
-from odb.formats import FORMATS
+from odb.batching.config import OdbConfig, load_odb_config, read_json_object
+from odb.data.processing import DataConfig, load_data_config
+from odb.training.ds_config import load_ds_config, resolve_ds_config
+from odb.data.formats import FORMATS
 
 __all__ = ["TrainArgs", "parse_args"]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass

@@ -3,10 +3,10 @@
 Every step's structure is known to every rank from its plan (tokens and costs of every rank's
 micro-batches, samples, N_step). What only a rank knows (its loss, padding, time waiting for data,
 in odb's planning and in the collective; its skipped records) goes into a fixed-size int64
-report that :class:`odb.batcher.OnlineBatcher` appends to its next round's vector; when that
+report that :class:`odb.batching.batcher.OnlineBatcher` appends to its next round's vector; when that
 round's gather arrives, rank 0 completes the steps reported in it and writes them to
 ``metrics.jsonl`` (and W&B). The steps of the last round are completed by the run's one final
-collective (:meth:`odb.align.Aligner.gather_reports`).
+collective (:meth:`odb.batching.align.Aligner.gather_reports`).
 
 Report layout: ``[steps, skipped by reason..., fetched, lost, then per step: loss_sum_micro,
 materialized, wait_us, plan_us, collective_us, epoch]`` (loss sums in millionths; ``epoch``: the
@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from odb.data import SKIP_REASONS
-from odb.plan import StepPlan
+from odb.data.processing import SKIP_REASONS
+from odb.batching.plan import StepPlan
 
 __all__ = ["Telemetry", "StepTimes"]
 

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from odb.config import read_json_object
-from odb.cost import count_label_tokens
-from odb.formats import FORMATS, IMAGE_PLACEHOLDER, SkipSample, normalize
-from odb.sources import Source
-from odb.vision import IMAGE_PAD, ImageProcessor, VisionSpec, expand_placeholders
+from odb.batching.config import read_json_object
+from odb.batching.cost import count_label_tokens
+from odb.data.formats import FORMATS, IMAGE_PLACEHOLDER, SkipSample, normalize
+from odb.data.sources import Source
+from odb.data.images import IMAGE_PAD, ImageProcessor, VisionSpec, expand_placeholders
 
 __all__ = ["SKIP_REASONS", "DataConfig", "SampleDataset", "load_data_config", "sample_cost"]
 
@@ -82,7 +82,7 @@ class SampleDataset(Dataset):
     A sample: ``uid``, ``index``, ``input_ids``, ``labels`` and, with images, ``pixel_values``,
     ``image_grid_thw`` and ``patches``. A record that is skipped: ``{"uid", "skip": reason,
     "where": "file:line", "fatal": strict}``. ``vision`` is the image geometry of a vision-language
-    model (:func:`odb.model.vision_spec`); None means a text model, which takes no images.
+    model (:func:`odb.training.model.vision_spec`); None means a text model, which takes no images.
     """
 
     def __init__(self, path: str | Path, tokenizer, config: DataConfig = DataConfig(), *, seed: int = 0,

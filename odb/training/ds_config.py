@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from odb.config import read_json_object
+from odb.batching.config import read_json_object
 
 __all__ = ["load_ds_config", "resolve_ds_config"]
 
