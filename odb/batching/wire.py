@@ -1,0 +1,101 @@
+"""Wire formats: the fixed-size int64 vectors ranks exchange, declared once by name.
+
+A collective needs the same vector length on every rank, so each vector is a :class:`Layout`:
+named scalars and named arrays of a fixed size (a rank fills what it has, zeros after). One
+declaration encodes a rank's values and decodes the gathered ``[world, len]`` matrix, so no
+position is written by hand in two places::
+
+    layout = Layout(scalars=("num_bins", "num_ready"), arrays={"bin_costs": 4})
+    vector = layout.encode(num_bins=2, num_ready=1, bin_costs=[7, 5])   # [2 1 7 5 0 0]
+    fields = layout.decode(gathered)              # fields["num_bins"]: [world], fields["bin_costs"]: [world, 4]
+
+Layouts may also be laid end to end (:meth:`Layout.then`): the round vector is the proposal
+followed by the telemetry report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+__all__ = ["Layout"]
+
+
+class Layout:
+    """Named int64 scalars, then named fixed-size int64 arrays, in declaration order.
+
+    Args:
+        scalars: names of the single values, first in the vector.
+        arrays: name -> number of slots, after the scalars; a rank's shorter array is zero-padded.
+    """
+
+    def __init__(self, scalars: Iterable[str] = (), arrays: Mapping[str, int] | None = None) -> None:
+        self.scalars = tuple(scalars)
+        self.arrays = dict(arrays or {})
+        names = self.scalars + tuple(self.arrays)
+        if len(set(names)) != len(names):
+            raise ValueError(f"a wire layout names a field twice: {names}")
+        if any(size < 0 for size in self.arrays.values()):
+            raise ValueError(f"array sizes must be >= 0, got {self.arrays}")
+        self._slices: dict[str, slice] = {}
+        at = 0
+        for name in self.scalars:
+            self._slices[name] = slice(at, at + 1)
+            at += 1
+        for name, size in self.arrays.items():
+            self._slices[name] = slice(at, at + size)
+            at += size
+        self.size = at
+
+    def then(self, other: Layout) -> Layout:
+        """This layout followed by ``other`` (their names must differ)."""
+        return _Concat(self, other)
+
+    def slice(self, name: str) -> slice:
+        return self._slices[name]
+
+    def encode(self, **values: int | Sequence[int] | np.ndarray) -> np.ndarray:
+        """One rank's vector; a field not given is zero. Raises ``ValueError`` for an unknown
+        name or an array longer than its slots."""
+        unknown = sorted(set(values) - set(self._slices))
+        if unknown:
+            raise ValueError(f"unknown wire field(s) {unknown}; this layout has {list(self._slices)}")
+        out = np.zeros(self.size, dtype=np.int64)
+        for name, value in values.items():
+            where = self._slices[name]
+            if name in self.arrays:
+                value = np.asarray(value, dtype=np.int64).ravel()
+                if len(value) > self.arrays[name]:
+                    raise ValueError(f"wire field {name!r} holds {self.arrays[name]} values, got {len(value)}")
+                out[where.start:where.start + len(value)] = value
+            else:
+                out[where.start] = int(value)
+        return out
+
+    def decode(self, gathered: np.ndarray) -> dict[str, np.ndarray]:
+        """Fields of one vector ``[len]`` (scalars as ints, arrays ``[size]``) or of a gathered
+        matrix ``[world, len]`` (scalars ``[world]``, arrays ``[world, size]``)."""
+        if gathered.shape[-1] != self.size:
+            raise ValueError(f"a wire vector of {gathered.shape[-1]} values does not fit this layout of {self.size}")
+        fields: dict[str, np.ndarray] = {}
+        for name, where in self._slices.items():
+            column = gathered[..., where]
+            fields[name] = column if name in self.arrays else column[..., 0]
+        return fields
+
+
+class _Concat(Layout):
+    """Two layouts end to end, each keeping its own order (scalars of the second after the
+    arrays of the first)."""
+
+    def __init__(self, first: Layout, second: Layout) -> None:  # noqa: D107 - see the class
+        names = set(first._slices) & set(second._slices)
+        if names:
+            raise ValueError(f"wire layouts laid end to end share names {sorted(names)}")
+        self.scalars = first.scalars + second.scalars
+        self.arrays = {**first.arrays, **second.arrays}
+        self._slices = dict(first._slices)
+        for name, where in second._slices.items():
+            self._slices[name] = slice(where.start + first.size, where.stop + first.size)
+        self.size = first.size + second.size
