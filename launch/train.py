@@ -10,18 +10,30 @@ where there is no GPU). ``python launch/train.py --help`` lists the flags.
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
 
-from odb.training.cli import parse_args  # noqa: E402
+from odb.training.cli import FileDefaults, parse_config  # noqa: E402
 from odb.training.run import Trainer  # noqa: E402
+
+DEFAULTS = FileDefaults(
+    deepspeed_config=REPO / "configs" / "ds_zero2.json", odb_config=REPO / "configs" / "odb.json",
+    model=REPO / "configs" / "tiny_model.json", data=REPO / "data" / "chat.jsonl",
+    tokenizer=REPO / "data" / "tokenizer", lora=REPO / "configs" / "lora.json")
 
 
 def main() -> None:
-    args = parse_args()  # every input checked here, before any process group
-    trainer = Trainer.init(args)
-    trainer.build()
-    trainer.train()
-    trainer.close()
+    config = parse_config(defaults=DEFAULTS)  # every input checked here, before any process group
+    trainer = Trainer.init(config)
+    try:
+        trainer.build()
+        trainer.train()
+        trainer.finish()
+    except BaseException as error:
+        trainer.shutdown(error)  # local: workers, files, W&B (failed), process group
+        raise
+    else:
+        trainer.shutdown()
 
 
 if __name__ == "__main__":

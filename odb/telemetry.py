@@ -1,39 +1,61 @@
-"""Per-step metrics with no collective of their own: each rank's figures ride on the next round.
+"""Per-step metrics and run totals, with no collective of their own: each rank's figures ride on
+the next round.
 
 Every step's structure is known to every rank from its plan (tokens and costs of every rank's
 micro-batches, samples, N_step). What only a rank knows (its loss, padding, time waiting for data,
 in odb's planning and in the collective; its skipped records) goes into a fixed-size int64
-report that :class:`odb.batching.batcher.OnlineBatcher` appends to its next round's vector; when that
-round's gather arrives, rank 0 completes the steps reported in it and writes them to
-``metrics.jsonl`` (and W&B). The steps of the last round are completed by the run's one final
-collective (:meth:`odb.batching.align.Aligner.gather_reports`).
+report (:func:`report_layout`) that :class:`odb.batching.batcher.OnlineBatcher` appends to its next
+round's vector; when that round's gather arrives, rank 0 completes the steps reported in it and
+writes them to ``metrics.jsonl`` (and W&B). The steps of the last round are completed by the run's
+one final collective (:meth:`odb.batching.align.Aligner.gather_reports`), whose vector is the
+report followed by the rank's run totals (:data:`TOTALS`).
 
-Report layout: ``[steps, skipped by reason..., fetched, lost, then per step: loss_sum_micro,
-materialized, wait_us, plan_us, collective_us, epoch]`` (loss sums in millionths; ``epoch``: the
-latest epoch of the rank's samples in the step (``uid // dataset_size``), or -1 for dummies only,
-so that a quota-mode step, whose samples may come from a later pass, is labelled by its data; ``fetched``: records
-this rank has processed over the whole run, ``lost``: those of them that will never train,
-skipped or dropped over the cap). Every rank gets every report, so the run-wide figures derived
-from them (:attr:`Telemetry.fetched`, :attr:`Telemetry.lost`) are identical on every rank and
-may steer the run (the learning-rate schedule plans by what will train).
+In a report, loss sums are in millionths, times in microseconds; ``epoch`` is the latest epoch of
+the rank's samples in the step (``uid // dataset_size``), or -1 for dummies only, so that a
+quota-mode step, whose samples may come from a later pass, is labelled by its data; ``fetched``
+counts the records this rank has processed over the whole run, ``lost`` those of them that will
+never train (skipped, or dropped over the cap). Every rank gets every report, so the run-wide
+figures derived from them (:attr:`Telemetry.fetched`, :attr:`Telemetry.lost`) are identical on
+every rank and may steer the run (the learning-rate schedule plans by what will train).
+
+Run totals: each rank counts what it trained over the whole run (kept across resumes through
+:meth:`Telemetry.state_dict`) and, apart, in this process; the final gather sums them into
+``summary.json`` (:meth:`Telemetry.summary`).
 """
 
 from __future__ import annotations
 
 import json
+import time
+from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from odb.data.processing import SKIP_REASONS
 from odb.batching.plan import StepPlan
+from odb.batching.wire import Layout
+from odb.data.processing import SKIP_REASONS
 
-__all__ = ["Telemetry", "StepTimes"]
+__all__ = ["TOTALS", "StepTimes", "Telemetry", "report_layout"]
 
-_PER_STEP = 6
-_HEAD = 1 + len(SKIP_REASONS) + 2  # steps, skipped by reason, fetched, lost
+_STEP_FIELDS = ("loss_sum_micro", "materialized", "wait_us", "plan_us", "collective_us", "epoch")
+_COUNTS = ("micro_batches", "dummy_micro_batches", "samples", "real_tokens", "materialized_tokens", "steps",
+           "wall_us")
+TOTALS = Layout(scalars=_COUNTS + ("truncated", "dropped"))
+"""A rank's run totals in the final gather: its whole-run counts, and its batcher's truncated and
+dropped samples."""
+
+
+def report_layout(max_steps: int) -> Layout:
+    """A rank's report for one round, room for ``max_steps`` steps: the steps it trained since the
+    last round (``num_steps`` from ``first_step``, each a slot of every per-step array) and its
+    whole-run record counts (``skipped`` by reason, in :data:`odb.data.processing.SKIP_REASONS`
+    order, ``fetched``, ``lost``)."""
+    return Layout(scalars=("num_steps", "first_step", "fetched", "lost"),
+                  arrays={"skipped": len(SKIP_REASONS), **dict.fromkeys(_STEP_FIELDS, max_steps)})
 
 
 @dataclass
@@ -47,71 +69,127 @@ class StepTimes:
     ended: float  # time.time() at its end
 
 
+@dataclass
+class _Step:
+    plan: StepPlan
+    loss_sum: float
+    lr: float
+    times: StepTimes
+
+
 class Telemetry:
-    """One rank's side of the metrics; rank 0 also writes them.
+    """One rank's side of the metrics and run totals; rank 0 also writes the metrics.
 
     Args:
         max_steps_per_round: the most steps a round can plan (window + lookahead over GAS, + 1).
         max_tokens: the micro-batch budget (for budget fill).
         dataset_size: for epochs done.
-        samples_done: samples trained before this process (a resumed run).
         output_dir: where rank 0 writes ``metrics.jsonl``.
         sink: rank 0's extra consumer of each metrics dict (e.g. W&B's ``log``), or None.
     """
 
     def __init__(self, *, rank: int, max_steps_per_round: int, max_tokens: int, dataset_size: int,
-                 samples_done: int = 0, output_dir: Path, sink=None) -> None:
+                 output_dir: Path, sink=None) -> None:
         self.rank, self.max_steps = rank, max_steps_per_round
         self.max_tokens, self.dataset_size = max_tokens, dataset_size
         self.sink = sink
-        self.pending: list[tuple[StepPlan, float, float, int, StepTimes]] = []  # not yet reported
-        self.reported: list[tuple[StepPlan, float, StepTimes]] = []  # reported, not yet gathered
-        self.skipped: dict[str, int] = {}
+        self.layout = report_layout(max_steps_per_round)
+        self.pending: list[_Step] = []  # trained, not yet reported
+        self.reported: list[_Step] = []  # reported, not yet gathered
+        self.skipped: dict[str, int] = {}  # over all ranks and the whole run, as of the last round
         self.fetched = self.lost = 0  # over all ranks and the whole run, as of the last round
         self.losses: list[float] = []  # rank 0: the global loss per token of each step with labels
-        self.samples_done = samples_done
+        self.last: dict[str, Any] = {}  # rank 0: the last metrics row
+        # The run's progress (the same on every rank) and this rank's totals, resumes included.
+        self.samples_done = self.steps_done = 0
+        self.totals = dict.fromkeys(_COUNTS, 0)
+        self.first_losses: list[float] = []  # the run's first global step losses, from before a resume
+        self.skipped_before: Counter[str] = Counter()  # this rank's skipped records before a resume
+        self.this_process = {"steps": 0, "samples": 0, "rounds": 0, "wall_s": 0.0}
+        self._rows_samples_done = 0  # rank 0: samples_done as of the last row written
+        self._started: float | None = None  # while the train loop runs
         self.file = open(output_dir / "metrics.jsonl", "a") if rank == 0 else None
-        self.last: dict[str, Any] = {}
 
-    @property
-    def size(self) -> int:
-        return _HEAD + _PER_STEP * self.max_steps
+    # ---- the train loop -------------------------------------------------------------------
 
-    def record(self, plan: StepPlan, *, loss_sum: float, lr: float, materialized: int, times: StepTimes) -> None:
+    def start(self) -> None:
+        """The train loop begins (its time counts into ``wall_s``)."""
+        self._started = time.perf_counter()
+
+    def stop(self) -> None:
+        """The train loop has ended."""
+        if self._started is not None:
+            self.this_process["wall_s"] = time.perf_counter() - self._started
+            self.totals["wall_us"] += round(self.this_process["wall_s"] * 1e6)
+            self._started = None
+
+    def record(self, plan: StepPlan, *, loss_sum: float, lr: float, times: StepTimes) -> None:
         """This rank trained ``plan`` (call once per step, in order)."""
-        self.pending.append((plan, loss_sum, lr, materialized, times))
+        self.pending.append(_Step(plan, loss_sum, lr, times))
+        self.samples_done += plan.num_samples
+        self.steps_done = plan.step + 1
+        self.this_process["steps"] += 1
+        self.this_process["samples"] += plan.num_samples
+        t = self.totals
+        t["steps"] += 1
+        for micro in plan.micro_batches:
+            t["micro_batches"] += not micro.is_dummy
+            t["dummy_micro_batches"] += micro.is_dummy
+            t["samples"] += len(micro.samples)
+            t["real_tokens"] += micro.tokens
+            t["materialized_tokens"] += micro.materialized
 
-    def report(self, skipped: dict[str, int], *, fetched: int = 0, lost: int = 0) -> np.ndarray:
+    # ---- reports --------------------------------------------------------------------------
+
+    def report(self, skipped: Mapping[str, int], *, fetched: int = 0, lost: int = 0) -> np.ndarray:
         """This rank's vector for the next round: the steps trained since the last one, and its
-        whole-run record counts (``skipped`` by reason, ``fetched``, ``lost``)."""
+        whole-run record counts (``skipped``: this process's, by reason; ``fetched``, ``lost``)."""
+        return self.layout.encode(**self._report_fields(skipped, fetched, lost))
+
+    def _report_fields(self, skipped: Mapping[str, int], fetched: int, lost: int) -> dict[str, Any]:
         assert len(self.pending) <= self.max_steps, "more steps between rounds than a round plans"
-        out = np.zeros(self.size, dtype=np.int64)
-        out[0] = len(self.pending)
-        out[1:1 + len(SKIP_REASONS)] = [skipped.get(r, 0) for r in SKIP_REASONS]
-        out[_HEAD - 2:_HEAD] = fetched, lost
-        base = _HEAD
-        for i, (plan, loss_sum, _, materialized, times) in enumerate(self.pending):
-            epoch = max((u // max(1, self.dataset_size) for m in plan.micro_batches for u in m.uids), default=-1)
-            out[base + _PER_STEP * i:base + _PER_STEP * (i + 1)] = (
-                round(loss_sum * 1e6), materialized, round(times.wait * 1e6), round(times.plan * 1e6),
-                round(times.collective * 1e6), epoch)
-        self.reported = [(plan, lr, times) for plan, _, lr, _, times in self.pending]
-        self.pending = []
-        return out
+        steps, skipped = self.pending, self.skipped_before + Counter(skipped)
+        size = max(1, self.dataset_size)
+        self.reported, self.pending = self.pending, []
+        return {
+            "num_steps": len(steps), "first_step": steps[0].plan.step if steps else -1,
+            "fetched": fetched, "lost": lost, "skipped": [skipped.get(r, 0) for r in SKIP_REASONS],
+            "loss_sum_micro": [round(s.loss_sum * 1e6) for s in steps],
+            "materialized": [sum(m.materialized for m in s.plan.micro_batches) for s in steps],
+            "wait_us": [round(s.times.wait * 1e6) for s in steps],
+            "plan_us": [round(s.times.plan * 1e6) for s in steps],
+            "collective_us": [round(s.times.collective * 1e6) for s in steps],
+            "epoch": [max((u // size for m in s.plan.micro_batches for u in m.uids), default=-1) for s in steps]}
 
     def on_reports(self, reports: np.ndarray) -> list[dict[str, Any]]:
-        """Every rank's report: rank 0 completes and writes the steps it covers."""
+        """Every rank's report of a round ``[world, len]``: rank 0 completes and writes the steps
+        it covers."""
         if reports.shape[1] == 0:
             return []
-        base = _HEAD
-        self.skipped = {r: int(v) for r, v in zip(SKIP_REASONS, reports[:, 1:base - 2].sum(axis=0)) if v}
-        self.fetched, self.lost = (int(v) for v in reports[:, base - 2:base].sum(axis=0))
-        assert all(int(n) == len(self.reported) for n in reports[:, 0]), "ranks reported different steps"
+        self.this_process["rounds"] += 1
+        return self._complete(self.layout.decode(reports))
+
+    def complete_gathered(self, reports: np.ndarray) -> list[dict[str, Any]]:
+        """After a failed round: completes the steps of its gathered ``reports`` if they are this
+        rank's reported steps (else nothing); local, no collective."""
+        if not self.reported or reports.shape[1] != self.layout.size:
+            return []
+        fields = self.layout.decode(reports)
+        return self._complete(fields) if self._covers(fields) else []
+
+    def _covers(self, fields: dict[str, np.ndarray]) -> bool:
+        first = self.reported[0].plan.step if self.reported else -1
+        return bool((fields["num_steps"] == len(self.reported)).all() and (fields["first_step"] == first).all())
+
+    def _complete(self, fields: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+        self.skipped = {r: int(v) for r, v in zip(SKIP_REASONS, fields["skipped"].sum(axis=0)) if v}
+        self.fetched, self.lost = int(fields["fetched"].sum()), int(fields["lost"].sum())
+        assert self._covers(fields), "ranks reported different steps"
         reported, self.reported = self.reported, []
         if self.rank != 0:  # only rank 0 writes the rows
             return []
-        rows = [self._metrics(plan, lr, times, reports[:, base + _PER_STEP * i:base + _PER_STEP * (i + 1)])
-                for i, (plan, lr, times) in enumerate(reported)]
+        rows = [self._metrics(step, {name: fields[name][:, i] for name in _STEP_FIELDS})
+                for i, step in enumerate(reported)]
         for row in rows:
             self.file.write(json.dumps(row) + "\n")
             if self.sink is not None:
@@ -119,25 +197,25 @@ class Telemetry:
         self.file.flush()
         return rows
 
-    def _metrics(self, plan: StepPlan, lr: float, times: StepTimes, per_rank: np.ndarray) -> dict[str, Any]:
-        step_s = times.step
+    def _metrics(self, step: _Step, per_rank: dict[str, np.ndarray]) -> dict[str, Any]:
+        plan, step_s = step.plan, step.times.step
         rank_costs = np.array(plan.rank_costs)  # [micro, world]
         rank_tokens = np.array(plan.rank_tokens)
         real = int(rank_tokens.sum())
-        materialized = int(per_rank[:, 1].sum())
+        materialized = int(per_rank["materialized"].sum())
         micro = int((rank_tokens > 0).sum())
         per_rank_tokens = rank_tokens.sum(axis=0)
-        self.samples_done += plan.num_samples
+        self._rows_samples_done += plan.num_samples
         slowest = rank_costs.max(axis=1).sum()
-        loss = float(per_rank[:, 0].sum()) / 1e6 / max(1, plan.num_label_tokens)
+        loss = float(per_rank["loss_sum_micro"].sum()) / 1e6 / max(1, plan.num_label_tokens)
         if plan.num_label_tokens:
             self.losses.append(loss)
-        latest = int(per_rank[:, 5].max())
+        latest = int(per_rank["epoch"].max())
         row = {
-            "step": plan.step, "epoch": latest if latest >= 0 else plan.epoch, "time": round(times.ended, 3),
+            "step": plan.step, "epoch": latest if latest >= 0 else plan.epoch, "time": round(step.times.ended, 3),
             "loss": round(loss, 6),
-            "lr": lr, "samples": plan.num_samples, "samples_done": self.samples_done,
-            "epochs_done": round(self.samples_done / max(1, self.dataset_size), 4),
+            "lr": step.lr, "samples": plan.num_samples, "samples_done": self._rows_samples_done,
+            "epochs_done": round(self._rows_samples_done / max(1, self.dataset_size), 4),
             "label_tokens": plan.num_label_tokens, "real_tokens": real, "materialized_tokens": materialized,
             "padding_ratio": round(1 - real / materialized, 6) if materialized else 0.0,
             "budget_fill": round(real / (micro * self.max_tokens), 6) if micro else 0.0,
@@ -149,12 +227,85 @@ class Telemetry:
             "samples_per_s": round(plan.num_samples / step_s, 3) if step_s else 0.0,
             "tokens_per_s": round(real / step_s, 1) if step_s else 0.0,
             "materialized_tokens_per_s": round(materialized / step_s, 1) if step_s else 0.0,
-            "data_wait_s": float(per_rank[:, 2].max()) / 1e6, "odb_plan_s": float(per_rank[:, 3].max()) / 1e6,
-            "odb_collective_s": float(per_rank[:, 4].max()) / 1e6, "skipped": dict(self.skipped),
+            "data_wait_s": float(per_rank["wait_us"].max()) / 1e6, "odb_plan_s": float(per_rank["plan_us"].max()) / 1e6,
+            "odb_collective_s": float(per_rank["collective_us"].max()) / 1e6, "skipped": dict(self.skipped),
         }
         self.last = row
         return row
 
+    # ---- the end of the run -----------------------------------------------------------------
+
+    def final_report(self, skipped: Mapping[str, int], *, fetched: int, lost: int, truncated: int,
+                     dropped: int) -> np.ndarray:
+        """This rank's vector for the final gather: its last report, then its run totals."""
+        fields = self._report_fields(skipped, fetched, lost)
+        return self.layout.then(TOTALS).encode(**fields, **self.totals, truncated=truncated, dropped=dropped)
+
+    def on_final_reports(self, gathered: np.ndarray) -> dict[str, int]:
+        """Every rank's final vector: completes the last round's steps; returns the run totals
+        summed over ranks."""
+        fields = self.layout.then(TOTALS).decode(gathered)
+        self._complete(fields)
+        return {name: int(fields[name].sum()) for name in TOTALS.scalars}
+
+    def summary(self, totals: Mapping[str, int], *, world_size: int, epochs: int | None, rounds: int,
+                collectives: int, policy: str) -> dict[str, Any]:
+        """The whole run's figures (resumes included), and this process's apart.
+
+        Args:
+            totals: :meth:`on_final_reports`'s sums.
+            epochs: the planned epochs (join mode), or None to count them from the samples trained.
+            rounds: the run's rounds so far; ``collectives``: this process's.
+        """
+        wall_s = totals["wall_us"] / 1e6 / world_size  # every rank's train loop, averaged
+        losses = self.first_losses or self.losses  # global per-step losses (rank 0)
+        last = self.losses[-3:] or losses[-3:]
+        mine = self.this_process
+        if epochs is None:
+            epochs = round(totals["samples"] / max(1, self.dataset_size), 4)
+        return {
+            "world_size": world_size, "dataset_samples": self.dataset_size, "epochs": epochs,
+            "steps": self.steps_done, "micro_batches": totals["micro_batches"],
+            "dummy_micro_batches": totals["dummy_micro_batches"], "samples_emitted": totals["samples"],
+            "real_tokens": totals["real_tokens"], "materialized_tokens": totals["materialized_tokens"],
+            "padding_ratio": round(1 - totals["real_tokens"] / max(1, totals["materialized_tokens"]), 6),
+            "truncated": totals["truncated"], "dropped": totals["dropped"], "skipped": self.skipped,
+            "loss_first": round(sum(losses[:3]) / max(1, len(losses[:3])), 5),
+            "loss_last": round(sum(last) / max(1, len(last)), 5),
+            "wall_s": round(wall_s, 3),
+            "samples_per_s": round(totals["samples"] / max(1e-9, wall_s), 3),
+            "tokens_per_s": round(totals["real_tokens"] / max(1e-9, wall_s), 1),
+            "policy": policy, "rounds": rounds,
+            "this_process": {
+                "steps": mine["steps"], "samples": mine["samples"], "rounds": mine["rounds"],
+                "odb_collectives": collectives,  # start check + one per round + the final gather
+                "wall_s": round(mine["wall_s"], 3),
+                "samples_per_s": round(mine["samples"] / max(1e-9, mine["wall_s"]), 3)},
+        }
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def state_dict(self, skipped: Mapping[str, int]) -> dict[str, Any]:
+        """The run's progress and this rank's whole-run counts (``skipped``: this process's), for a
+        checkpoint; JSON-able."""
+        running = round((time.perf_counter() - self._started) * 1e6) if self._started is not None else 0
+        return {"samples_done": self.samples_done, "steps_done": self.steps_done,
+                "totals": {**self.totals, "wall_us": self.totals["wall_us"] + running},
+                "skipped": dict(self.skipped_before + Counter(skipped)),
+                "first_losses": (self.first_losses or self.losses)[:3],
+                "fetched_lost": [self.fetched, self.lost]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continues the counts of a checkpoint's :meth:`state_dict` (a resumed run)."""
+        self.samples_done = self._rows_samples_done = state["samples_done"]
+        self.steps_done = state["steps_done"]
+        self.totals.update(state["totals"])
+        self.skipped_before = Counter(state["skipped"])
+        self.first_losses = list(state["first_losses"])
+        self.fetched, self.lost = state["fetched_lost"]
+
     def close(self) -> None:
-        if self.file:
+        """Flushes and closes ``metrics.jsonl`` (local; safe to call twice)."""
+        if self.file is not None:
             self.file.close()
+            self.file = None

@@ -8,7 +8,11 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "launch" / "train.py"
@@ -56,3 +60,29 @@ def plain(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
 def audit(out: Path, world: int) -> list[list[dict]]:
     return [[json.loads(line) for line in (out / f"emitted_ids.rank{r}.jsonl").read_text().splitlines()]
             for r in range(world)]
+
+
+def deepspeed_watched(args: list[str], *, nproc: int = 2, timeout: int = 300
+                      ) -> tuple[int, str, list[tuple[psutil.Process, int, str]]]:
+    """The launcher, watched: its exit code, its output, and every process seen under it while it
+    ran (each with its parent's pid and its command line, as first seen), polled every 0.1 s."""
+    launcher = Path(sys.executable).with_name("deepspeed")
+    cmd = [str(launcher), "--num_gpus", str(nproc), "--master_port", str(free_port()), str(TRAIN), *args]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    seen: dict[int, tuple[psutil.Process, int, str]] = {}
+    with tempfile.TemporaryFile("w+") as output:
+        proc = subprocess.Popen(cmd, stdout=output, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+        root, deadline = psutil.Process(proc.pid), time.monotonic() + timeout
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise TimeoutError(f"the launcher ran past {timeout} s")
+            try:
+                for child in root.children(recursive=True):
+                    if child.pid not in seen:
+                        seen[child.pid] = (child, child.ppid(), " ".join(child.cmdline()))
+            except psutil.Error:
+                pass  # a process ended while we looked
+            time.sleep(0.1)
+        output.seek(0)
+        return proc.returncode, output.read(), list(seen.values())

@@ -17,13 +17,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from odb.data.processing import DataConfig, SampleDataset, sample_cost  # noqa: E402
 from odb.data.feed import SampleFeed  # noqa: E402
+from odb.data.processing import DataConfig, SampleDataset, sample_sizes  # noqa: E402
 from odb.training.model import build_model, load_tokenizer, vision_spec  # noqa: E402
 
 
 def measure(dataset: SampleDataset, workers: int, epochs: int, window: int) -> float:
-    feed = SampleFeed(dataset, sample_cost, num_workers=workers, prefetch_factor=4)
+    feed = SampleFeed(dataset, sample_sizes, num_workers=workers, prefetch_factor=4)
     uids = list(range(len(dataset) * epochs))
     feed.deal(uids)
     feed.fetch(uids[:window])  # workers started, first batch out: not part of the rate

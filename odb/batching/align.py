@@ -32,7 +32,8 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from odb.batching.plan import HEADER, Decision, Proposal, decide
+from odb.batching.plan import Decision, decide
+from odb.batching.wire import Layout, Proposal
 
 __all__ = ["Aligner", "Communicator", "PeerStopped", "SettingsMismatch", "SimulatedGroup", "TorchCommunicator"]
 
@@ -234,19 +235,20 @@ class Aligner:
               **decide_args: Any) -> Decision:
         """One round: exactly one all_gather, then the pure decision (same on every rank).
 
-        ``report`` (the same length on every rank) rides along: telemetry figures that need no
-        collective of their own. Every rank's comes back in :attr:`reports` ``[world, len]``.
+        The vector is the proposal (:func:`odb.batching.wire.proposal_layout` with ``max_bins`` and
+        ``max_samples`` slots), then ``report`` (the same length on every rank): telemetry figures
+        that need no collective of their own. Every rank's comes back in :attr:`reports`
+        ``[world, len]``.
         """
-        payload = proposal.encode(max_bins, max_samples)
-        size = 0 if report is None else len(report)
-        if size:
-            payload = np.concatenate([payload, np.asarray(report, dtype=np.int64)])
+        report = np.zeros(0, dtype=np.int64) if report is None else report
+        layout = proposal.layout(max_bins, max_samples).then(Layout(arrays={"report": len(report)}))
+        payload = layout.encode(**proposal.values(), report=report)
         start = time.perf_counter()
         gathered = self.comm.all_gather(payload)
         self.collective_s += time.perf_counter() - start
-        self.reports = gathered[:, gathered.shape[1] - size:]
-        gathered = gathered[:, :gathered.shape[1] - size]
-        failed = [r for r in range(self.world_size) if gathered[r, HEADER.index("is_fatal")]]
+        fields = layout.decode(gathered)
+        self.reports = fields.pop("report")
+        failed = np.flatnonzero(fields["is_fatal"]).tolist()
         if failed:
             raise PeerStopped(f"rank(s) {failed} stopped the run; their error names the cause")
-        return decide(gathered, max_bins=max_bins, max_samples=max_samples, **decide_args)
+        return decide(fields, **decide_args)

@@ -30,7 +30,16 @@ def _is_bool(value: Any) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class OdbConfig:
-    """How odb forms micro-batches. Every field is a flag of the same name in the tools."""
+    """How odb forms micro-batches.
+
+    Where the fields are set: every field is a key of the same name in odb's own JSON file
+    (``configs/odb.json``; the trainer's ``--odb_config``), read strictly (:meth:`from_dict`). The
+    trainer's ``--seed`` overrides ``seed``; the trainer itself sets ``pad_rows`` (a model that
+    cannot pack) and may lower ``max_tokens`` (room for a vision model's blank image).
+    ``tools/bench_batching.py`` takes some of them as dashed flags (``--max-tokens``, ``--window``,
+    ``--gas``, ``--policy``, ``--batch-size``, ``--mode``, ``--quota``, ``--over-cap``, ``--seed``).
+    Errors name a field as ``--<field>``.
+    """
 
     max_tokens: int = 8192
     """Hard cap on tokens in one micro-batch (visual tokens included)."""

@@ -1,14 +1,23 @@
 """Packing a rank's window of processed samples into micro-batch bins.
 
-:class:`OnlinePacker` is odb's packer: best-fit decreasing over the samples that arrive, into
-the bins still open from earlier rounds, never above ``max_tokens`` (or ``max_patches``). Bins
-that are not full enough stay in the window for the next round, where new samples can fill them
-(carry, never drop). No length cache: only samples already processed are packed. For a model
-that cannot pack, ``OnlinePacker(..., padded=True)`` forms padded bins instead: rows of similar
-length with ``len(samples) * longest <= max_tokens``.
+:class:`OnlinePacker` is odb's packer. It is not best-fit decreasing (which would put each
+sample, largest first, into the fullest open bin it fits): it fills one bin at a time from a
+pool sorted by tokens. Each round the pool is the new samples plus those of the bins that were
+not full enough last round (those bins are dissolved; full ones stay as they are). A bin opens
+with the largest sample left; while even the largest one left fits, a random one joins (seeded
+by the pool's smallest sample, so the plan is deterministic; it leaves large and small samples
+for the later bins); once not, the largest that still fits joins, until none does; then, up to
+``max_swaps`` times, the one swap that gains most tokens: a sample of the bin out, the largest
+pool sample that fits in its place in. Never above ``max_tokens`` (or ``max_patches``). Bins
+under ``min_fill`` may wait in the window for the next round's samples (carry, never drop), up
+to ``max_carry`` of the window; if a step needs more bins than there are (GAS), the bins with
+the most samples are split in half. No length cache: only samples already processed are packed.
 
-The padded baselines (``fixed``, ``gmt``, ``bmt``) implement the same small interface so that the
-alignment, plans and benchmark treat every policy alike.
+For a model that cannot pack, ``OnlinePacker(..., padded=True)`` forms padded bins instead: rows
+of similar length with ``len(samples) * longest <= max_tokens``.
+
+The padded baselines (``fixed``, ``gmt``, ``bmt``) implement the same small interface
+(:class:`Packer`) so that the alignment, plans and benchmark treat every policy alike.
 """
 
 from __future__ import annotations
@@ -80,8 +89,9 @@ class Bin:
 
 
 class Packer:
-    """Interface: ``add`` processed samples, ``ranked`` bins (the ones to train first first) with
-    how many are ready now, ``take`` the first n. ``is_offline`` packers need the whole shard."""
+    """Interface: :meth:`add` processed samples, :meth:`pack` them into ``bins`` (ordered, the ones
+    to train first first; it returns how many are ready now), :meth:`take` the first n.
+    ``is_offline`` packers need the whole shard before they form a bin."""
 
     is_offline = False
 
@@ -97,9 +107,16 @@ class Packer:
     def add(self, samples: list[SampleCost]) -> None:
         self.unpacked.extend(samples)
 
-    def ranked(self, window: int, is_exhausted: bool, min_bins: int = 1) -> int:
-        """Orders ``self.bins`` best first and returns how many may be trained now; online packers
-        make at least ``min_bins`` bins when they hold that many samples."""
+    def pack(self, window: int, is_exhausted: bool, min_bins: int = 1) -> int:
+        """Packs what was added into ``self.bins``, orders them (the ones to train first first) and
+        returns how many may be trained now: all of them once ``is_exhausted`` (no more input this
+        epoch). Online packers make at least ``min_bins`` bins when they hold that many samples.
+
+        Args:
+            window: the window size (the packer's carry allowance is a fraction of it).
+            is_exhausted: this rank expects no more samples this epoch.
+            min_bins: GAS: a step needs that many micro-batches (split rather than pad).
+        """
         raise NotImplementedError
 
     def take(self, num_bins: int) -> list[Bin]:
@@ -114,9 +131,9 @@ class Packer:
 
 
 class OnlinePacker(Packer):
-    """Bin by bin from a sorted pool: the largest sample, then the largest that still fits, then
-    swaps with the pool that fill the gap; bins under ``min_fill`` wait (carry) and go back to the
-    pool with the next samples, up to ``max_carry`` of the window.
+    """Bin by bin from a pool sorted by tokens (the module docstring says how a bin is filled);
+    bins under ``min_fill`` wait (carry) and go back to the pool with the next samples, up to
+    ``max_carry`` of the window. Bins are ordered full ones first, then by tokens (descending).
 
     Padded (``padded=True``, for a model that cannot pack): each bin takes the largest sample of
     the pool and the next largest after it, as many rows as ``max_tokens // longest`` allows, so
@@ -145,7 +162,7 @@ class OnlinePacker(Packer):
             return True
         return current.padded and (len(current.samples) + 1) * current.longest > self.cost_model.max_tokens
 
-    def ranked(self, window: int, is_exhausted: bool, min_bins: int = 1) -> int:
+    def pack(self, window: int, is_exhausted: bool, min_bins: int = 1) -> int:
         keep = [b for b in self.bins if self.is_full(b)]
         pool = [s for b in self.bins if not self.is_full(b) for s in b.samples] + self.unpacked
         self.unpacked = []
@@ -185,6 +202,8 @@ class OnlinePacker(Packer):
         return bins
 
     def _pack(self, pool: list[SampleCost]) -> list[Bin]:
+        """Packed bins, one at a time: the largest sample left opens it; a random one joins while
+        the largest left fits, then the largest that fits; then swaps that fill the gap."""
         cap = self.cost_model.max_tokens
         cap_patches = self.cost_model.max_patches
         items = sorted(pool, key=lambda s: (s.tokens, s.uid))
@@ -221,6 +240,8 @@ class OnlinePacker(Packer):
     @staticmethod
     def _swap(current: Bin, items: list[SampleCost], sizes: list[int], cap: int,
               cap_patches: int | None) -> bool:
+        """Swaps the bin sample whose replacement (the largest pool sample that fits in its place)
+        gains most tokens; False when no swap gains any."""
         free = cap - current.tokens
         if not free or not items:
             return False
@@ -264,7 +285,7 @@ class FixedPacker(Packer):
         self.bins += [Bin.of(self.unpacked[i:i + size], self.cost_model, padded=True) for i in range(0, full, size)]
         del self.unpacked[:full]
 
-    def ranked(self, window: int, is_exhausted: bool, min_bins: int = 1) -> int:
+    def pack(self, window: int, is_exhausted: bool, min_bins: int = 1) -> int:
         if is_exhausted and self.unpacked:
             self.bins.append(Bin.of(self.unpacked, self.cost_model, padded=True))
             self.unpacked = []
@@ -290,7 +311,7 @@ class GmtPacker(Packer):
         if group:
             self.bins.append(Bin.of(group, self.cost_model, padded=True))
 
-    def ranked(self, window: int, is_exhausted: bool, min_bins: int = 1) -> int:
+    def pack(self, window: int, is_exhausted: bool, min_bins: int = 1) -> int:
         if not is_exhausted:
             return 0
         if self.unpacked:
@@ -307,7 +328,7 @@ class BmtPacker(GmtPacker):
         super().__init__(cost_model)
         self.bucket_size = bucket_size
 
-    def ranked(self, window: int, is_exhausted: bool, min_bins: int = 1) -> int:
+    def pack(self, window: int, is_exhausted: bool, min_bins: int = 1) -> int:
         if not is_exhausted:
             return 0
         for start in range(0, len(self.unpacked), self.bucket_size):
@@ -318,6 +339,8 @@ class BmtPacker(GmtPacker):
 
 def make_packer(config, cost_model: CostModel) -> Packer:
     """The packer of ``config.policy`` (``pad_rows`` pads odb's bins; the baselines pad anyway)."""
+    if config.policy in ("gmt", "bmt") and config.sharding != "static":
+        raise ValueError(f"policy {config.policy!r} needs every length of its shard first; set sharding 'static'")
     if config.policy == "odb":
         return OnlinePacker(cost_model, min_fill=config.min_fill, max_carry=config.max_carry,
                             padded=config.pad_rows)

@@ -1,13 +1,15 @@
 """N ranks in one process: run the real batcher and alignment over a :class:`SimulatedGroup`.
 
-Used by ``tools/bench_batching.py`` and the property tests. A simulated sample with ``tokens``
-tokens has ``tokens - 1`` label tokens (every position but the first reaches the loss).
+Used by ``tools/bench_batching.py`` and the property tests. Samples come from a
+:class:`SimulatedFeed` per rank, which holds the batcher to the :class:`~odb.batching.batcher.Feed`
+protocol as a DataLoader would (every fetched uid was dealt before, in order).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -16,7 +18,7 @@ from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import OdbConfig
 from odb.batching.plan import StepPlan
 
-__all__ = ["SimulationResult", "make_fetch", "run_ranks", "simulate"]
+__all__ = ["SimulatedFeed", "SimulationResult", "run_ranks", "simulate"]
 
 T = TypeVar("T")
 
@@ -26,17 +28,39 @@ def run_ranks(world_size: int, fn: Callable[[Any], T], timeout_s: float = 120.0)
     return SimulatedGroup(world_size, timeout_s=timeout_s).run(fn)
 
 
-def make_fetch(lengths: list[tuple[int, int]]) -> Callable[[list[int]], list[tuple[int, int, int]]]:
-    size = len(lengths)
+class SimulatedFeed:
+    """A :class:`~odb.batching.batcher.Feed` over fixed samples, one per dataset index.
 
-    def fetch(uids: list[int]) -> list[tuple[int, int, int]]:
-        out = []
+    Args:
+        lengths: ``(tokens, patches)`` per dataset index (a uid reads ``uid % len(lengths)``), or
+            ``None`` for a record the data layer skips. A sample with ``tokens`` tokens has
+            ``tokens - 1`` label tokens (every position but the first reaches the loss).
+
+    Raises ``AssertionError`` when asked for a uid that was not dealt next (a DataLoader would
+    hand out another sample, or wait forever).
+    """
+
+    def __init__(self, lengths: Sequence[tuple[int, int] | None]) -> None:
+        self.lengths = lengths  # shared by every rank's feed; records are made when fetched
+        self.queue: deque[int] = deque()  # dealt, not fetched yet
+        self.num_dealt = 0
+        self.forgotten: list[int] = []
+
+    def deal(self, uids: list[int]) -> None:
+        self.queue.extend(uids)
+        self.num_dealt += len(uids)
+
+    def fetch(self, uids: list[int]) -> list[tuple[int, int, int] | None]:
+        size, queue, out = len(self.lengths), self.queue, []
         for uid in uids:
-            tokens, patches = lengths[uid % size]
-            out.append((tokens, max(0, tokens - 1), patches))
+            assert queue and queue[0] == uid, f"fetch({uid}) but the next dealt uid is {queue[0] if queue else 'none'}"
+            queue.popleft()
+            entry = self.lengths[uid % size]
+            out.append(None if entry is None else (entry[0], max(0, entry[0] - 1), entry[1]))
         return out
 
-    return fetch
+    def forget(self, uids: list[int]) -> None:
+        self.forgotten.extend(uids)
 
 
 @dataclass
@@ -49,12 +73,12 @@ class SimulationResult:
 def simulate(config: OdbConfig, lengths: list[tuple[int, int]], world_size: int, *,
              shards: list[list[int]] | None = None, num_epochs: int = 1,
              max_steps: int | None = None, timeout_s: float = 300.0) -> SimulationResult:
-    """Runs every rank's batcher to the end (or ``max_steps`` steps) over simulated samples."""
-    fetch = make_fetch(lengths)
+    """Runs every rank's batcher to the end (or ``max_steps`` steps) over simulated samples
+    (``(tokens, patches)`` per dataset index, each rank with its own :class:`SimulatedFeed`)."""
     batchers: list[OnlineBatcher | None] = [None] * world_size
 
     def rank_main(comm) -> list[StepPlan]:
-        batcher = OnlineBatcher(config, comm, dataset_size=len(lengths), fetch=fetch,
+        batcher = OnlineBatcher(config, comm, dataset_size=len(lengths), feed=SimulatedFeed(lengths),
                                 num_epochs=num_epochs, shards=shards)
         batchers[comm.rank] = batcher
         steps = []

@@ -1,26 +1,88 @@
 """Versioned, plain-data state of a batcher (I6): JSON-able lists and ints, nothing else.
 
-A state records the world size, rank, settings and dataset size it was taken with; loading it
-elsewhere raises ``ValueError`` naming what differs and what to do, and never mutates the input.
+:func:`encode_state` writes a :class:`Snapshot` of a batcher with the world size, rank, settings,
+dataset size and epochs it was taken with; :func:`decode_state` checks those against the loading
+batcher (a difference raises ``ValueError`` naming what differs and what to do), then returns a
+new :class:`Snapshot`, never touching its input. The layout (``STATE_VERSION`` 1), one flat object::
+
+    version, world_size, rank, config, dataset_size, num_epochs   who took it, with what
+    epoch, stream_pos, pending, epoch_of_shard                     the uid stream (odb.batching.stream)
+    round_index, step_index, num_emitted, is_done                  progress (num_emitted: all ranks)
+    bins, unpacked                                                 the window: [[uid, tokens, label_tokens,
+                                                                   patches, cost], ...] per bin / unpacked
+    queue                                                          planned, untrained steps (encode_steps)
+    observed, counts                                               [cost, cost^2, samples]; over-cap counts
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from odb.batching.config import OdbConfig
 from odb.batching.cost import SampleCost
 from odb.batching.plan import MicroBatch, StepPlan
 
-__all__ = ["STATE_VERSION", "check_state", "decode_steps", "encode_steps"]
+__all__ = ["STATE_VERSION", "Snapshot", "check_state", "decode_state", "decode_steps", "encode_state",
+           "encode_steps"]
 
 STATE_VERSION = 1
+
+_STREAM_KEYS = ("epoch", "stream_pos", "pending", "epoch_of_shard")
+
+
+@dataclass
+class Snapshot:
+    """A batcher's state as objects: what :func:`encode_state` writes and :func:`decode_state` reads."""
+
+    stream: dict[str, Any]  # odb.batching.stream.UidStream.state_dict()
+    round_index: int
+    step_index: int
+    num_emitted: int  # samples trained over all ranks (the same on every rank)
+    bins: list[list[SampleCost]]  # the packer's bins, in order
+    unpacked: list[SampleCost]  # in the window, not in a bin yet
+    queue: list[StepPlan]  # planned, not yet trained
+    observed: tuple[int, int, int]  # admitted samples' cost, cost squared, count
+    counts: dict[str, int]  # truncated, dropped, skipped
+    is_done: bool
+
+
+def encode_state(snapshot: Snapshot, *, world_size: int, rank: int, config: dict[str, Any], dataset_size: int,
+                 num_epochs: int) -> dict[str, Any]:
+    """The JSON-able state (the layout in the module docstring)."""
+    s, stream = snapshot, snapshot.stream
+    return {
+        "version": STATE_VERSION, "world_size": world_size, "rank": rank, "config": dict(config),
+        "dataset_size": dataset_size, "num_epochs": num_epochs, "epoch": stream["epoch"],
+        "round_index": s.round_index, "step_index": s.step_index, "stream_pos": stream["stream_pos"],
+        "num_emitted": s.num_emitted, "pending": list(stream["pending"]), "epoch_of_shard": stream["epoch_of_shard"],
+        "bins": [[list(sample) for sample in samples] for samples in s.bins],
+        "unpacked": [list(sample) for sample in s.unpacked],
+        "queue": encode_steps(s.queue), "observed": list(s.observed), "counts": dict(s.counts),
+        "is_done": s.is_done,
+    }
+
+
+def decode_state(state: dict[str, Any], *, world_size: int, rank: int, config: dict[str, Any],
+                 dataset_size: int) -> Snapshot:
+    """Checks ``state`` (:func:`check_state`) and decodes it into fresh objects.
+
+    ``num_epochs`` is not checked: a resume may extend the run (the loading batcher's counts).
+    """
+    check_state(state, world_size=world_size, rank=rank, config=config, dataset_size=dataset_size)
+    return Snapshot(
+        stream={key: list(state[key]) if key == "pending" else state[key] for key in _STREAM_KEYS},
+        round_index=state["round_index"], step_index=state["step_index"], num_emitted=state["num_emitted"],
+        bins=[[SampleCost(*row) for row in samples] for samples in state["bins"]],
+        unpacked=[SampleCost(*row) for row in state["unpacked"]], queue=decode_steps(state["queue"]),
+        observed=tuple(state["observed"]), counts=dict(state["counts"]), is_done=state["is_done"])
 
 
 def check_state(state: dict[str, Any], *, world_size: int, rank: int, config: dict[str, Any],
                 dataset_size: int) -> None:
+    """Raises ``ValueError`` naming the fix when ``state`` cannot be loaded here."""
     if not isinstance(state, dict) or "version" not in state:
         raise ValueError("not an odb batcher state (no 'version'); pass what state_dict() returned")
     if state["version"] != STATE_VERSION:
@@ -51,12 +113,15 @@ def _micro_row(micro: MicroBatch) -> list:
 
 
 def encode_steps(steps: Iterable[StepPlan]) -> list[dict[str, Any]]:
+    """Step plans as JSON-able rows (also how the gloo tests send plans between processes)."""
     return [{"epoch": p.epoch, "step": p.step, "micro": [_micro_row(m) for m in p.micro_batches],
-             "num_label_tokens": p.num_label_tokens, "num_samples": p.num_samples, "rank_costs": [list(c) for c in p.rank_costs],
-             "rank_tokens": [list(t) for t in p.rank_tokens]} for p in steps]
+             "num_label_tokens": p.num_label_tokens, "num_samples": p.num_samples,
+             "rank_costs": [list(c) for c in p.rank_costs], "rank_tokens": [list(t) for t in p.rank_tokens]}
+            for p in steps]
 
 
 def decode_steps(rows: list[dict[str, Any]]) -> list[StepPlan]:
+    """The inverse of :func:`encode_steps`."""
     return [StepPlan(epoch=r["epoch"], step=r["step"],
                      micro_batches=tuple(MicroBatch(tuple(SampleCost(*s) for s in samples), bool(padded))
                                          for padded, samples in r["micro"]),

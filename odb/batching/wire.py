@@ -10,16 +10,18 @@ position is written by hand in two places::
     fields = layout.decode(gathered)              # fields["num_bins"]: [world], fields["bin_costs"]: [world, 4]
 
 Layouts may also be laid end to end (:meth:`Layout.then`): the round vector is the proposal
-followed by the telemetry report.
+(:func:`proposal_layout`, filled from a :class:`Proposal`) followed by the telemetry report.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Layout"]
+__all__ = ["PROPOSAL_SCALARS", "Layout", "Proposal", "proposal_layout"]
 
 
 class Layout:
@@ -99,3 +101,61 @@ class _Concat(Layout):
         for name, where in second._slices.items():
             self._slices[name] = slice(where.start + first.size, where.stop + first.size)
         self.size = first.size + second.size
+
+
+# The proposal's scalars, first in its vector (see proposal_layout for the arrays after them).
+PROPOSAL_SCALARS = ("is_fatal", "is_exhausted", "num_bins", "num_ready", "window_samples", "window_cost",
+                    "num_pending", "observed_cost", "observed_cost_sq", "observed_samples", "is_first_pass_open",
+                    "num_skipped", "num_dropped")
+
+
+def proposal_layout(max_bins: int, max_samples: int, *, per_sample_costs: bool) -> Layout:
+    """The proposal vector: :data:`PROPOSAL_SCALARS`, then per ranked bin its cost, samples and
+    tokens (``max_bins`` slots each), then per sample, bin after bin, its label tokens and, in quota
+    mode (``per_sample_costs``), its tokens and cost step (``max_samples`` slots each)."""
+    arrays = {"bin_costs": max_bins, "bin_samples": max_bins, "bin_tokens": max_bins, "sample_labels": max_samples}
+    if per_sample_costs:
+        arrays.update(sample_tokens=max_samples, sample_costs=max_samples)
+    return Layout(scalars=PROPOSAL_SCALARS, arrays=arrays)
+
+
+@dataclass
+class Proposal:
+    """What one rank sends: its figures, its ranked bins, their samples' label tokens.
+
+    The fields are the names of :func:`proposal_layout` (``num_bins`` is ``len(bin_costs)``).
+    ``sample_tokens`` and ``sample_costs`` (quota mode only, ``None`` otherwise) let every rank
+    price a cut bin exactly: the first k cost steps of a bin sum to the cost of its first k
+    samples as one bin.
+    """
+
+    is_fatal: bool  # this rank must stop (a bad sample under strict, an over-cap error): all stop
+    is_exhausted: bool
+    num_ready: int
+    window_samples: int
+    window_cost: int
+    num_pending: int
+    observed_cost: int
+    observed_cost_sq: int
+    observed_samples: int  # samples admitted over the whole run
+    is_first_pass_open: bool  # indices of the run's first pass over the data still to be fetched
+    num_skipped: int  # over the whole run: records the data layer skipped
+    num_dropped: int  # ... and samples dropped over the cap
+    bin_costs: list[int]
+    bin_samples: list[int]
+    bin_tokens: list[int]
+    sample_labels: list[int]
+    sample_tokens: list[int] | None = None
+    sample_costs: list[int] | None = None
+
+    def layout(self, max_bins: int, max_samples: int) -> Layout:
+        """This proposal's :func:`proposal_layout` (the same on every rank: the mode is checked)."""
+        return proposal_layout(max_bins, max_samples, per_sample_costs=self.sample_tokens is not None)
+
+    def values(self) -> dict[str, int | list[int]]:
+        """The layout's fields by name, for :meth:`odb.batching.wire.Layout.encode`."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values = {name: value for name, value in values.items() if value is not None}
+        for name in ("sample_tokens", "sample_costs"):
+            assert len(values.get(name, self.sample_labels)) == len(self.sample_labels), "one value per sample"
+        return {**values, "num_bins": len(self.bin_costs)}

@@ -1,22 +1,25 @@
 """Varlen collation: a bin of samples -> one packed row, no padding.
 
-Worked example, two samples packed into one row (``T = 5``)::
+The keys are transformers' own (those ``DataCollatorWithFlattening`` emits), so the batch goes to
+the model as it is. Worked example, two samples packed into one row (``T = 5``)::
 
     sample A: input_ids [a0 a1 a2]  labels [a0 a1 a2]      (labels may hold -100 already)
     sample B: input_ids [b0 b1]     labels [b0 b1]
 
-    input_ids     a0    a1    a2    b0    b1       shape [1, T]
-    position_ids   0     1     2     0     1       restart at 0 for every sample
-    labels      -100    a1    a2  -100    b1       -100 where a sample begins
-    cu_seqlens  [0, 3, 5]  (int32)                 sample boundaries for varlen attention
-    max_seqlen  3
+    input_ids       a0    a1    a2    b0    b1     shape [1, T]
+    position_ids     0     1     2     0     1     restart at 0 for every sample
+    labels        -100    a1    a2  -100    b1     -100 where a sample begins
+    cu_seq_lens_q   [0, 3, 5]  (int32)             sample boundaries for varlen attention
+    cu_seq_lens_k   the same tensor                (self-attention: keys are the queries' samples)
+    max_length_q    3                              the longest sample (int)
+    max_length_k    3
 
 Samples with images add ``pixel_values`` and ``image_grid_thw``, concatenated in sample order
 (the order of their image tokens in the row).
 
 The model shifts labels by one (logits at t predict labels[t+1]), so the -100 at ``b0`` keeps the
 last token of A from being trained to predict the first token of B; varlen attention over
-``cu_seqlens`` (or per-sample masks built from ``position_ids``) keeps B from attending to A.
+``cu_seq_lens_q`` (or per-sample masks built from ``position_ids``) keeps B from attending to A.
 The loss normalizer is the number of labels != -100: :func:`odb.batching.cost.count_label_tokens`.
 
 :func:`collate_padded` gives the padded layout of the same samples, for the baselines.
@@ -53,8 +56,9 @@ def collate_packed(samples: Sequence[Mapping], *, max_tokens: int | None = None)
         max_tokens: truncate each sample to this many tokens (the over-cap policy 'truncate').
 
     Returns:
-        ``input_ids``, ``position_ids``, ``labels`` (each ``[1, T]`` int64), ``cu_seqlens``
-        (``[n + 1]`` int32) and ``max_seqlen`` (int).
+        ``input_ids``, ``position_ids``, ``labels`` (each ``[1, T]`` int64), ``cu_seq_lens_q`` and
+        ``cu_seq_lens_k`` (one ``[n + 1]`` int32 tensor), ``max_length_q`` and ``max_length_k``
+        (int); and the images, if any.
     """
     if not samples:
         raise ValueError("cannot collate an empty bin")
@@ -68,13 +72,14 @@ def collate_packed(samples: Sequence[Mapping], *, max_tokens: int | None = None)
         labels += sample_labels
         positions += range(len(sample_ids))
         bounds.append(len(ids))
-    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    cu_seq_lens = torch.tensor(bounds, dtype=torch.int32)
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
     return {
         "input_ids": torch.tensor([ids], dtype=torch.long),
         "position_ids": torch.tensor([positions], dtype=torch.long),
         "labels": torch.tensor([labels], dtype=torch.long),
-        "cu_seqlens": torch.tensor(bounds, dtype=torch.int32),
-        "max_seqlen": max(lengths),
+        "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
+        "max_length_q": longest, "max_length_k": longest,
         **_images(samples),
     }
 

@@ -1,9 +1,11 @@
 """From the batcher's dealt uids to processed samples, through a DataLoader and its workers.
 
-The batcher deals uids to this rank (``on_deal``) and later asks for the next ones in the same
-order (``fetch``). A DataLoader's sampler runs lazily in the main process, ``prefetch_factor x
-num_workers`` indices ahead, and would block the very thread that runs the batcher (and its
-collective) if it waited for the next deal; and a sampler that ends ends the epoch. So the
+:class:`SampleFeed` is the batcher's :class:`odb.batching.batcher.Feed`: the batcher deals uids to
+this rank (``deal``), later asks for the next ones in the same order (``fetch``) and tells it
+which of them will not train (``forget``). A DataLoader's sampler runs lazily in the main
+process, ``prefetch_factor x num_workers`` indices ahead, and would block the very thread that
+runs the batcher (and its collective) if it waited for the next deal; and a sampler that ends
+ends the epoch. So the
 :class:`DealtSampler` never waits and never ends: with nothing dealt it yields ``-1``, which the
 workers answer with an empty marker that :meth:`SampleFeed.fetch` skips.
 """

@@ -1,7 +1,7 @@
 """Samples processed in DataLoader workers: records -> chat template -> tokens, labels, images.
 
 The true cost of a sample (tokens after templating, augmentation and image -> visual-token
-expansion; vision patches) is known only here; the batcher sees it through :func:`sample_cost`.
+expansion; vision patches) is known only here; the batcher sees it through :func:`sample_sizes`.
 A record that cannot be a sample is skipped and counted by reason (:data:`SKIP_REASONS`); with
 ``strict`` it stops the run with its file, line and reason instead, on every rank. A text model
 (``vision=None``) skips records with images (``image_for_text_model``) rather than training on
@@ -22,10 +22,10 @@ from torch.utils.data import Dataset
 from odb.batching.config import read_json_object
 from odb.batching.cost import count_label_tokens
 from odb.data.formats import FORMATS, IMAGE_PLACEHOLDER, SkipSample, normalize
-from odb.data.sources import Source
 from odb.data.images import IMAGE_PAD, ImageProcessor, VisionSpec, expand_placeholders
+from odb.data.sources import Source
 
-__all__ = ["SKIP_REASONS", "DataConfig", "SampleDataset", "load_data_config", "sample_cost"]
+__all__ = ["SKIP_REASONS", "DataConfig", "SampleDataset", "load_data_config", "sample_sizes"]
 
 SKIP_REASONS = ("not_json", "not_an_object", "no_messages", "bad_role", "bad_content", "empty_content",
                 "no_assistant_turn", "image_placeholder_mismatch", "mixed_image_sources", "image_for_text_model",
@@ -189,7 +189,7 @@ class SampleDataset(Dataset):
         return self._images(images)
 
 
-def sample_cost(sample: dict[str, Any]) -> tuple[int, int, int]:
+def sample_sizes(sample: dict[str, Any]) -> tuple[int, int, int]:
     """``(tokens, label_tokens, vision_patches)`` of a processed sample, for the batcher."""
     return (len(sample["input_ids"]), count_label_tokens(sample["labels"].tolist()), int(sample.get("patches", 0)))
 

@@ -1,8 +1,11 @@
-"""The flags of ``launch/train.py``, checked before any process group is joined.
+"""The flags of ``launch/train.py`` -> a :class:`~odb.training.config.RunConfig`, checked before any
+process group is joined.
 
 Everything that can be wrong with the inputs (a missing file, a model folder that does not
-exist, a DeepSpeed config that contradicts odb) fails here, identically on every rank, with a
-message that names the fix; nothing reaches a collective that could hang.
+exist, a DeepSpeed config that contradicts odb, an unknown key in a JSON config) fails here,
+identically on every rank, with a message that names the fix; nothing reaches a collective that
+could hang. The default files are the caller's (:class:`FileDefaults`): ``launch/train.py`` names
+them relative to the repository it sits in.
 """
 
 from __future__ import annotations
@@ -11,39 +14,55 @@ import argparse
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from odb.batching.config import OdbConfig, load_odb_config, read_json_object
-from odb.data.processing import DataConfig, load_data_config
-from odb.training.ds_config import load_ds_config, resolve_ds_config
+from odb.batching.config import OdbConfig
 from odb.data.formats import FORMATS
+from odb.data.processing import DataConfig
+from odb.training.config import (
+    OPTIMIZERS,
+    REPORT_TO,
+    CheckpointSettings,
+    DataSettings,
+    LoggingSettings,
+    ModelSettings,
+    OptimizationSettings,
+    RunConfig,
+    RunSettings,
+    field_names,
+    load_json_config,
+    lora_keys,
+)
+from odb.training.ds_config import load_ds_config, resolve_ds_config
 
-__all__ = ["TrainArgs", "parse_args"]
-
-ROOT = Path(__file__).resolve().parents[2]
+__all__ = ["FileDefaults", "parse_config"]
 
 
-@dataclass
-class TrainArgs:
-    args: argparse.Namespace
-    odb: OdbConfig
-    data: DataConfig
-    ds_config: dict[str, Any]  # resolved: odb's batch values, "auto" precision filled in
-    lora: dict[str, Any] | None
+@dataclass(frozen=True, kw_only=True)
+class FileDefaults:
+    """The files a run uses when no flag names one."""
+
+    deepspeed_config: Path
+    odb_config: Path
+    model: Path
+    data: Path
+    tokenizer: Path
+    """Used when the model folder has no tokenizer of its own."""
+    lora: Path
+    """What a bare ``--lora`` reads."""
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(defaults: FileDefaults) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Fine-tune a causal LM with odb's online dynamic batching "
                                             "under DeepSpeed (deepspeed --num_gpus N launch/train.py ...)")
-    p.add_argument("--deepspeed_config", default=str(ROOT / "configs" / "ds_zero2.json"),
+    p.add_argument("--deepspeed_config", default=str(defaults.deepspeed_config),
                    help="DeepSpeed JSON; batch keys may be \"auto\" (odb fills them in)")
-    p.add_argument("--odb_config", default=str(ROOT / "configs" / "odb.json"),
+    p.add_argument("--odb_config", default=str(defaults.odb_config),
                    help="odb settings JSON (max_tokens, window, gas, mode, quota, over_cap, ...)")
-    p.add_argument("--model", default=str(ROOT / "configs" / "tiny_model.json"),
+    p.add_argument("--model", default=str(defaults.model),
                    help="a local HF model folder, or a model config JSON (random init)")
     p.add_argument("--tokenizer", default=None,
-                   help="tokenizer folder (default: the model folder, else data/tokenizer)")
-    p.add_argument("--data", default=str(ROOT / "data" / "chat.jsonl"),
+                   help=f"tokenizer folder (default: the model folder, else {defaults.tokenizer})")
+    p.add_argument("--data", default=str(defaults.data),
                    help="JSONL / JSON / Parquet file or folder: messages, ShareGPT or LLaVA records")
     p.add_argument("--data_config", default=None,
                    help="data settings JSON (format, train_on, augmentation, image sizes, strict)")
@@ -58,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup_ratio", type=float, default=0.03)
     p.add_argument("--weight_decay", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None, help="default: the odb config's seed (0)")
-    p.add_argument("--lora", nargs="?", const=str(ROOT / "configs" / "lora.json"), default=None,
+    p.add_argument("--lora", nargs="?", const=str(defaults.lora), default=None,
                    help="train PEFT LoRA adapters (rank, alpha, targets from this JSON)")
     p.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="continue from OUTPUT_DIR/checkpoints (latest, or a tag such as step20)")
@@ -68,8 +87,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="write emitted_ids.rank<R>.jsonl: the dataset indices of every micro-batch")
     p.add_argument("--num_workers", type=int, default=1, help="DataLoader workers per rank")
     p.add_argument("--prefetch_factor", type=int, default=4)
-    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    p.add_argument("--report_to", choices=("none", "wandb"), default="none",
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    p.add_argument("--report_to", choices=REPORT_TO, default="none",
                    help="also log metrics to Weights & Biases (rank 0, one run; WANDB_MODE=offline works)")
     p.add_argument("--wandb_project", default="odb")
     p.add_argument("--run_name", default=None, help="W&B run name (default: the output_dir's name)")
@@ -79,43 +98,77 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _need_file(path: str, what: str, fix: str) -> Path:
+def _need_file(path: str | Path, what: str, fix: str) -> Path:
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{what} {p} does not exist; {fix}")
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> TrainArgs:
-    args = _parser().parse_args(argv)
-    for name in ("epochs",):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be >= 1")
-    odb = load_odb_config(_need_file(args.odb_config, "odb config", "pass --odb_config configs/odb.json"),
-                          seed=args.seed)
-    args.seed = odb.seed  # one seed: sample order, augmentation, random init
-    import torch
-
-    # launchers (deepspeed, torchrun, srun via our sbatch) set WORLD_SIZE before we start
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    ds_config = resolve_ds_config(load_ds_config(args.deepspeed_config), gas=odb.gas, world_size=world_size,
-                                  use_bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
-                                  source=args.deepspeed_config)
+def _model(args: argparse.Namespace, defaults: FileDefaults) -> ModelSettings:
     model = _need_file(args.model, "model", "pass a local HF model folder (with config.json) or a model "
                        "config JSON such as configs/tiny_model.json")
     if model.is_dir() and not (model / "config.json").is_file():
         raise FileNotFoundError(f"model folder {model} has no config.json; pass a Hugging Face model "
                                 "folder (save_pretrained) or a config JSON")
-    if args.tokenizer is None:
-        args.tokenizer = str(model) if model.is_dir() and (model / "tokenizer_config.json").is_file() \
-            else str(ROOT / "data" / "tokenizer")
-    _need_file(args.tokenizer, "tokenizer folder", "pass --tokenizer with a folder from save_pretrained")
-    _need_file(args.data, "data path", "pass --data data/chat.jsonl, or your own file or folder")
-    data = load_data_config(args.data_config, format=args.data_format, strict=args.strict)
+    tokenizer = args.tokenizer
+    if tokenizer is None:
+        has_own = model.is_dir() and (model / "tokenizer_config.json").is_file()
+        tokenizer = str(model) if has_own else str(defaults.tokenizer)
+    _need_file(tokenizer, "tokenizer folder", "pass --tokenizer with a folder from save_pretrained")
     lora = None
     if args.lora:
-        lora = read_json_object(args.lora, "LoRA config", "pass --lora configs/lora.json")
+        lora = load_json_config(args.lora, known=lora_keys(), what="LoRA config", fix="pass --lora configs/lora.json")
+    return ModelSettings(path=str(model), tokenizer=tokenizer, lora=lora)
+
+
+def _batching(args: argparse.Namespace) -> OdbConfig:
+    path = _need_file(args.odb_config, "odb config", "pass --odb_config configs/odb.json")
+    values = load_json_config(path, known=field_names(OdbConfig), what="odb config",
+                              fix="pass --odb_config configs/odb.json or a file of your own")
+    if args.seed is not None:
+        values["seed"] = args.seed
+    return OdbConfig(**values)
+
+
+def _data(args: argparse.Namespace) -> DataSettings:
+    _need_file(args.data, "data path", "pass --data data/chat.jsonl, or your own file or folder")
+    values = {}
+    if args.data_config:
+        values = load_json_config(args.data_config, known=field_names(DataConfig), what="data config",
+                                  fix="pass --data_config configs/data.json")
+    if args.data_format is not None:
+        values["format"] = args.data_format
+    if args.strict is not None:
+        values["strict"] = args.strict
+    return DataSettings(path=args.data, processing=DataConfig(**values), max_samples=args.max_samples,
+                        num_workers=args.num_workers, prefetch_factor=args.prefetch_factor)
+
+
+def parse_config(argv: list[str] | None = None, *, defaults: FileDefaults) -> RunConfig:
+    """The run's config from ``argv`` (default: ``sys.argv[1:]``); raises naming the fix."""
+    args = _parser(defaults).parse_args(argv)
+    run = RunSettings(output_dir=args.output_dir, epochs=args.epochs, max_steps=args.max_steps,
+                      dist_timeout_s=args.dist_timeout_s)
+    batching = _batching(args)
+    import torch
+
+    # launchers (deepspeed, torchrun) set WORLD_SIZE before we start
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    deepspeed = resolve_ds_config(load_ds_config(args.deepspeed_config), gas=batching.gas, world_size=world_size,
+                                  use_bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+                                  source=args.deepspeed_config)
+    model = _model(args, defaults)
+    data = _data(args)
     if args.resume and not (Path(args.output_dir) / "checkpoints").is_dir():
         raise FileNotFoundError(f"--resume: no checkpoints in {Path(args.output_dir) / 'checkpoints'}; "
                                 "resume with the --output_dir of the run that saved them")
-    return TrainArgs(args=args, odb=odb, data=data, ds_config=ds_config, lora=lora)
+    return RunConfig(
+        model=model, data=data, batching=batching, run=run,
+        optimization=OptimizationSettings(optimizer=args.optimizer, lr=args.lr, warmup_ratio=args.warmup_ratio,
+                                          weight_decay=args.weight_decay, deepspeed=deepspeed),
+        checkpoints=CheckpointSettings(save_steps=args.save_steps, final=not args.no_final_checkpoint,
+                                       resume=args.resume),
+        logging=LoggingSettings(report_to=args.report_to, wandb_project=args.wandb_project, run_name=args.run_name,
+                                wandb_tags=tuple(t for t in args.wandb_tags.split(",") if t),
+                                audit_ids=args.audit_ids))

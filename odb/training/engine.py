@@ -23,13 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from odb.data.collate import collate_packed, collate_padded
 from odb.batching.plan import StepPlan
+from odb.data.collate import collate_packed, collate_padded
 from odb.training.mrope import packed_position_ids
 
 __all__ = ["OdbEngine", "StepResult", "token_loss_sum", "BLANK_IMAGE_TOKENS"]
@@ -78,24 +79,18 @@ class OdbEngine:
         samples = self._with_image(samples)
         if padded or not self.packed:
             batch = collate_padded(samples, pad_token_id=self.pad_token_id, max_tokens=self.max_tokens)
-            batch = {k: v.to(self.device) for k, v in batch.items()}
-            if self.vision is not None:  # the model derives its rotary positions from the mask
-                del batch["position_ids"]
-                batch["mm_token_type_ids"] = (batch["input_ids"] == self.model.config.image_token_id).int()
-            logits = self.engine(**batch, use_cache=False).logits
-            return token_loss_sum(logits, batch["labels"])
-        batch = collate_packed(samples, max_tokens=self.max_tokens)
-        cu = batch["cu_seqlens"].to(self.device)
-        input_ids = batch["input_ids"].to(self.device)
-        extra = {k: batch[k].to(self.device) for k in ("pixel_values", "image_grid_thw") if k in batch}
-        if self.vision is not None:  # each sample's own M-RoPE, text positions in row 0
-            position_ids = packed_position_ids(self.model, input_ids, cu, extra.get("image_grid_thw"))
         else:
-            position_ids = batch["position_ids"].to(self.device)
-        logits = self.engine(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                             cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch["max_seqlen"],
-                             max_length_k=batch["max_seqlen"], **extra).logits
-        return token_loss_sum(logits, batch["labels"].to(self.device))
+            batch = collate_packed(samples, max_tokens=self.max_tokens)
+        batch = _to_device(batch, self.device)
+        labels = batch.pop("labels")
+        if self.vision is not None and "cu_seq_lens_q" in batch:  # each sample's own M-RoPE, text in row 0
+            batch["position_ids"] = packed_position_ids(self.model, batch["input_ids"], batch["cu_seq_lens_q"],
+                                                        batch.get("image_grid_thw"))
+        elif self.vision is not None:  # padded rows: the model derives its rotary positions from the mask
+            del batch["position_ids"]
+            batch["mm_token_type_ids"] = (batch["input_ids"] == self.model.config.image_token_id).int()
+        logits = self.engine(**batch, use_cache=False).logits
+        return token_loss_sum(logits, labels)
 
     def _with_image(self, samples: Sequence[dict[str, Any]]) -> Sequence[dict[str, Any]]:
         """A micro-batch without images gets one tiny blank image as a sample of its own (its
@@ -121,6 +116,16 @@ class OdbEngine:
         logits = self.engine(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False).logits
         return logits.float().sum() * 0.0
 
+    def save(self, folder: Path, tag: str) -> None:
+        """DeepSpeed's checkpoint of the model and optimizer in ``folder / tag`` (collective)."""
+        self.engine.save_checkpoint(str(folder), tag=tag)
+
+    def load(self, folder: Path, tag: str) -> None:
+        """Loads :meth:`save`'s checkpoint (collective); raises ``FileNotFoundError`` if none."""
+        path, _ = self.engine.load_checkpoint(str(folder), tag=tag)
+        if path is None:
+            raise FileNotFoundError(f"--resume: no DeepSpeed checkpoint {folder / tag}")
+
     def train_step(self, plan: StepPlan, samples: Sequence[Sequence[dict[str, Any]]], lr: float) -> StepResult:
         """Runs the plan's micro-batches (``samples[m]``: the processed samples of micro-batch m,
         empty for a dummy) and one optimizer step at learning rate ``lr``."""
@@ -141,3 +146,15 @@ class OdbEngine:
             self.engine.backward(loss, scale_wrt_gas=False)
         self.engine.step()
         return StepResult(loss_sum=float(loss_sum), label_tokens=label_tokens, lr=lr)
+
+
+def _to_device(batch: dict[str, Any], device) -> dict[str, Any]:
+    """The batch's tensors on ``device``; one tensor under two keys stays one tensor (the
+    attention then sees ``cu_seq_lens_k is cu_seq_lens_q``)."""
+    moved: dict[int, torch.Tensor] = {}
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            value = moved.setdefault(id(value), value.to(device))
+        out[key] = value
+    return out

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from odb.training.attention import register
 from odb.data.images import VisionSpec
+from odb.training.attention import register
 
 __all__ = ["build_model", "load_tokenizer", "vision_spec"]
 

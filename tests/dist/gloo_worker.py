@@ -16,7 +16,7 @@ import torch.distributed as dist  # noqa: E402
 from odb.batching.align import TorchCommunicator  # noqa: E402
 from odb.batching.batcher import OnlineBatcher  # noqa: E402
 from odb.batching.config import OdbConfig  # noqa: E402
-from odb.batching.simulate import make_fetch  # noqa: E402
+from odb.batching.simulate import SimulatedFeed  # noqa: E402
 from odb.batching.state import encode_steps  # noqa: E402
 
 
@@ -29,7 +29,7 @@ def main() -> None:
     result: dict = {"rank": rank, "world": world}
     try:
         comm = TorchCommunicator(timeout_s=60)
-        batcher = OnlineBatcher(config, comm, dataset_size=len(lengths), fetch=make_fetch(lengths),
+        batcher = OnlineBatcher(config, comm, dataset_size=len(lengths), feed=SimulatedFeed(lengths),
                                 num_epochs=scenario.get("epochs", 1), shards=scenario.get("shards"))
         result["steps"] = encode_steps(list(batcher))
         result["rounds"] = batcher.round_index

@@ -5,11 +5,12 @@ import json
 import math
 from collections import Counter
 
+from conftest import bundled_tokenizer
 from launch import ROOT, audit, deepspeed, ds_config, odb_config
-from odb.training.model import build_model, load_tokenizer
+from odb.training.model import build_model
 from odb.training.mrope import supports_packing
 
-TOKENIZER = load_tokenizer(ROOT / "data" / "tokenizer")
+TOKENIZER = bundled_tokenizer()
 VL = ROOT / "configs" / "tiny_vl_model.json"
 LORA = json.loads((ROOT / "configs" / "lora.json").read_text())
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from conftest import bundled_tokenizer
 from launch import ROOT, audit, deepspeed, ds_config, odb_config
 from odb.data.processing import SampleDataset
-from odb.training.model import load_tokenizer
 
-TOKENIZER = load_tokenizer(ROOT / "data" / "tokenizer")
+TOKENIZER = bundled_tokenizer()
 
 
 def read_wandb_history(path: Path) -> list[dict]:

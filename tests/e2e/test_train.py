@@ -7,14 +7,15 @@ from collections import Counter
 import pytest
 import torch
 
+from conftest import bundled_tokenizer
 from launch import ROOT, audit, deepspeed, ds_config, odb_config, plain, write_json
-from odb.training.attention import register
 from odb.data.collate import collate_packed
 from odb.data.processing import SampleDataset
+from odb.training.attention import register
 from odb.training.engine import token_loss_sum
-from odb.training.model import build_model, load_tokenizer
+from odb.training.model import build_model
 
-TOKENIZER = load_tokenizer(ROOT / "data" / "tokenizer")
+TOKENIZER = bundled_tokenizer()
 TINY = ROOT / "configs" / "tiny_model.json"
 
 
@@ -67,6 +68,9 @@ def test_one_step_on_two_ranks_equals_one_process(tmp_path, stage):
     rows = check_audit(out, 2, 3)
     assert len(rows[0]) == 2 and sum(not r["ids"] for rank in rows for r in rank) == 1  # 1 step, 1 dummy
     checkpoint = out / "checkpoints"
+    saved = json.loads((checkpoint / "step1" / "run_config.json").read_text())  # the resolved config
+    assert saved == json.loads((out / "summary.json").read_text())["config"]
+    assert saved["optimization"]["optimizer"] == "sgd" and saved["batching"]["max_tokens"] == 61
     if stage == 0:
         after = torch.load(checkpoint / "step1" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     else:
@@ -95,11 +99,11 @@ def test_packed_samples_give_the_logits_they_give_alone():
     gen = torch.Generator().manual_seed(0)
     samples = [{"input_ids": torch.randint(5, 1000, (n,), generator=gen).tolist()} for n in (7, 30, 1, 64, 33, 12)]
     batch = collate_packed(samples)
-    cu = batch["cu_seqlens"]
+    cu = batch["cu_seq_lens_q"]
     with torch.no_grad():
         packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
-                       cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch["max_seqlen"],
-                       max_length_k=batch["max_seqlen"]).logits
+                       cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch["max_length_q"],
+                       max_length_k=batch["max_length_k"]).logits
         from_positions = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                use_cache=False).logits
         bounds = cu.tolist()
@@ -138,7 +142,8 @@ def test_resume_continues_with_exactly_the_samples_not_yet_trained(tmp_path):
     assert resumed["loss_first"] == pytest.approx(whole["loss_first"], rel=1e-4)
     assert resumed["loss_last"] == pytest.approx(whole["loss_last"], rel=1e-4)
     mine = resumed["this_process"]
-    assert mine["steps"] == whole["steps"] - k and mine["samples"] == 80 - sum(len(r["ids"]) for rows in first for r in rows)
+    assert mine["steps"] == whole["steps"] - k
+    assert mine["samples"] == 80 - sum(len(r["ids"]) for rows in first for r in rows)
     assert mine["odb_collectives"] == mine["rounds"] + 2
 
 
@@ -152,6 +157,16 @@ def test_resume_continues_with_exactly_the_samples_not_yet_trained(tmp_path):
 def test_bad_paths_fail_before_any_process_group(flag, value, needle):
     proc = plain([flag, value, "--output_dir", "/tmp/odb-bad-input"])
     assert proc.returncode != 0 and needle in proc.stderr, proc.stderr[-2000:]
+    assert "init_distributed" not in proc.stderr
+
+
+@pytest.mark.parametrize("flag,what", [("--odb_config", "odb config"), ("--data_config", "data config"),
+                                       ("--lora", "LoRA config")])
+def test_every_json_config_refuses_a_key_it_does_not_know(tmp_path, flag, what):
+    path = write_json(tmp_path / "config.json", {"windw": 8})
+    proc = plain([flag, str(path), "--output_dir", str(tmp_path / "o")])
+    assert proc.returncode != 0, proc.stderr[-2000:]
+    assert f"{what} {path}: unknown key(s) ['windw']; known keys are [" in proc.stderr, proc.stderr[-2000:]
     assert "init_distributed" not in proc.stderr
 
 

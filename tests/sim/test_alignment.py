@@ -4,15 +4,17 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conftest import check_aligned, check_caps, check_exact_once, check_label_tokens, roundtrip
 from odb.batching.align import SettingsMismatch
 from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import OdbConfig
 from odb.batching.cost import OverCapError
-from odb.batching.plan import waterfill
-from odb.batching.simulate import make_fetch, run_ranks, simulate
+from odb.batching.simulate import SimulatedFeed, run_ranks, simulate
+from odb.batching.stream import waterfill
+from odb.batching.wire import PROPOSAL_SCALARS, Proposal
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -94,17 +96,16 @@ def test_resume_reproduces_the_remaining_plan(lengths, world, gas, window, stati
     samples = [(t, 0) for t in lengths]
     full = simulate(config, samples, world, num_epochs=2).steps
     k = data.draw(st.integers(0, len(full[0])))
-    fetch = make_fetch(samples)
     states = [None] * world
 
     def first_part(comm):
-        batcher = OnlineBatcher(config, comm, dataset_size=len(samples), fetch=fetch, num_epochs=2)
+        batcher = OnlineBatcher(config, comm, dataset_size=len(samples), feed=SimulatedFeed(samples), num_epochs=2)
         steps = [step for _, step in zip(range(k), batcher)]
         states[comm.rank] = roundtrip(batcher.state_dict())
         return steps
 
     def second_part(comm):
-        batcher = OnlineBatcher(config, comm, dataset_size=len(samples), fetch=fetch, num_epochs=2)
+        batcher = OnlineBatcher(config, comm, dataset_size=len(samples), feed=SimulatedFeed(samples), num_epochs=2)
         before = roundtrip(states[comm.rank])
         batcher.load_state_dict(states[comm.rank])
         assert states[comm.rank] == before  # loading does not mutate its input
@@ -119,11 +120,11 @@ def test_state_from_another_world_size_or_version_is_refused():
     samples = [(5, 0)] * 10
     config = OdbConfig(max_tokens=16, window=4)
     states = run_ranks(2, lambda comm: OnlineBatcher(config, comm, dataset_size=10,
-                                                     fetch=make_fetch(samples)).state_dict())
+                                                     feed=SimulatedFeed(samples)).state_dict())
 
     def load(state):
         def fn(comm):
-            OnlineBatcher(config, comm, dataset_size=10, fetch=make_fetch(samples)).load_state_dict(state)
+            OnlineBatcher(config, comm, dataset_size=10, feed=SimulatedFeed(samples)).load_state_dict(state)
         return fn
 
     with pytest.raises(ValueError, match="world_size=2, this run has 3; resume with the same number of ranks"):
@@ -132,7 +133,7 @@ def test_state_from_another_world_size_or_version_is_refused():
         run_ranks(1, load({**states[0], "version": 99}))
     other = OdbConfig(max_tokens=32, window=4)
     with pytest.raises(ValueError, match=r"settings differ from the checkpoint in \['max_tokens'\]"):
-        run_ranks(2, lambda comm: OnlineBatcher(other, comm, dataset_size=10, fetch=make_fetch(samples))
+        run_ranks(2, lambda comm: OnlineBatcher(other, comm, dataset_size=10, feed=SimulatedFeed(samples))
                   .load_state_dict(states[comm.rank]))
 
 
@@ -143,7 +144,7 @@ def test_mismatched_settings_fail_at_start_on_every_rank_naming_the_keys():
     def fn(comm):
         config = OdbConfig(max_tokens=16 if comm.rank == 0 else 32, gas=1 + comm.rank % 2, window=4)
         try:
-            OnlineBatcher(config, comm, dataset_size=10, fetch=make_fetch(samples))
+            OnlineBatcher(config, comm, dataset_size=10, feed=SimulatedFeed(samples))
         except SettingsMismatch as err:
             errors.append(str(err))
 
@@ -180,3 +181,22 @@ def test_waterfill_equals_dealing_one_by_one_to_the_least_loaded(loads, unit, to
         expected[r] += 1
         current[r] += unit
     assert waterfill(np.array(loads), unit, total, np.array(caps)) == expected
+
+
+@pytest.mark.parametrize("quota", [False, True])
+def test_a_proposal_decodes_to_what_it_encoded(quota):
+    per_sample = {"sample_tokens": [9, 8, 7], "sample_costs": [10, 9, 8]} if quota else {}
+    proposal = Proposal(is_fatal=False, is_exhausted=True, num_ready=1, window_samples=3, window_cost=27,
+                        num_pending=4, observed_cost=100, observed_cost_sq=4000, observed_samples=6,
+                        is_first_pass_open=True, num_skipped=2, num_dropped=1, bin_costs=[19, 8],
+                        bin_samples=[2, 1], bin_tokens=[17, 7], sample_labels=[8, 7, 6], **per_sample)
+    layout = proposal.layout(max_bins=4, max_samples=5)
+    assert layout.size == len(PROPOSAL_SCALARS) + 3 * 4 + (3 if quota else 1) * 5
+    fields = layout.decode(np.stack([layout.encode(**proposal.values())] * 2))  # two ranks
+    for name, value in proposal.values().items():
+        width = len(value) if isinstance(value, list) else None
+        decoded = fields[name][1, :width] if width is not None else fields[name][1]
+        assert np.array_equal(decoded, value), name
+    assert fields["num_bins"].tolist() == [2, 2]
+    with pytest.raises(ValueError, match="holds 1 values, got 2"):
+        proposal.layout(max_bins=1, max_samples=5).encode(**proposal.values())

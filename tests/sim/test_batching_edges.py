@@ -8,6 +8,9 @@ bins for a model that cannot pack.
 from collections import Counter
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from conftest import (
     check_aligned,
     check_caps,
@@ -15,14 +18,11 @@ from conftest import (
     check_label_tokens,
     roundtrip,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import OdbConfig
 from odb.batching.cost import CostModel
 from odb.batching.packer import Bin, OnlinePacker
-from odb.batching.simulate import make_fetch, run_ranks, simulate
+from odb.batching.simulate import SimulatedFeed, run_ranks, simulate
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -30,14 +30,11 @@ SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[Healt
 def run_with_skips(config: OdbConfig, lengths: list[int | None], world: int, *, num_epochs: int = 1,
                    timeout_s: float = 30.0):
     """Every rank's steps and batcher; ``None`` in ``lengths``: a record the data layer skips."""
-    size = len(lengths)
-
-    def fetch(uids):
-        return [None if lengths[u % size] is None else (lengths[u % size], lengths[u % size] - 1, 0)
-                for u in uids]
+    samples = [None if t is None else (t, 0) for t in lengths]
 
     def rank_main(comm):
-        batcher = OnlineBatcher(config, comm, dataset_size=size, fetch=fetch, num_epochs=num_epochs)
+        feed = SimulatedFeed(samples)
+        batcher = OnlineBatcher(config, comm, dataset_size=len(lengths), feed=feed, num_epochs=num_epochs)
         return list(batcher), batcher
 
     results = run_ranks(world, rank_main, timeout_s=timeout_s)
@@ -97,8 +94,10 @@ def test_invariants_hold_when_samples_are_skipped_or_dropped(lengths, world, gas
 
 @pytest.mark.parametrize("settings_, needle", [
     ({"policy": "fixed", "window": 4, "batch_size": 8}, "--policy fixed needs --window >= --batch_size"),
-    ({"policy": "gmt", "sharding": "static", "mode": "quota", "quota": 10}, "--policy gmt does not support --mode quota"),
-    ({"policy": "bmt", "sharding": "static", "mode": "quota", "quota": 10}, "--policy bmt does not support --mode quota"),
+    ({"policy": "gmt", "sharding": "static", "mode": "quota", "quota": 10},
+     "--policy gmt does not support --mode quota"),
+    ({"policy": "bmt", "sharding": "static", "mode": "quota", "quota": 10},
+     "--policy bmt does not support --mode quota"),
 ])
 def test_baseline_settings_that_never_form_a_micro_batch_fail_at_start(settings_, needle):
     # Before: accepted, then IndexError in the round decision (no rank ever holds a bin).
@@ -111,16 +110,12 @@ def test_baseline_settings_that_never_form_a_micro_batch_fail_at_start(settings_
 @pytest.mark.parametrize("sharding,cause", [("static", "skipped"), ("dynamic", "skipped"), ("dynamic", "dropped"),
                                             ("static", "dropped")])
 def test_quota_mode_stops_on_every_rank_when_a_full_pass_admits_nothing(sharding, cause):
-    lengths = [None] * 30 if cause == "skipped" else [80] * 30  # over the cap of 64 under 'drop'
+    samples = [None] * 30 if cause == "skipped" else [(80, 0)] * 30  # over the cap of 64 under 'drop'
     config = OdbConfig(max_tokens=64, window=4, lookahead=4, sharding=sharding, mode="quota", quota=10,
                        over_cap="drop")
-    size = len(lengths)
-
-    def fetch(uids):
-        return [None if lengths[u % size] is None else (lengths[u % size], 1, 0) for u in uids]
 
     def rank_main(comm):
-        batcher = OnlineBatcher(config, comm, dataset_size=size, fetch=fetch)
+        batcher = OnlineBatcher(config, comm, dataset_size=len(samples), feed=SimulatedFeed(samples))
         try:
             list(batcher)
         except ValueError as err:
@@ -174,7 +169,8 @@ def test_quota_cut_step_reports_the_kept_samples_tokens_and_costs(extra, quota):
             plan = rank_steps[position]
             for m, micro in enumerate(plan.micro_batches):
                 assert plan.rank_tokens[m][r] == micro.tokens
-                assert plan.rank_costs[m][r] == (Bin.of(micro.samples, model, micro.padded).cost if micro.samples else 0)
+                cost = Bin.of(micro.samples, model, micro.padded).cost if micro.samples else 0
+                assert plan.rank_costs[m][r] == cost
     trained = [m for rank_steps in steps for p in rank_steps for m in p.micro_batches]
     assert sum(len(m.samples) for m in trained) == quota
     assert sum(sum(map(sum, p.rank_tokens)) for p in steps[0]) == sum(m.tokens for m in trained)
@@ -189,7 +185,7 @@ def test_padded_online_packer_keeps_every_sample_within_rows_times_longest(sampl
     model = CostModel(max_tokens=cap, max_patches=40)
     packer = OnlinePacker(model, min_fill=min_fill, max_carry=0.5, padded=True)
     packer.add([model.measure(i, t, t - 1, p)[0] for i, (t, p) in enumerate(samples)])
-    ready = packer.ranked(window=len(samples), is_exhausted=exhausted)
+    ready = packer.pack(window=len(samples), is_exhausted=exhausted)
     assert Counter(s.uid for b in packer.bins for s in b.samples) == Counter(range(len(samples)))
     for b in packer.bins:
         assert b.padded and b.materialized == len(b.samples) * b.longest <= cap and b.patches <= 40
@@ -217,13 +213,13 @@ def test_pad_rows_bins_hold_rows_times_longest_under_the_cap(sharding):
     states = [None] * 3
 
     def first_part(comm):
-        batcher = OnlineBatcher(config, comm, dataset_size=300, fetch=make_fetch(samples), num_epochs=2)
+        batcher = OnlineBatcher(config, comm, dataset_size=300, feed=SimulatedFeed(samples), num_epochs=2)
         steps = [step for _, step in zip(range(k), batcher)]
         states[comm.rank] = roundtrip(batcher.state_dict())
         return steps
 
     def second_part(comm):
-        batcher = OnlineBatcher(config, comm, dataset_size=300, fetch=make_fetch(samples), num_epochs=2)
+        batcher = OnlineBatcher(config, comm, dataset_size=300, feed=SimulatedFeed(samples), num_epochs=2)
         batcher.load_state_dict(states[comm.rank])
         return list(batcher)
 
@@ -235,17 +231,101 @@ def test_a_state_written_before_pad_rows_existed_still_loads():
     samples = [(5, 0)] * 10
     config = OdbConfig(max_tokens=16, window=4)
     states = run_ranks(2, lambda comm: OnlineBatcher(config, comm, dataset_size=10,
-                                                     fetch=make_fetch(samples)).state_dict())
+                                                     feed=SimulatedFeed(samples)).state_dict())
     for state in states:
         del state["config"]["pad_rows"]
 
     def load(comm):
-        batcher = OnlineBatcher(config, comm, dataset_size=10, fetch=make_fetch(samples))
+        batcher = OnlineBatcher(config, comm, dataset_size=10, feed=SimulatedFeed(samples))
         batcher.load_state_dict(states[comm.rank])
         return list(batcher)
 
     assert run_ranks(2, load) == simulate(config, samples, 2).steps
     padded = OdbConfig(max_tokens=16, window=4, pad_rows=True)
     with pytest.raises(ValueError, match=r"settings differ from the checkpoint in \['pad_rows'\]"):
-        run_ranks(2, lambda comm: OnlineBatcher(padded, comm, dataset_size=10, fetch=make_fetch(samples))
+        run_ranks(2, lambda comm: OnlineBatcher(padded, comm, dataset_size=10, feed=SimulatedFeed(samples))
                   .load_state_dict(states[comm.rank]))
+
+
+# ---- the Feed: lazy dealing, resume without patching queues, forgotten samples ----------------
+
+class LoggingFeed(SimulatedFeed):
+    """Remembers every uid dealt, in order."""
+
+    def __init__(self, samples):
+        super().__init__(samples)
+        self.dealt = []
+
+    def deal(self, uids):
+        self.dealt.extend(uids)
+        super().deal(uids)
+
+
+@pytest.mark.parametrize("sharding", ["static", "dynamic"])
+def test_construction_deals_nothing_and_a_resume_deals_only_the_states_pending(sharding):
+    samples = [((i * 37) % 90 + 5, 0) for i in range(120)]
+    config = OdbConfig(max_tokens=128, window=8, gas=2, lookahead=4, sharding=sharding)
+    full = simulate(config, samples, 3, num_epochs=2).steps
+    states = [None] * 3
+
+    def first_part(comm):
+        feed = LoggingFeed(samples)
+        batcher = OnlineBatcher(config, comm, dataset_size=len(samples), feed=feed, num_epochs=2)
+        assert feed.dealt == []  # the first deal waits for the first round
+        steps = [step for _, step in zip(range(5), batcher)]
+        assert feed.dealt
+        states[comm.rank] = roundtrip(batcher.state_dict())
+        return steps
+
+    def second_part(comm):
+        feed = LoggingFeed(samples)  # a fresh process: nothing dealt, nothing to clear
+        batcher = OnlineBatcher(config, comm, dataset_size=len(samples), feed=feed, num_epochs=2)
+        batcher.load_state_dict(states[comm.rank])
+        pending = states[comm.rank]["pending"]
+        assert feed.dealt == [] and set(batcher.held_uids()).isdisjoint(pending)
+        steps = list(batcher)
+        assert pending and feed.dealt[:len(pending)] == pending  # dealt first, in order, at the next round
+        return steps
+
+    head, tail = run_ranks(3, first_part), run_ranks(3, second_part)
+    assert [h + t for h, t in zip(head, tail)] == full
+
+
+@pytest.mark.parametrize("sharding", ["static", "dynamic"])
+def test_a_finished_run_resumed_with_more_epochs_trains_them_as_one_longer_run_would(sharding):
+    samples = [((i * 53) % 120 + 3, 0) for i in range(90)]
+    config = OdbConfig(max_tokens=160, window=10, gas=2, lookahead=3, sharding=sharding)
+    full = simulate(config, samples, 2, num_epochs=2).steps
+    states = [None] * 2
+
+    def first_epoch(comm):
+        batcher = OnlineBatcher(config, comm, dataset_size=len(samples), feed=SimulatedFeed(samples))
+        steps = list(batcher)
+        assert batcher.is_done
+        states[comm.rank] = roundtrip(batcher.state_dict())
+        return steps
+
+    def more_epochs(comm):
+        batcher = OnlineBatcher(config, comm, dataset_size=len(samples), feed=SimulatedFeed(samples), num_epochs=2)
+        batcher.load_state_dict(states[comm.rank])
+        assert not batcher.is_done and batcher.epoch == 1
+        return list(batcher)
+
+    head, tail = run_ranks(2, first_epoch), run_ranks(2, more_epochs)
+    assert [h + t for h, t in zip(head, tail)] == full
+
+
+def test_the_feed_forgets_exactly_the_samples_that_will_not_train():
+    lengths = [None if i % 5 == 0 else (300 if i % 7 == 0 else 20 + i) for i in range(70)]
+    config = OdbConfig(max_tokens=200, window=6, lookahead=2, over_cap="drop")
+    samples = [None if t is None else (t, 0) for t in lengths]
+    feeds = [SimulatedFeed(samples) for _ in range(3)]
+
+    def rank_main(comm):
+        return list(OnlineBatcher(config, comm, dataset_size=len(samples), feed=feeds[comm.rank]))
+
+    steps = run_ranks(3, rank_main)
+    lost = {i for i, t in enumerate(lengths) if t is None or t > 200}
+    check_exact_once(steps, Counter(i for i in range(len(lengths)) if i not in lost))
+    assert Counter(u for feed in feeds for u in feed.forgotten) == Counter(lost)
+    assert all(not feed.queue for feed in feeds)  # every dealt uid was fetched

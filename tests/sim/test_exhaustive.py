@@ -7,11 +7,11 @@ once (I2), N_step exact (I4), caps (I5), and termination within the stated round
 """
 
 import itertools
+from collections import Counter
 
 import pytest
 
 from conftest import check_aligned, check_caps, check_exact_once, check_label_tokens
-from collections import Counter
 from odb.batching.config import OdbConfig
 from odb.batching.simulate import simulate
 

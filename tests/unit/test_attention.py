@@ -28,8 +28,8 @@ from transformers.masking_utils import (
 )
 from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
-from odb.training import attention
 from odb.data.collate import collate_packed, collate_padded
+from odb.training import attention
 from odb.training.engine import token_loss_sum
 from odb.training.mrope import packed_position_ids
 
@@ -111,14 +111,14 @@ def vl_samples() -> list[dict]:
 def packed_forward(model, samples: list[dict]):
     """odb's packed call (odb/training/engine.py ``_forward_loss``): logits ``[1, T, V]``, labels, bounds."""
     batch = collate_packed(samples)
-    cu = batch["cu_seqlens"]
+    cu = batch["cu_seq_lens_q"]
     extra = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}
     if extra:
         position_ids = packed_position_ids(model, batch["input_ids"], cu, extra["image_grid_thw"])
     else:
         position_ids = batch["position_ids"]
     logits = model(input_ids=batch["input_ids"], position_ids=position_ids, use_cache=False, cu_seq_lens_q=cu,
-                   cu_seq_lens_k=cu, max_length_q=batch["max_seqlen"], max_length_k=batch["max_seqlen"],
+                   cu_seq_lens_k=cu, max_length_q=batch["max_length_q"], max_length_k=batch["max_length_k"],
                    **extra).logits
     return logits, batch["labels"], cu.tolist()
 

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from odb.data.collate import collate_packed, collate_padded
 from odb.batching.cost import count_label_tokens
+from odb.data.collate import collate_packed, collate_padded
 
 
 def test_worked_example_of_the_docstring():
@@ -12,8 +12,9 @@ def test_worked_example_of_the_docstring():
     assert batch["input_ids"].tolist() == [[11, 12, 13, 21, 22]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
     assert batch["labels"].tolist() == [[-100, 12, 13, -100, 22]]
-    assert batch["cu_seqlens"].dtype == torch.int32 and batch["cu_seqlens"].tolist() == [0, 3, 5]
-    assert batch["max_seqlen"] == 3
+    assert batch["cu_seq_lens_q"].dtype == torch.int32 and batch["cu_seq_lens_q"].tolist() == [0, 3, 5]
+    assert batch["cu_seq_lens_k"] is batch["cu_seq_lens_q"]
+    assert batch["max_length_q"] == batch["max_length_k"] == 3
 
 
 def test_label_count_matches_the_cost_model():
@@ -25,7 +26,7 @@ def test_label_count_matches_the_cost_model():
 
 def test_truncation_keeps_the_first_max_tokens():
     batch = collate_packed([{"input_ids": list(range(10))}], max_tokens=4)
-    assert batch["input_ids"].tolist() == [[0, 1, 2, 3]] and batch["cu_seqlens"].tolist() == [0, 4]
+    assert batch["input_ids"].tolist() == [[0, 1, 2, 3]] and batch["cu_seq_lens_q"].tolist() == [0, 4]
 
 
 def test_padded_layout_for_baselines():

@@ -60,12 +60,21 @@ def test_over_cap_policies():
         CostModel(max_tokens=8).measure(3, 0, 0)
 
 
-def test_measure_many_matches_measure():
-    model = CostModel(max_tokens=8, attn_coef=0.25)
-    raw = [(3, 2, 0), (9, 8, 0), (8, 0, 0)]
-    admitted, outcomes = model.measure_many([0, 1, 2], raw)
-    assert admitted == [model.measure(i, *r)[0] for i, r in enumerate(raw)]
-    assert outcomes == {"truncated": 1, "dropped": 0, "skipped": 0}
+@pytest.mark.parametrize("coefs", [{}, {"attn_coef": 0.25}, {"patch_coef": 0.5}],
+                         ids=["linear-fast-path", "attention-term", "patch-term"])
+@pytest.mark.parametrize("over_cap", ["truncate", "drop"])
+def test_measure_many_matches_measure(coefs, over_cap):
+    # Without cost coefficients measure_many takes a fast path for samples within the caps: it
+    # must agree with measure() on those (patches, label tokens, costs) and on every edge around
+    # them (at the cap, over it, over the patch cap, no labels, skipped records).
+    model = CostModel(max_tokens=8, max_patches=6, over_cap=over_cap, **coefs)
+    raw = [(3, 2, 0), (9, 8, 0), (8, 0, 0), None, (1, 0, 6), (5, 5, 7), (8, 7, 2), (2, 1, 3)]
+    admitted, outcomes = model.measure_many(list(range(len(raw))), raw)
+    measured = [model.measure(i, *r) for i, r in enumerate(raw) if r is not None]
+    assert admitted == [sample for sample, _ in measured if sample is not None]
+    assert outcomes == {"truncated": sum(o == "truncated" for _, o in measured),
+                        "dropped": sum(o == "dropped" for _, o in measured), "skipped": 1}
+    assert outcomes["truncated" if over_cap == "truncate" else "dropped"] >= 1
 
 
 def test_label_tokens_skip_first_position_and_ignored():

@@ -5,18 +5,18 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import check_caps
 from PIL import Image
 
+from conftest import bundled_tokenizer, check_caps
 from launch import ROOT, deepspeed, ds_config, odb_config
 from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import OdbConfig
-from odb.data.processing import DataConfig, SampleDataset, load_data_config, sample_cost
-from odb.data.feed import DataError, SampleFeed
-from odb.training.model import build_model, load_tokenizer, vision_spec
 from odb.batching.simulate import run_ranks
+from odb.data.feed import DataError, SampleFeed
+from odb.data.processing import DataConfig, SampleDataset, load_data_config, sample_sizes
+from odb.training.model import build_model, vision_spec
 
-TOKENIZER = load_tokenizer(ROOT / "data" / "tokenizer")
+TOKENIZER = bundled_tokenizer()
 VL = ROOT / "configs" / "tiny_vl_model.json"
 IMAGE_PAD = TOKENIZER.convert_tokens_to_ids("<|image_pad|>")
 
@@ -29,7 +29,7 @@ def write_jsonl(path, rows):
 def layout(sample):
     """(token, is_label) pairs: the hand-checkable view of a processed sample."""
     tokens = TOKENIZER.convert_ids_to_tokens(sample["input_ids"].tolist())
-    return [(t, int(l) != -100) for t, l in zip(tokens, sample["labels"].tolist())]
+    return [(t, int(label) != -100) for t, label in zip(tokens, sample["labels"].tolist())]
 
 
 EXPECTED_TEXT = [("<|system|>", False), ("Hello", False), ("<|end|>", False), ("<|user|>", False),
@@ -65,7 +65,7 @@ def test_llava_record_expands_the_image_into_its_visual_tokens(tmp_path):
     assert layout(sample) == [("<|user|>", False), ("<|vision_start|>", False)] + [("<|image_pad|>", False)] * 6 + [
         ("<|vision_end|>", False), ("Ċ", False), ("apple", False), ("<|end|>", False), ("<|assistant|>", False),
         ("Hello", True), ("<|end|>", True)]
-    assert sample_cost(sample) == (len(sample["input_ids"]), 2, 24)
+    assert sample_sizes(sample) == (len(sample["input_ids"]), 2, 24)
 
 
 TAG = ["<", "i", "m", "a", "ge", ">"]  # a literal "<image>" as text
@@ -90,7 +90,8 @@ IMAGE_RECORDS = [  # the same two-image chat: red.png (56 x 84), then blue.png (
     {"images": ["red.png", "blue.png"], "conversations": [{"from": "human", "value": "<image>apple<image>"},
                                                           {"from": "gpt", "value": "Hello"}]},
     {"images": ["red.png", "blue.png"],  # TRL / Hugging Face: the parts carry no path
-     "messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "apple"}, {"type": "image"}]},
+     "messages": [{"role": "user",
+                   "content": [{"type": "image"}, {"type": "text", "text": "apple"}, {"type": "image"}]},
                   {"role": "assistant", "content": [{"type": "text", "text": "Hello"}]}]},
     {"images": ["red.png", "blue.png"],  # as Parquet gives it back: Arrow fills every part's fields
      "messages": [{"role": "user", "content": [{"type": "image", "image": None, "text": None},
@@ -125,8 +126,9 @@ def test_every_image_record_style_gives_the_llava_sample(tmp_path, record):
     assert llava["image_grid_thw"].tolist() == [[1, 6, 4], [1, 4, 4]] and llava["patches"] == 40
     assert layout(llava) == ([("<|user|>", False), ("<|vision_start|>", False)] + [("<|image_pad|>", False)] * 6
                              + [("<|vision_end|>", False), ("apple", False), ("<|vision_start|>", False)]
-                             + [("<|image_pad|>", False)] * 4 + [("<|vision_end|>", False), ("<|end|>", False),
-                                                                 ("<|assistant|>", False), ("Hello", True), ("<|end|>", True)])
+                             + [("<|image_pad|>", False)] * 4
+                             + [("<|vision_end|>", False), ("<|end|>", False), ("<|assistant|>", False),
+                                ("Hello", True), ("<|end|>", True)])
     for key in ("input_ids", "labels", "pixel_values", "image_grid_thw"):
         assert torch.equal(sample[key], llava[key]), key
     assert sample["patches"] == llava["patches"]
@@ -173,7 +175,7 @@ def test_a_text_model_skips_records_with_images_and_strict_stops(tmp_path, recor
     skipped = SampleDataset(path, TOKENIZER)[0]  # vision=None: a text model, as odb.training.model.vision_spec says
     assert skipped.get("skip") == "image_for_text_model", skipped.get("detail", skipped.keys())
     assert "vision-language model (e.g. Qwen2-VL) or drop the images" in skipped["detail"]
-    feed = SampleFeed(SampleDataset(path, TOKENIZER, DataConfig(strict=True)), sample_cost, num_workers=0)
+    feed = SampleFeed(SampleDataset(path, TOKENIZER, DataConfig(strict=True)), sample_sizes, num_workers=0)
     feed.deal([0])
     with pytest.raises(DataError, match=r"d\.jsonl:1: image_for_text_model: [12] image\(s\) for a text-only model"):
         feed.fetch([0])
@@ -248,7 +250,7 @@ def test_bad_records_are_skipped_and_counted_by_reason(tmp_path):
     model = build_model(VL, seed=0, vocab_size=len(TOKENIZER))
     dataset = SampleDataset(bad_data(tmp_path), TOKENIZER, vision=vision_spec(model, DataConfig()),
                             truncate_to=64)
-    feed = SampleFeed(dataset, sample_cost, num_workers=1)
+    feed = SampleFeed(dataset, sample_sizes, num_workers=1)
     uids = list(range(len(dataset)))
     feed.deal(uids)
     costs = feed.fetch(uids)
@@ -260,7 +262,7 @@ def test_bad_records_are_skipped_and_counted_by_reason(tmp_path):
 
 def test_strict_stops_with_file_line_and_reason(tmp_path):
     dataset = SampleDataset(bad_data(tmp_path), TOKENIZER, DataConfig(strict=True))
-    feed = SampleFeed(dataset, sample_cost, num_workers=0)
+    feed = SampleFeed(dataset, sample_sizes, num_workers=0)
     feed.deal([0, 1])
     with pytest.raises(DataError, match=r"bad.jsonl:2: not_json .*without --strict"):
         feed.fetch([0, 1])
@@ -272,9 +274,8 @@ def test_no_micro_batch_exceeds_the_token_or_patch_cap_and_costs_are_what_the_mo
     dataset = SampleDataset(ROOT / "data" / "mm" / "train.jsonl", TOKENIZER, config, vision=vision_spec(model, config),
                             truncate_to=512)
     odb = OdbConfig(max_tokens=512, max_patches=600, window=32, sharding="static")
-    feed = SampleFeed(dataset, sample_cost, num_workers=1)
-    steps = run_ranks(1, lambda comm: list(OnlineBatcher(odb, comm, dataset_size=len(dataset), fetch=feed.fetch,
-                                                         on_deal=feed.deal)))
+    feed = SampleFeed(dataset, sample_sizes, num_workers=1)
+    steps = run_ranks(1, lambda comm: list(OnlineBatcher(odb, comm, dataset_size=len(dataset), feed=feed)))
     check_caps(steps, max_tokens=512, max_patches=600)
     micro = [m for s in steps[0] for m in s.micro_batches]
     assert sum(len(m.samples) for m in micro) + sum(feed.skipped.values()) == len(dataset)
@@ -303,11 +304,11 @@ def test_packed_multimodal_rows_equal_each_sample_alone():
     dataset = SampleDataset(ROOT / "data" / "mm" / "train.jsonl", TOKENIZER, vision=vision_spec(model, DataConfig()))
     samples = [dataset[i] for i in range(4)]
     batch = collate_packed(samples)
-    cu = batch["cu_seqlens"]
+    cu = batch["cu_seq_lens_q"]
     with torch.no_grad():
         packed = model(input_ids=batch["input_ids"], pixel_values=batch["pixel_values"],
                        image_grid_thw=batch["image_grid_thw"], cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                       max_length_q=batch["max_seqlen"], max_length_k=batch["max_seqlen"], use_cache=False,
+                       max_length_q=batch["max_length_q"], max_length_k=batch["max_length_k"], use_cache=False,
                        position_ids=packed_position_ids(model, batch["input_ids"], cu, batch["image_grid_thw"])).logits
         bounds = cu.tolist()
         for sample, start, end in zip(samples, bounds, bounds[1:]):

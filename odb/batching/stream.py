@@ -1,0 +1,266 @@
+"""The stream of uids a rank trains, and how it is sharded over ranks: pure, no I/O.
+
+A uid is ``epoch * dataset_size + dataset_index``. Every epoch visits the dataset in one
+shared, seeded order (:func:`epoch_order`, the same on every rank). Two sharding policies:
+
+* ``static``: rank r takes every ``world``-th index of the epoch's order from position r (like
+  torch's ``DistributedSampler``), or its explicit shard, all of it at the start of the epoch.
+  In quota mode the shard comes again, in the next epoch's order, whenever fewer than
+  ``window + lookahead`` of its uids are pending (re-passes), until the quota closes the run.
+* ``dynamic``: all ranks walk one shared stream, epoch after epoch. The first ``window +
+  lookahead`` per rank go out evenly; after that each round's decision says how many of the
+  next indices each rank receives (:class:`Dealer`: the least-loaded rank first, :func:`waterfill`;
+  held back near the end, :func:`deal_budget`), and every rank cuts the stream the same way, in rank order, so
+  each index goes to exactly one rank.
+
+:class:`UidStream` is one rank's side: the uids assigned to it and not fetched yet (``pending``,
+in fetch order) and the part of them the rank's feed has not been told yet (:meth:`UidStream.undealt`).
+A fresh or restored stream tells its feed nothing until it is asked, so a resumed run never
+patches a queue: the batcher hands :meth:`UidStream.undealt` to the feed at its next round.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Dealer", "UidStream", "deal_budget", "epoch_order", "waterfill"]
+
+
+def epoch_order(seed: int, epoch: int, dataset_size: int) -> np.ndarray:
+    """The shared, seeded order of dataset indices for one epoch (identical on every rank)."""
+    return np.random.default_rng([seed, epoch]).permutation(dataset_size)
+
+
+def waterfill(loads: list[int], unit: int, total: int, caps: list[int]) -> list[int]:
+    """Deal up to ``total`` items of weight ``unit``, at most ``caps[r]`` to rank r, so that the
+    largest final load is smallest.
+
+    Same result as giving each item in turn to the least-loaded rank that has room (ties to the
+    lower rank), computed in O(world * log) with integers so every rank gets the same answer.
+    """
+    world = len(loads)
+    caps = [max(0, int(c)) for c in caps]
+    loads = [int(x) for x in loads]
+    total = min(int(total), sum(caps))
+    if total <= 0:
+        return [0] * world
+
+    def fill(level: int) -> list[int]:
+        return [min(cap, max(0, (level - load) // unit)) for load, cap in zip(loads, caps)]
+
+    low, high = min(loads), max(loads) + unit * total
+    while low < high:  # the largest level whose whole-unit fill stays within total
+        mid = (low + high + 1) // 2
+        if sum(fill(mid)) <= total:
+            low = mid
+        else:
+            high = mid - 1
+    counts = fill(low)
+    rest = total - sum(counts)
+    order = sorted((r for r in range(world) if counts[r] < caps[r]),
+                   key=lambda r: (loads[r] + counts[r] * unit, r))
+    for r in order[:rest]:
+        counts[r] += 1
+    return counts
+
+
+def deal_budget(left: int, world: int, inflight_target: int, spread: float) -> int:
+    """How many of the ``left`` undealt indices may go out now.
+
+    The cost of what is dealt is unknown until it is processed: a rank's share of D indices is
+    off by about ``spread * sqrt(D / world)`` samples (``spread``: the coefficient of variation
+    of sample cost). Near the end of the stream keep back three times that for every rank,
+    ``3 * spread * sqrt(D * world)``, to correct it in later rounds on observed loads, so that all
+    ranks run out together; at least half of what is left goes out each round, so the tail
+    takes O(log) rounds.
+    """
+    if left <= world * inflight_target:
+        return min(left, max(world, left // 2, left - int(3.0 * spread * math.sqrt(left * world))))
+    return left
+
+
+class Dealer:
+    """The dynamic policy in one round: how many of the next stream indices each rank receives.
+
+    A rank's load is the cost of what it carries into the next round plus its dealt, unprocessed
+    indices at the observed mean cost; the least-loaded ranks get more (:func:`waterfill`), up to
+    ``inflight_target`` samples held or expected per rank, at most :func:`deal_budget` in all.
+    Every figure is gathered (the same on every rank), so every rank deals alike.
+
+    Args:
+        stream_left: indices not dealt yet (``None``: static shards; 0: none left).
+        inflight_target: samples a rank should hold or expect (window + lookahead).
+        observed_cost, observed_cost_sq, observed_samples: admitted samples, all ranks, whole run.
+    """
+
+    def __init__(self, stream_left: int | None, inflight_target: int, *, observed_cost, observed_cost_sq,
+                 observed_samples: int) -> None:
+        self.stream_left, self.inflight_target = stream_left, inflight_target
+        self.unit, self.spread = 1, 1.0  # nothing observed yet: cost 1 a sample, spread 1
+        if observed_samples:
+            mean = observed_cost / observed_samples
+            self.unit = max(1, int(mean))
+            var = observed_cost_sq / observed_samples - mean * mean
+            self.spread = math.sqrt(max(0.0, var)) / mean
+
+    def __call__(self, carry_cost: np.ndarray, carry_samples: np.ndarray, num_pending: np.ndarray) -> list[int]:
+        """Counts per rank, from each rank's carried cost and samples and its pending indices ``[world]``."""
+        world, left = len(num_pending), self.stream_left
+        if not left:
+            return [0] * world
+        room = self.inflight_target - (carry_samples + num_pending)
+        loads = carry_cost + num_pending * self.unit
+        budget = deal_budget(left, world, self.inflight_target, self.spread)
+        return waterfill(loads.tolist(), self.unit, budget, room.tolist())
+
+
+class UidStream:
+    """One rank's uids: which it will fetch, in order, under the config's sharding and mode.
+
+    Args:
+        config: odb settings (``sharding``, ``mode``, ``seed``, ``window``, ``lookahead``).
+        rank, world_size: this rank and the number of ranks.
+        dataset_size: samples in the dataset (all ranks).
+        shards: optional explicit per-rank lists of dataset indices (static sharding only).
+    """
+
+    def __init__(self, config, *, rank: int, world_size: int, dataset_size: int,
+                 shards: list[list[int]] | None = None) -> None:
+        if shards is not None and config.sharding != "static":
+            raise ValueError("explicit shards need sharding='static'")
+        self.sharding, self.mode, self.seed = config.sharding, config.mode, config.seed
+        self.inflight_target = config.window + config.lookahead  # samples a rank holds or expects
+        self.rank, self.world_size, self.dataset_size = rank, world_size, dataset_size
+        self.shards = shards
+        self.epoch = 0
+        self.stream_pos = 0  # dynamic: the next position in the shared stream (all epochs)
+        self.epoch_of_shard = 0  # static quota mode: the epoch of the latest pass over the shard
+        self.pending: list[int] = []  # assigned to this rank, not fetched yet, in fetch order
+        self._undealt: list[int] = []  # the tail of what was assigned that the feed was not told
+        self._order_epoch, self._order_cache = -1, np.zeros(0, dtype=np.int64)
+
+    # ---- what the round needs to know ---------------------------------------------------------
+
+    @property
+    def total_size(self) -> int:
+        """Indices in one pass over the data, over all ranks."""
+        return sum(len(s) for s in self.shards) if self.shards is not None else self.dataset_size
+
+    def left(self) -> int | None:
+        """Indices of the shared stream not dealt yet (``None``: static shards, nothing to deal)."""
+        if self.sharding == "static":
+            return None
+        if self.mode == "quota":
+            return 1 << 62  # the stream runs on until the quota closes the run
+        return (self.epoch + 1) * self.dataset_size - self.stream_pos
+
+    def is_tail(self) -> bool:
+        """Whether the rest of the epoch's stream fits in flight on every rank at once."""
+        left = self.left()
+        return left is not None and left <= self.world_size * self.inflight_target
+
+    def is_exhausted(self) -> bool:
+        """Whether this rank expects no more uids this epoch."""
+        if self.pending:
+            return False
+        if self.sharding == "static":
+            return self.mode == "join" or not self._shard_size()
+        return self.left() == 0
+
+    def is_first_pass_open(self) -> bool:
+        """Whether indices of the run's first pass over the data are still to be fetched here."""
+        if self.sharding == "dynamic" and self.stream_pos < self.dataset_size:
+            return True  # not all dealt yet
+        return bool(self.pending) and self.pending[0] < self.dataset_size  # pending is in stream order
+
+    # ---- assigning uids -----------------------------------------------------------------------
+
+    def start_epoch(self) -> None:
+        """The epoch's first uids: the whole static shard, or an even first deal of the stream."""
+        if self.sharding == "static":
+            self._assign(self._static_shard(self.epoch))
+            return
+        # nothing observed yet: assume a spread of 1 (coefficient of variation of cost)
+        per_rank = self.inflight_target
+        total = min(self.world_size * per_rank, deal_budget(self.left(), self.world_size, per_rank, spread=1.0))
+        base, extra = divmod(total, self.world_size)
+        self.deal([base + (r < extra) for r in range(self.world_size)])
+
+    def next_epoch(self) -> None:
+        """The epoch is over (nothing of it pending): count the next one; :meth:`start_epoch` starts it."""
+        self.epoch += 1
+
+    def deal(self, counts: list[int]) -> None:
+        """The next ``sum(counts)`` indices of the shared stream, ``counts[r]`` to rank r in rank order."""
+        start = self.stream_pos + sum(counts[:self.rank])
+        self._assign(self._stream_uids(start, start + counts[self.rank]))
+        self.stream_pos += sum(counts)
+
+    def top_up(self) -> None:
+        """Static quota mode: the shard again, in the next epoch's order, while few are pending."""
+        if self.sharding != "static" or self.mode != "quota":
+            return
+        while len(self.pending) < self.inflight_target and self._shard_size():
+            self.epoch_of_shard += 1
+            self._assign(self._static_shard(self.epoch_of_shard))
+
+    def take(self, count: int) -> list[int]:
+        """The next ``count`` pending uids, removed (they are being fetched)."""
+        taken = self.pending[:count]
+        del self.pending[:count]
+        return taken
+
+    def undealt(self) -> list[int]:
+        """The uids assigned since the feed was last told, in fetch order (and forgets them)."""
+        out, self._undealt = self._undealt, []
+        return out
+
+    def _assign(self, uids: list[int]) -> None:
+        self.pending.extend(uids)
+        self._undealt.extend(uids)
+
+    def _stream_uids(self, start: int, stop: int) -> list[int]:
+        """uids at positions [start, stop) of the shared stream (epoch after epoch)."""
+        size, out = self.dataset_size, []
+        while start < stop:
+            epoch, offset = divmod(start, size)
+            end = min(stop, (epoch + 1) * size)
+            out.extend((self._order(epoch)[offset:offset + end - start] + epoch * size).tolist())
+            start = end
+        return out
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if self._order_epoch != epoch:
+            self._order_cache = epoch_order(self.seed, epoch, self.dataset_size)
+            self._order_epoch = epoch
+        return self._order_cache
+
+    def _static_shard(self, epoch: int) -> list[int]:
+        if self.shards is not None:
+            indices = self.shards[self.rank]
+        else:
+            indices = self._order(epoch)[self.rank::self.world_size].tolist()
+        return [epoch * self.dataset_size + int(i) for i in indices]
+
+    def _shard_size(self) -> int:
+        if self.shards is not None:
+            return len(self.shards[self.rank])
+        return len(range(self.rank, self.dataset_size, self.world_size))
+
+    # ---- state (I6) ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This stream's piece of the batcher state (plain ints and lists)."""
+        return {"epoch": self.epoch, "stream_pos": self.stream_pos, "pending": list(self.pending),
+                "epoch_of_shard": self.epoch_of_shard}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict`; every pending uid is told to the feed again, at the next
+        round (a fresh feed knows none of them)."""
+        self.epoch, self.stream_pos = state["epoch"], state["stream_pos"]
+        self.epoch_of_shard = state["epoch_of_shard"]
+        self.pending = list(state["pending"])
+        self._undealt = list(self.pending)

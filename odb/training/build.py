@@ -1,0 +1,175 @@
+"""One rank's run, built in one place: the process group, then every component in order.
+
+:func:`init_distributed` joins the process group (one rank on this machine without a launcher);
+:func:`build_components` builds what a run is made of (:class:`Components`), in the same order on
+every rank, because several steps are collective (DeepSpeed's initialization, the batcher's
+settings check). Nothing here starts a process: the feed's DataLoader workers start at the first
+fetch, in the train loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+
+from odb.batching.align import TorchCommunicator
+from odb.batching.batcher import OnlineBatcher
+from odb.batching.config import OdbConfig
+from odb.data.feed import SampleFeed
+from odb.data.processing import SampleDataset, sample_sizes
+from odb.telemetry import Telemetry
+from odb.training.config import RunConfig
+from odb.training.engine import BLANK_IMAGE_TOKENS, OdbEngine
+from odb.training.model import build_model, load_tokenizer, vision_spec
+from odb.training.mrope import supports_packing
+from odb.training.schedule import ProgressSchedule
+
+__all__ = ["Components", "build_components", "init_distributed"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Components:
+    """Everything one rank's run is made of."""
+
+    rank: int
+    world_size: int
+    batching: OdbConfig
+    """odb's settings as this model runs them (room for a blank image, padded rows)."""
+    tokenizer: Any
+    engine: OdbEngine
+    dataset: SampleDataset
+    feed: SampleFeed
+    comm: TorchCommunicator
+    batcher: OnlineBatcher
+    schedule: ProgressSchedule
+    telemetry: Telemetry
+    settings: dict[str, Any]
+    """The effective settings, logged at start and sent to W&B."""
+    wandb_run: Any | None
+    """Rank 0's W&B run with ``--report_to wandb``, else None."""
+
+
+def init_distributed(config: RunConfig) -> tuple[int, int]:
+    """Joins the process group; returns ``(rank, world_size)``."""
+    import deepspeed
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:  # ``python launch/train.py`` without a launcher: one rank here
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        # CPU ranks share the machine's cores instead of each taking all of them
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    deepspeed.init_distributed(timeout=timedelta(seconds=config.run.dist_timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def build_components(config: RunConfig, *, rank: int, world_size: int, report: Callable[[], np.ndarray],
+                     on_reports: Callable[[np.ndarray], None], log: Callable[[str], None]) -> Components:
+    """Builds the run (collective: every rank, same order).
+
+    Args:
+        report / on_reports: the batcher's telemetry hooks (called from its first round on).
+        log: rank 0's console.
+    """
+    tokenizer = load_tokenizer(config.model.tokenizer)
+    model = build_model(config.model.path, seed=config.seed, vocab_size=len(tokenizer),
+                        lora=dict(config.model.lora) if config.model.lora is not None else None)
+    batching = config.batching
+    vision = vision_spec(model, config.data.processing)
+    if vision is not None:
+        # a micro-batch without images carries a 3-token blank image (odb/training/engine.py): keep room
+        batching = dataclasses.replace(batching, max_tokens=batching.max_tokens - BLANK_IMAGE_TOKENS)
+        log(f"odb: vision model: samples packed under max_tokens - {BLANK_IMAGE_TOKENS} "
+            f"= {batching.max_tokens} (room for the blank image of imageless micro-batches)")
+    truncate_to = batching.max_tokens if batching.over_cap == "truncate" else None
+    dataset = SampleDataset(config.data.path, tokenizer, config.data.processing, seed=config.seed,
+                            max_samples=config.data.max_samples, truncate_to=truncate_to, vision=vision)
+    packed = supports_packing(model)
+    if not packed:
+        log(f"odb: cannot pack {model.config.model_type} correctly (its rotary positions are "
+            "unknown to odb): training on PADDED micro-batches instead, each within "
+            f"rows x longest <= {batching.max_tokens} tokens")
+        if batching.policy == "odb":
+            batching = dataclasses.replace(batching, pad_rows=True)
+    engine = OdbEngine(_deepspeed(config, model), world_size=world_size, max_tokens=batching.max_tokens,
+                       pad_token_id=tokenizer.pad_token_id, packed=packed)
+    feed = SampleFeed(dataset, sample_sizes, num_workers=config.data.num_workers,
+                      prefetch_factor=config.data.prefetch_factor)
+    comm = TorchCommunicator(timeout_s=config.run.dist_timeout_s)
+    batcher = OnlineBatcher(batching, comm, dataset_size=len(dataset), feed=feed, num_epochs=config.run.epochs,
+                            report=report, on_reports=on_reports)
+    planned = batching.quota if batching.mode == "quota" else config.run.epochs * len(dataset)
+    schedule = ProgressSchedule(config.optimization.lr, planned, warmup_ratio=config.optimization.warmup_ratio)
+    settings = _settings(config, batching, world_size=world_size, packed=packed, dataset_size=len(dataset),
+                         planned=planned)
+    wandb_run = _wandb(config, settings, batching) if config.logging.report_to == "wandb" and rank == 0 else None
+    telemetry = Telemetry(rank=rank, max_steps_per_round=batcher.capacity // batching.gas + 1,
+                          max_tokens=batching.max_tokens, dataset_size=len(dataset), output_dir=config.output_dir,
+                          sink=(lambda row: wandb_run.log(row, step=row["step"])) if wandb_run else None)
+    return Components(rank=rank, world_size=world_size, batching=batching, tokenizer=tokenizer, engine=engine,
+                      dataset=dataset, feed=feed, comm=comm, batcher=batcher, schedule=schedule,
+                      telemetry=telemetry, settings=settings, wandb_run=wandb_run)
+
+
+def _deepspeed(config: RunConfig, model):
+    """``deepspeed.initialize`` with a torch optimizer, unless DeepSpeed's JSON declares one."""
+    import deepspeed
+
+    ds_config = dict(config.optimization.deepspeed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = None
+    opt = config.optimization
+    if "optimizer" not in ds_config:  # a torch optimizer: no DeepSpeed op to compile
+        optimizer = (torch.optim.AdamW(params, lr=opt.lr, weight_decay=opt.weight_decay)
+                     if opt.optimizer == "adamw" else torch.optim.SGD(params, lr=opt.lr))
+        if opt.optimizer == "sgd":
+            ds_config.setdefault("zero_allow_untested_optimizer", True)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer, config=ds_config)
+    return engine
+
+
+def _settings(config: RunConfig, batching: OdbConfig, *, world_size: int, packed: bool, dataset_size: int,
+              planned: int) -> dict[str, Any]:
+    ds_config = config.optimization.deepspeed
+    if not packed:
+        attention = "padded (sdpa)"
+    elif torch.cuda.is_available():
+        attention = ("odb_varlen: flash-attn varlen" if _has_flash_attn() else
+                     "odb_varlen: torch varlen_attn (attention dropout, softcap or fp32: per-group SDPA)")
+    else:
+        attention = "odb_varlen: SDPA per group of similar-length samples (CPU)"
+    return {"world_size": world_size, "max_tokens": batching.max_tokens, "window": batching.window,
+            "gas": batching.gas, "mode": batching.mode, "policy": batching.policy,
+            "zero_stage": ds_config.get("zero_optimization", {}).get("stage", 0),
+            "bf16": ds_config.get("bf16", {}).get("enabled", False), "attention": attention,
+            "model": config.model.path, "lora": bool(config.model.lora), "data": config.data.path,
+            "dataset_samples": dataset_size, "epochs": config.run.epochs, "planned_samples": planned,
+            "lr": config.optimization.lr, "num_workers": config.data.num_workers}
+
+
+def _wandb(config: RunConfig, settings: dict[str, Any], batching: OdbConfig):
+    import wandb  # only when asked for
+
+    log = config.logging
+    return wandb.init(project=log.wandb_project, name=log.run_name or config.output_dir.name,
+                      tags=list(log.wandb_tags), dir=str(config.output_dir),
+                      config={**settings, "odb": batching.to_dict(), "deepspeed": dict(config.optimization.deepspeed)})
+
+
+def _has_flash_attn() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None

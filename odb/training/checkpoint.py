@@ -1,0 +1,63 @@
+"""Checkpoints: DeepSpeed's (model, optimizer) plus odb's own files, one tag folder per save.
+
+``OUTPUT_DIR/checkpoints/<tag>/`` holds, besides DeepSpeed's files (through
+:meth:`odb.training.engine.OdbEngine.save`):
+
+* ``odb_state.rank<R>.json``: the rank's batcher state (its window, planned steps, stream
+  position), from which a fresh batcher reproduces the rest of the plan exactly;
+* ``run_state.rank<R>.json``: the run's progress and the rank's whole-run counts
+  (:meth:`odb.telemetry.Telemetry.state_dict`), so that a resumed run's summary covers the run;
+* ``run_config.json``: the resolved config of the run that saved it (rank 0).
+
+Saving and loading are collective (DeepSpeed's part is): every rank, the same tag.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from odb.training.build import Components
+from odb.training.config import RunConfig
+
+__all__ = ["load_checkpoint", "save_checkpoint"]
+
+
+def _folder(config: RunConfig) -> Path:
+    return config.output_dir / "checkpoints"
+
+
+def save_checkpoint(parts: Components, config: RunConfig, tag: str) -> None:
+    """Saves the run as ``tag`` (collective)."""
+    folder = _folder(config)
+    parts.engine.save(folder, tag)
+    rank = parts.rank
+    (folder / tag / f"odb_state.rank{rank}.json").write_text(json.dumps(parts.batcher.state_dict()))
+    (folder / tag / f"run_state.rank{rank}.json").write_text(
+        json.dumps(parts.telemetry.state_dict(parts.feed.skipped)))
+    if rank == 0:
+        (folder / tag / "run_config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+
+
+def load_checkpoint(parts: Components, config: RunConfig, tag: str, log: Callable[[str], None]) -> None:
+    """Continues the run from ``tag`` ('latest': the last saved) (collective); ``log``: rank 0's console.
+
+    Raises:
+        FileNotFoundError: no such checkpoint.
+        ValueError: the checkpoint's run already trained every epoch of ``--epochs``.
+    """
+    folder = _folder(config)
+    tag = (folder / "latest").read_text().strip() if tag == "latest" else tag
+    parts.engine.load(folder, tag)
+    state = json.loads((folder / tag / f"odb_state.rank{parts.rank}.json").read_text())
+    epochs = config.run.epochs
+    if state["is_done"] and state["config"]["mode"] == "join" and state["epoch"] >= epochs:
+        raise ValueError(f"--resume: the run in {config.output_dir} already trained all {state['epoch']} "
+                         f"epoch(s); pass --epochs > {state['epoch']} to train more, or start a new "
+                         "--output_dir")
+    parts.batcher.load_state_dict(state)
+    parts.feed.restore(parts.batcher.held_uids())
+    parts.telemetry.load_state_dict(json.loads((folder / tag / f"run_state.rank{parts.rank}.json").read_text()))
+    extended = f" (extended to --epochs {epochs})" if state["is_done"] else ""
+    log(f"resumed from {folder / tag}: {parts.telemetry.samples_done} samples done{extended}")
