@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OdbConfig", "load_odb_config", "read_json_object"]
+__all__ = ["OdbConfig", "load_json_config", "load_odb_config", "read_json_object"]
 
 _POLICIES = ("odb", "fixed", "gmt", "bmt")
 _MODES = ("join", "quota")
@@ -153,8 +154,26 @@ def read_json_object(path: str | Path, what: str, fix: str) -> dict[str, Any]:
     return values
 
 
+def load_json_config(path: str | Path, *, known: Iterable[str], what: str, fix: str) -> dict[str, Any]:
+    """The JSON object in ``path``, every key one of ``known``: the one strict loader of every odb
+    JSON config (odb, data, LoRA).
+
+    Raises:
+        FileNotFoundError: no such file (the message says ``fix``).
+        ValueError: not a JSON object, or a key not in ``known`` (the message names the file, the
+            key and the known keys).
+    """
+    values = read_json_object(path, what, fix)
+    known = list(known)
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"{what} {path}: unknown key(s) {unknown}; known keys are {known}")
+    return values
+
+
 def load_odb_config(path: str | Path, **overrides: Any) -> OdbConfig:
     """Reads an odb JSON file strictly; ``overrides`` (not None) win over the file."""
-    values = read_json_object(path, "odb config", "pass --odb_config configs/odb.json or a file of your own")
+    values = load_json_config(path, known=OdbConfig.field_names(), what="odb config",
+                              fix="pass --odb_config configs/odb.json or a file of your own")
     values.update({k: v for k, v in overrides.items() if v is not None})
     return OdbConfig.from_dict(values, source=str(path))

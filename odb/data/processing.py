@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from odb.batching.config import read_json_object
+from odb.batching.config import load_json_config
 from odb.batching.cost import count_label_tokens
 from odb.data.formats import FORMATS, IMAGE_PLACEHOLDER, SkipSample, normalize
 from odb.data.images import IMAGE_PAD, ImageProcessor, VisionSpec, expand_placeholders
@@ -67,12 +67,10 @@ class DataConfig:
 
 
 def load_data_config(path: str | Path | None, **overrides: Any) -> DataConfig:
-    values = read_json_object(path, "data config", "pass --data_config configs/data.json") if path else {}
-    values.update({k: v for k, v in overrides.items() if v is not None})
     known = [f.name for f in dataclasses.fields(DataConfig)]
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise ValueError(f"data config: unknown key(s) {unknown}; known keys are {known}")
+    values = load_json_config(path, known=known, what="data config",
+                              fix="pass --data_config configs/data.json") if path else {}
+    values.update({k: v for k, v in overrides.items() if v is not None})
     return DataConfig(**values)
 
 

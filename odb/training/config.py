@@ -13,12 +13,12 @@ The resolved config is saved with each checkpoint (``run_config.json``) and in `
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from odb.batching.config import OdbConfig, read_json_object
+from odb.batching.config import OdbConfig, load_json_config
 from odb.data.processing import DataConfig
 
 __all__ = ["CheckpointSettings", "DataSettings", "LoggingSettings", "ModelSettings", "OptimizationSettings",
@@ -26,22 +26,6 @@ __all__ = ["CheckpointSettings", "DataSettings", "LoggingSettings", "ModelSettin
 
 OPTIMIZERS = ("adamw", "sgd")
 REPORT_TO = ("none", "wandb")
-
-
-def load_json_config(path: str | Path, *, known: Iterable[str], what: str, fix: str) -> dict[str, Any]:
-    """The JSON object in ``path``, every key one of ``known``.
-
-    Raises:
-        FileNotFoundError: no such file (the message says ``fix``).
-        ValueError: not a JSON object, or a key not in ``known`` (the message names the file, the
-            key and the known keys).
-    """
-    values = read_json_object(path, what, fix)
-    known = list(known)
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise ValueError(f"{what} {path}: unknown key(s) {unknown}; known keys are {known}")
-    return values
 
 
 def field_names(cls) -> list[str]:
