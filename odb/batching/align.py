@@ -129,7 +129,7 @@ class SimulatedGroup:
             raise RuntimeError(self._error)
         self._results[parity] = np.stack(self._slots[parity])
 
-    def _gather(self, rank: int, values: np.ndarray) -> np.ndarray:
+    def gather(self, rank: int, values: np.ndarray) -> np.ndarray:
         index = self._count[rank]
         parity = index % 2
         self._count[rank] += 1
@@ -160,7 +160,7 @@ class _SimulatedCommunicator:
 
     def all_gather(self, values: np.ndarray) -> np.ndarray:
         self.num_collectives += 1
-        return self.group._gather(self.rank, values)
+        return self.group.gather(self.rank, values)
 
 
 class TorchCommunicator:

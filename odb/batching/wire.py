@@ -57,6 +57,11 @@ class Layout:
     def slice(self, name: str) -> slice:
         return self._slices[name]
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every field, in vector order."""
+        return tuple(self._slices)
+
     def encode(self, **values: int | Sequence[int] | np.ndarray) -> np.ndarray:
         """One rank's vector; a field not given is zero. Raises ``ValueError`` for an unknown
         name or an array longer than its slots."""
@@ -92,13 +97,14 @@ class _Concat(Layout):
     arrays of the first)."""
 
     def __init__(self, first: Layout, second: Layout) -> None:  # noqa: D107 - see the class
-        names = set(first._slices) & set(second._slices)
+        names = set(first.names) & set(second.names)
         if names:
             raise ValueError(f"wire layouts laid end to end share names {sorted(names)}")
         self.scalars = first.scalars + second.scalars
         self.arrays = {**first.arrays, **second.arrays}
-        self._slices = dict(first._slices)
-        for name, where in second._slices.items():
+        self._slices = {name: first.slice(name) for name in first.names}
+        for name in second.names:
+            where = second.slice(name)
             self._slices[name] = slice(where.start + first.size, where.stop + first.size)
         self.size = first.size + second.size
 
