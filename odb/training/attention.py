@@ -44,6 +44,7 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "HANDLED_KWARGS",
     "cu_seqlens_from_position_ids",
+    "has_flash_attn",
     "register",
     "varlen_attention",
 ]
@@ -183,14 +184,27 @@ def _warn_slow(reason: str) -> None:
                   "slower). `pip install flash-attn` for the fused varlen kernel", stacklevel=3)
 
 
+@lru_cache(maxsize=1)
+def _flash_attn_varlen():
+    """flash-attn's varlen kernel, or None when the optional package is not installed (looked up
+    once: a failed import is not cached by Python and would search the path in every layer)."""
+    try:  # softcap needs flash-attn >= 2.6
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def has_flash_attn() -> bool:
+    """Whether the optional flash-attn package serves odb_varlen on GPU."""
+    return _flash_attn_varlen() is not None
+
+
 def _cuda_varlen(q, k, v, cu_seqlens, max_seqlen: int, scaling, pattern: _Pattern) -> torch.Tensor | None:
     """``q, k, v [T, H(kv), D]`` through a Flash Attention varlen kernel; None where no installed
     kernel computes what ``pattern`` asks for."""
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    try:  # optional; softcap needs flash-attn >= 2.6
-        from flash_attn import flash_attn_varlen_func
-    except ImportError:
-        flash_attn_varlen_func = None
+    flash_attn_varlen_func = _flash_attn_varlen()
     if flash_attn_varlen_func is not None:
         return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=pattern.dropout,
                                       softmax_scale=scaling, causal=pattern.is_causal,

@@ -26,6 +26,7 @@ from odb.batching.config import OdbConfig
 from odb.data.feed import SampleFeed
 from odb.data.processing import SampleDataset, sample_sizes
 from odb.telemetry import Telemetry
+from odb.training.attention import has_flash_attn
 from odb.training.config import RunConfig
 from odb.training.engine import BLANK_IMAGE_TOKENS, OdbEngine
 from odb.training.model import build_model, load_tokenizer, vision_spec
@@ -147,7 +148,7 @@ def _settings(config: RunConfig, batching: OdbConfig, *, world_size: int, packed
     if not packed:
         attention = "padded (sdpa)"
     elif torch.cuda.is_available():
-        attention = ("odb_varlen: flash-attn varlen" if _has_flash_attn() else
+        attention = ("odb_varlen: flash-attn varlen" if has_flash_attn() else
                      "odb_varlen: torch varlen_attn (attention dropout, softcap or fp32: per-group SDPA)")
     else:
         attention = "odb_varlen: SDPA per group of similar-length samples (CPU)"
@@ -167,9 +168,3 @@ def _wandb(config: RunConfig, settings: dict[str, Any], batching: OdbConfig):
     return wandb.init(project=log.wandb_project, name=log.run_name or config.output_dir.name,
                       tags=list(log.wandb_tags), dir=str(config.output_dir),
                       config={**settings, "odb": batching.to_dict(), "deepspeed": dict(config.optimization.deepspeed)})
-
-
-def _has_flash_attn() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("flash_attn") is not None

@@ -15,9 +15,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from odb.batching.config import OdbConfig
+from odb.batching.config import OdbConfig, load_odb_config
 from odb.data.formats import FORMATS
-from odb.data.processing import DataConfig
+from odb.data.processing import load_data_config
 from odb.training.config import (
     OPTIMIZERS,
     REPORT_TO,
@@ -28,7 +28,6 @@ from odb.training.config import (
     OptimizationSettings,
     RunConfig,
     RunSettings,
-    field_names,
     load_json_config,
     lora_keys,
 )
@@ -124,24 +123,13 @@ def _model(args: argparse.Namespace, defaults: FileDefaults) -> ModelSettings:
 
 def _batching(args: argparse.Namespace) -> OdbConfig:
     path = _need_file(args.odb_config, "odb config", "pass --odb_config configs/odb.json")
-    values = load_json_config(path, known=field_names(OdbConfig), what="odb config",
-                              fix="pass --odb_config configs/odb.json or a file of your own")
-    if args.seed is not None:
-        values["seed"] = args.seed
-    return OdbConfig(**values)
+    return load_odb_config(path, seed=args.seed)
 
 
 def _data(args: argparse.Namespace) -> DataSettings:
     _need_file(args.data, "data path", "pass --data data/chat.jsonl, or your own file or folder")
-    values = {}
-    if args.data_config:
-        values = load_json_config(args.data_config, known=field_names(DataConfig), what="data config",
-                                  fix="pass --data_config configs/data.json")
-    if args.data_format is not None:
-        values["format"] = args.data_format
-    if args.strict is not None:
-        values["strict"] = args.strict
-    return DataSettings(path=args.data, processing=DataConfig(**values), max_samples=args.max_samples,
+    processing = load_data_config(args.data_config, format=args.data_format, strict=args.strict)
+    return DataSettings(path=args.data, processing=processing, max_samples=args.max_samples,
                         num_workers=args.num_workers, prefetch_factor=args.prefetch_factor)
 
 

@@ -3,18 +3,8 @@
 Every rank calls the same methods in the same order. :meth:`Trainer.finish` is collective (the
 final checkpoint, the gather of run totals, the summary); :meth:`Trainer.shutdown` is local and
 safe after any error (DataLoader workers, files, the W&B run, the process group), each of its
-steps guarded so that one failure does not skip the rest::
-
-    trainer = Trainer.init(config)
-    try:
-        trainer.build()
-        trainer.train()
-        trainer.finish()
-    except BaseException as error:
-        trainer.shutdown(error)
-        raise
-    else:
-        trainer.shutdown()
+steps guarded so that one failure does not skip the rest. ``launch/train.py`` shows the calling
+order: ``finish`` on success, ``shutdown`` always (with the error, if one was raised).
 """
 
 from __future__ import annotations
