@@ -166,7 +166,7 @@ class OnlinePacker(Packer):
         keep = [b for b in self.bins if self.is_full(b)]
         pool = [s for b in self.bins if not self.is_full(b) for s in b.samples] + self.unpacked
         self.unpacked = []
-        self.bins = keep + (self._pack_padded(pool) if self.padded else self._pack(pool))
+        self.bins = keep + (padded_groups(pool, self.cost_model) if self.padded else self._pack(pool))
         while len(self.bins) < min_bins:  # a step needs GAS micro-batches: split rather than pad
             largest = max(self.bins, key=lambda b: len(b.samples), default=None)
             if largest is None or len(largest.samples) < 2:
@@ -184,22 +184,6 @@ class OnlinePacker(Packer):
             first_carried -= 1
             carried += len(self.bins[first_carried].samples)
         return max(ready, first_carried)
-
-    def _pack_padded(self, pool: list[SampleCost]) -> list[Bin]:
-        """Padded bins: the longest sample left, then the next longest while rows fit."""
-        cap, cap_patches = self.cost_model.max_tokens, self.cost_model.max_patches
-        items = sorted(pool, key=lambda s: (s.tokens, s.uid))
-        bins = []
-        while items:
-            first = items.pop()
-            chosen, patches, i = [first], first.patches, len(items) - 1
-            while i >= 0 and (len(chosen) + 1) * first.tokens <= cap:
-                if cap_patches is None or patches + items[i].patches <= cap_patches:
-                    patches += items[i].patches
-                    chosen.append(items.pop(i))
-                i -= 1
-            bins.append(Bin.of(chosen, self.cost_model, padded=True))
-        return bins
 
     def _pack(self, pool: list[SampleCost]) -> list[Bin]:
         """Packed bins, one at a time: the largest sample left opens it; a random one joins while
@@ -292,6 +276,25 @@ class FixedPacker(Packer):
         return len(self.bins)
 
 
+def padded_groups(samples: list[SampleCost], cost_model: CostModel) -> list[Bin]:
+    """Padded bins from ``samples`` sorted longest first: each opens with the longest left and
+    takes the next ones while ``len(group) * longest <= max_tokens`` (and the patch cap) holds."""
+    cap, cap_patches = cost_model.max_tokens, cost_model.max_patches
+    bins: list[Bin] = []
+    group: list[SampleCost] = []
+    patches = 0
+    for sample in sorted(samples, key=lambda s: (-s.tokens, s.uid)):
+        fits = (len(group) + 1) * (group[0].tokens if group else sample.tokens) <= cap
+        if group and not (fits and (cap_patches is None or patches + sample.patches <= cap_patches)):
+            bins.append(Bin.of(group, cost_model, padded=True))
+            group, patches = [], 0
+        group.append(sample)
+        patches += sample.patches
+    if group:
+        bins.append(Bin.of(group, cost_model, padded=True))
+    return bins
+
+
 class GmtPacker(Packer):
     """Baseline: offline global token budget (fairseq ``max_tokens``): all lengths first, sorted,
     padded groups with ``len(group) * longest <= max_tokens``."""
@@ -300,16 +303,7 @@ class GmtPacker(Packer):
     padded = True
 
     def _group(self, samples: list[SampleCost]) -> None:
-        budget = self.cost_model.max_tokens
-        group: list[SampleCost] = []
-        for sample in sorted(samples, key=lambda s: (-s.tokens, s.uid)):
-            longest = group[0].tokens if group else sample.tokens
-            if group and (len(group) + 1) * longest > budget:
-                self.bins.append(Bin.of(group, self.cost_model, padded=True))
-                group = []
-            group.append(sample)
-        if group:
-            self.bins.append(Bin.of(group, self.cost_model, padded=True))
+        self.bins += padded_groups(samples, self.cost_model)
 
     def pack(self, window: int, is_exhausted: bool, min_bins: int = 1) -> int:
         if not is_exhausted:
