@@ -41,12 +41,26 @@ def odb_config(tmp: Path, **values) -> Path:
     return write_json(tmp / "odb.json", config)
 
 
+def shm_leftovers(port: int) -> list[str]:
+    """Removes and names the DeepSpeed CPU all-reduce buffers that a launch on ``port`` left in
+    /dev/shm (64 MiB of RAM each, kept until the machine restarts if nobody removes them)."""
+    left = sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+    for path in left:
+        path.unlink(missing_ok=True)
+    return [path.name for path in left]
+
+
 def deepspeed(args: list[str], *, nproc: int = 2, timeout: int = 420) -> subprocess.CompletedProcess:
-    launcher = Path(sys.executable).with_name("deepspeed")
-    cmd = [str(launcher), "--num_gpus", str(nproc), "--master_port", str(free_port()), str(TRAIN), *args]
+    """Every run that succeeds must also leave no shared memory behind."""
+    launcher, port = Path(sys.executable).with_name("deepspeed"), free_port()
+    cmd = [str(launcher), "--num_gpus", str(nproc), "--master_port", str(port), str(TRAIN), *args]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    finally:
+        left = shm_leftovers(port)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    assert not left, f"the run left DeepSpeed's shared memory behind: {left}"
     return proc
 
 
@@ -66,8 +80,8 @@ def deepspeed_watched(args: list[str], *, nproc: int = 2, timeout: int = 300
                       ) -> tuple[int, str, list[tuple[psutil.Process, int, str]]]:
     """The launcher, watched: its exit code, its output, and every process seen under it while it
     ran (each with its parent's pid and its command line, as first seen), polled every 0.1 s."""
-    launcher = Path(sys.executable).with_name("deepspeed")
-    cmd = [str(launcher), "--num_gpus", str(nproc), "--master_port", str(free_port()), str(TRAIN), *args]
+    launcher, port = Path(sys.executable).with_name("deepspeed"), free_port()
+    cmd = [str(launcher), "--num_gpus", str(nproc), "--master_port", str(port), str(TRAIN), *args]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
     seen: dict[int, tuple[psutil.Process, int, str]] = {}
     with tempfile.TemporaryFile("w+") as output:
@@ -85,4 +99,5 @@ def deepspeed_watched(args: list[str], *, nproc: int = 2, timeout: int = 300
                 pass  # a process ended while we looked
             time.sleep(0.1)
         output.seek(0)
+        shm_leftovers(port)  # a rank the launcher terminated had no chance to remove its buffer
         return proc.returncode, output.read(), list(seen.values())

@@ -19,7 +19,7 @@ import numpy as np
 
 from odb.batching.plan import StepPlan
 from odb.telemetry import StepTimes
-from odb.training.build import Components, build_components, init_distributed
+from odb.training.build import Components, build_components, init_distributed, release_shared_memory
 from odb.training.checkpoint import load_checkpoint, save_checkpoint
 from odb.training.config import RunConfig
 from odb.training.schedule import planned_to_train
@@ -176,8 +176,8 @@ class Trainer:
     def shutdown(self, error: BaseException | None = None) -> None:
         """Local and safe after any error (``error``: what stopped the run, if anything): writes the
         metrics rows that a failed round's gather completes, closes the files, stops the DataLoader
-        workers, ends the W&B run (marked failed on error) and leaves the process group. A step
-        that fails is reported and the rest still run."""
+        workers, ends the W&B run (marked failed on error), leaves the process group and removes
+        DeepSpeed's shared memory. A step that fails is reported and the rest still run."""
         parts = self.parts
         steps: list[tuple[str, Callable[[], Any]]] = []
         if parts is not None and error is not None:  # the failed round's gather completes the steps it reported
@@ -193,6 +193,7 @@ class Trainer:
             run = parts.wandb_run
             steps.append(("finishing the W&B run", run.finish if error is None else lambda: run.finish(exit_code=1)))
         steps.append(("leaving the process group", _leave_process_group))
+        steps.append(("removing DeepSpeed's shared-memory buffer", release_shared_memory))
         for what, step in steps:
             try:
                 step()
