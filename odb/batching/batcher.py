@@ -90,7 +90,7 @@ class OnlineBatcher:
         self.num_emitted = 0  # samples trained over all ranks (identical on every rank)
         self.queue: deque[StepPlan] = deque()
         self.observed_cost = self.observed_cost_sq = self.observed_samples = 0
-        self.counts = {"truncated": 0, "dropped": 0, "skipped": 0}
+        self.counts = {"truncated": 0, "truncated_tokens": 0, "dropped": 0, "skipped": 0}
         self.fatal: Exception | None = None
         self.is_done = False
         # Time in odb's own planning (packing, decisions, dealing), in waiting for processed
@@ -244,7 +244,7 @@ class OnlineBatcher:
         self.packer.restore(s.bins, s.unpacked)
         self.queue = deque(s.queue)
         self.observed_cost, self.observed_cost_sq, self.observed_samples = s.observed
-        self.counts, self.is_done = s.counts, s.is_done
+        self.counts, self.is_done = {**dict.fromkeys(self.counts, 0), **s.counts}, s.is_done
         if self.is_done and self.config.mode == "join" and self.epoch < self.num_epochs:
             self.is_done = False  # a finished run resumed with more epochs: the next one starts
             self.stream.start_epoch()

@@ -73,9 +73,10 @@ class CostModel:
     def measure_many(self, uids: list[int], raw: list[tuple[int, int, int] | None]
                      ) -> tuple[list[SampleCost], dict[str, int]]:
         """:meth:`measure` for each ``(tokens, label_tokens, patches)`` (``None``: a record the
-        data layer skipped): the admitted samples and how many were truncated, dropped, skipped."""
+        data layer skipped): the admitted samples and how many were truncated (and the tokens cut
+        from them), dropped, skipped."""
         admitted: list[SampleCost] = []
-        outcomes = {"truncated": 0, "dropped": 0, "skipped": 0}
+        outcomes = {"truncated": 0, "truncated_tokens": 0, "dropped": 0, "skipped": 0}
         cap, cap_patches = self.max_tokens, self.max_patches
         is_linear = not (self.attn_coef or self.patch_coef)
         for uid, entry in zip(uids, raw, strict=True):
@@ -92,6 +93,8 @@ class CostModel:
                 admitted.append(sample)
             if outcome != "ok":
                 outcomes[outcome] += 1
+            if outcome == "truncated":
+                outcomes["truncated_tokens"] += tokens - cap
         return admitted, outcomes
 
     def measure(self, uid: int, tokens: int, label_tokens: int, patches: int = 0

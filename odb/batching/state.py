@@ -45,7 +45,7 @@ class Snapshot:
     unpacked: list[SampleCost]  # in the window, not in a bin yet
     queue: list[StepPlan]  # planned, not yet trained
     observed: tuple[int, int, int]  # admitted samples' cost, cost squared, count
-    counts: dict[str, int]  # truncated, dropped, skipped
+    counts: dict[str, int]  # truncated (samples), truncated_tokens, dropped, skipped
     is_done: bool
 
 

@@ -8,6 +8,12 @@ runs the batcher (and its collective) if it waited for the next deal; and a samp
 ends the epoch. So the
 :class:`DealtSampler` never waits and never ends: with nothing dealt it yields ``-1``, which the
 workers answer with an empty marker that :meth:`SampleFeed.fetch` skips.
+
+The feed counts what it keeps and what it does not: :attr:`SampleFeed.skipped` (records by skip
+reason) and :attr:`SampleFeed.truncated` (``"samples"`` cut to fit the token cap in the workers,
+and the ``"tokens"`` cut from them: each sample's ``truncated_tokens``). Both count each fetched
+record once; :meth:`SampleFeed.restore` processes records again that were counted before a resume
+and counts nothing.
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ class SampleFeed:
         self._iter: Iterator | None = None
         self.store: dict[int, dict[str, Any]] = {}
         self.skipped: Counter[str] = Counter()  # skip reason -> records
+        self.truncated: Counter[str] = Counter()  # "samples" cut to the token cap, "tokens" cut from them
         self.examples: list[str] = []  # the first few skipped records, for the log
 
     def deal(self, uids: list[int]) -> None:
@@ -113,11 +120,16 @@ class SampleFeed:
             if len(self.examples) < 5:
                 self.examples.append(f"{sample['where']}: {sample['detail']}")
             return None
+        cut = int(sample.get("truncated_tokens", 0))
+        if cut:
+            self.truncated["samples"] += 1
+            self.truncated["tokens"] += cut
         self.store[sample["uid"]] = sample
         return self.cost(sample)
 
     def restore(self, uids: list[int]) -> None:
-        """Processes ``uids`` in this process (a resumed batcher's window), without the loader."""
+        """Processes ``uids`` in this process (a resumed batcher's window), without the loader; they
+        were counted when first fetched, so nothing is counted here."""
         for uid in uids:
             self.store[uid] = self.dataset[uid]
 

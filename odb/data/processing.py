@@ -6,13 +6,28 @@ A record that cannot be a sample is skipped and counted by reason (:data:`SKIP_R
 ``strict`` it stops the run with its file, line and reason instead, on every rank. A text model
 (``vision=None``) skips records with images (``image_for_text_model``) rather than training on
 their text alone, and reads ``<image>`` as text.
+
+Labels come from :mod:`odb.data.labels`, which finds the assistant turns with any chat template
+(``DataConfig.train_on``). A template that rewrites past turns is skipped per record as
+``template_mismatch`` (the detail names ``train_on`` 'last' and 'all'); a sample left with no label
+token (template, ``train_on`` or truncation) as ``no_labels``: it would cost a slot and teach nothing.
+
+Truncation (only with ``truncate_to``, the run's over_cap policy 'truncate'): under
+``DataConfig.truncation`` 'turns' a long sample keeps its longest run of leading tokens that ends
+at the end of an assistant turn and fits, and the images of the turns it drops go with them
+(``pixel_values`` and ``image_grid_thw`` rows, ``patches``); if even the first assistant turn does
+not fit, or under 'tokens', it is cut at ``truncate_to`` tokens, unless that would cut an image
+(``over_cap``). Every sample carries ``truncated_tokens``, the tokens cut (0 when none), which
+:class:`odb.data.feed.SampleFeed` counts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +38,16 @@ from odb.batching.config import load_json_config
 from odb.batching.cost import count_label_tokens
 from odb.data.formats import FORMATS, IMAGE_PLACEHOLDER, SkipSample, normalize
 from odb.data.images import IMAGE_PAD, ImageProcessor, VisionSpec, expand_placeholders
+from odb.data.labels import TRAIN_ON, LabelledChat, TemplateMismatch, encode_chat
 from odb.data.sources import Source
 
-__all__ = ["SKIP_REASONS", "DataConfig", "SampleDataset", "load_data_config", "sample_sizes"]
+__all__ = ["SKIP_REASONS", "TRUNCATION", "DataConfig", "SampleDataset", "load_data_config", "sample_sizes"]
 
 SKIP_REASONS = ("not_json", "not_an_object", "no_messages", "bad_role", "bad_content", "empty_content",
                 "no_assistant_turn", "image_placeholder_mismatch", "mixed_image_sources", "image_for_text_model",
-                "missing_image", "unreadable_image", "over_cap", "error")
+                "missing_image", "unreadable_image", "template_mismatch", "no_labels", "over_cap", "error")
+TRUNCATION = ("turns", "tokens")
+"""Where a sample over the token cap is cut (``DataConfig.truncation``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,7 +57,13 @@ class DataConfig:
     format: str = "auto"
     """'auto' (per record), 'messages', 'sharegpt' or 'llava'."""
     train_on: str = "assistant"
-    """'assistant': labels on assistant turns only; 'all': every text token."""
+    """'assistant': labels on every assistant turn (answer and end-of-turn token), found with any chat
+    template; 'last': on the final assistant turn only, for templates that rewrite past turns (e.g.
+    Qwen3's, which drops their reasoning); 'all': every text token."""
+    truncation: str = "turns"
+    """How a sample over the token cap is cut (over_cap 'truncate' only): 'turns' drops whole trailing
+    turns, ending on a complete assistant turn (the token cut if even the first does not fit);
+    'tokens' cuts at the cap."""
     strict: bool = False
     """Stop at the first bad record (file, line, reason) instead of skipping and counting it."""
     system_prompts: tuple[str, ...] = ()
@@ -55,8 +79,11 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise ValueError(f"data format must be one of {FORMATS}, got {self.format!r}")
-        if self.train_on not in ("assistant", "all"):
-            raise ValueError(f"train_on must be 'assistant' or 'all', got {self.train_on!r}")
+        if self.train_on not in TRAIN_ON:
+            raise ValueError(f"train_on must be one of {TRAIN_ON} ('last' or 'all' for a chat template that "
+                             f"rewrites past turns), got {self.train_on!r}")
+        if self.truncation not in TRUNCATION:
+            raise ValueError(f"truncation must be one of {TRUNCATION}, got {self.truncation!r}")
         if not 0.0 <= self.system_prompt_prob <= 1.0:
             raise ValueError("system_prompt_prob must be within [0, 1]")
         if self.system_prompt_prob and not self.system_prompts:
@@ -77,17 +104,38 @@ def load_data_config(path: str | Path | None, **overrides: Any) -> DataConfig:
 class SampleDataset(Dataset):
     """Processed samples, indexed by uid (``epoch * len + index``; the epoch seeds augmentation).
 
-    A sample: ``uid``, ``index``, ``input_ids``, ``labels`` and, with images, ``pixel_values``,
-    ``image_grid_thw`` and ``patches``. A record that is skipped: ``{"uid", "skip": reason,
-    "where": "file:line", "fatal": strict}``. ``vision`` is the image geometry of a vision-language
+    A sample: ``uid``, ``index``, ``input_ids``, ``labels``, ``patches``, ``truncated_tokens`` (the
+    tokens cut to fit ``truncate_to``, 0 when none) and, with images, ``pixel_values`` and
+    ``image_grid_thw``. A record that is skipped: ``{"uid", "index", "skip": reason, "where":
+    "file:line", "detail", "fatal": strict}``. ``vision`` is the image geometry of a vision-language
     model (:func:`odb.training.model.vision_spec`); None means a text model, which takes no images.
+
+    Args:
+        path: a data file or folder (:class:`odb.data.sources.Source`).
+        tokenizer: a fast tokenizer with the model's chat template.
+        config: how records become samples.
+        seed: seeds augmentation, with the uid.
+        max_samples: use only the first this many records (of ``indices``, when given).
+        truncate_to: cut longer samples to this many tokens (``config.truncation`` says where); None
+            leaves long samples to the batcher (over_cap 'drop' or 'error').
+        vision: the image geometry of a vision-language model; None for a text model.
+        indices: the dataset is these records of the source, in this order (e.g. a validation
+            split): ``index`` is the position in ``indices``, ``where`` the record's own file:line.
     """
 
     def __init__(self, path: str | Path, tokenizer, config: DataConfig = DataConfig(), *, seed: int = 0,
                  max_samples: int | None = None, truncate_to: int | None = None,
-                 vision: VisionSpec | None = None) -> None:
+                 vision: VisionSpec | None = None, indices: Sequence[int] | None = None) -> None:
         self.source = Source(path)
-        self.size = min(len(self.source), max_samples) if max_samples else len(self.source)
+        if indices is not None:
+            indices = [int(i) for i in indices]
+            outside = [i for i in indices if not 0 <= i < len(self.source)]
+            if not indices or outside:
+                raise ValueError(f"indices must be a non-empty list of record numbers in [0, {len(self.source)}) "
+                                 f"for {path}, got {len(indices)} of them, {outside[:5]} outside")
+        self.indices = indices
+        available = len(indices) if indices is not None else len(self.source)
+        self.size = min(available, max_samples) if max_samples else available
         self.tokenizer, self.config, self.seed, self.truncate_to = tokenizer, config, seed, truncate_to
         root = Path(path) if Path(path).is_dir() else Path(path).parent
         self.image_folder = Path(config.image_folder) if config.image_folder else root
@@ -100,7 +148,7 @@ class SampleDataset(Dataset):
 
     def __getitem__(self, uid: int) -> dict[str, Any]:
         index = uid % self.size
-        record = self.source.get(index)
+        record = self.source.get(self.indices[index] if self.indices is not None else index)
         try:
             if record.value is None:
                 raise SkipSample(record.error or "error")
@@ -115,7 +163,7 @@ class SampleDataset(Dataset):
     def _process(self, uid: int, index: int, value: dict[str, Any]) -> dict[str, Any]:
         conversation = normalize(value, self.config.format, text_only=self.vision is None)
         messages, images = self._augment_with_images(conversation, random.Random(self.seed * 1_000_003 + uid))
-        sample: dict[str, Any] = {"uid": uid, "index": index, "patches": 0}
+        sample: dict[str, Any] = {"uid": uid, "index": index, "patches": 0, "truncated_tokens": 0}
         if images:
             assert self.vision is not None, "normalize(text_only=True) lets no image through"
             pixel_values, grids = self._load_images(images)
@@ -129,23 +177,71 @@ class SampleDataset(Dataset):
                 expanded.append({**message, "content": content})
             messages = expanded
             sample.update(pixel_values=pixel_values, image_grid_thw=grids, patches=int(grids.prod(dim=1).sum()))
-        encoded = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                                     return_assistant_tokens_mask=True)
-        input_ids = torch.tensor(encoded["input_ids"], dtype=torch.long)
-        if self.config.train_on == "assistant":
-            keep = torch.tensor(encoded["assistant_masks"], dtype=torch.bool)
-        else:
-            keep = torch.ones_like(input_ids, dtype=torch.bool)
+        try:
+            chat = encode_chat(self.tokenizer, messages, self.config.train_on)
+        except TemplateMismatch as err:
+            raise SkipSample("template_mismatch", str(err)) from None
+        input_ids = torch.tensor(chat.input_ids, dtype=torch.long)
+        keep = torch.zeros_like(input_ids, dtype=torch.bool)
+        for start, end in chat.label_spans:
+            keep[start:end] = True
         if self.image_pad_id is not None:
             keep &= input_ids != self.image_pad_id
         labels = torch.where(keep, input_ids, torch.full_like(input_ids, -100))
         if self.truncate_to is not None and len(input_ids) > self.truncate_to:
-            if images and bool((input_ids[self.truncate_to:] == self.image_pad_id).any()):
-                raise SkipSample("over_cap", f"{len(input_ids)} tokens; cutting at {self.truncate_to} "
-                                 "would cut an image")
-            input_ids, labels = input_ids[:self.truncate_to], labels[:self.truncate_to]
+            kept = self._cut(sample, input_ids, chat)
+            input_ids, labels = input_ids[:kept], labels[:kept]
+        if not bool((labels != -100).any()):
+            raise SkipSample("no_labels", self._no_labels(chat, keep))
         sample.update(input_ids=input_ids, labels=labels)
         return sample
+
+    def _cut(self, sample: dict[str, Any], input_ids: torch.Tensor, chat: LabelledChat) -> int:
+        """Where a sample over ``truncate_to`` tokens ends (see the module docstring); records the
+        tokens cut in ``sample["truncated_tokens"]`` and drops the images of the turns cut."""
+        cap = self.truncate_to
+        assert cap is not None and len(input_ids) > cap
+        fits = [end for end in chat.turn_ends if end <= cap] if self.config.truncation == "turns" else []
+        if fits:
+            kept = fits[-1]
+            self._drop_images_after(sample, input_ids, kept)
+        else:
+            kept = cap
+            if "image_grid_thw" in sample and bool((input_ids[cap:] == self.image_pad_id).any()):
+                raise SkipSample("over_cap", f"{len(input_ids)} tokens; cutting at {cap} would cut an image")
+        sample["truncated_tokens"] = len(input_ids) - kept
+        return kept
+
+    def _drop_images_after(self, sample: dict[str, Any], input_ids: torch.Tensor, kept: int) -> None:
+        """Drops the images whose visual tokens all lie at or after token ``kept`` (an end of turn,
+        which never falls inside an image): their ``pixel_values`` and ``image_grid_thw`` rows."""
+        grids = sample.get("image_grid_thw")
+        if grids is None:
+            return
+        assert self.vision is not None
+        visual_tokens = (grids.prod(dim=1) // self.vision.merge_size ** 2).tolist()
+        kept_tokens = int((input_ids[:kept] == self.image_pad_id).sum())
+        boundaries = list(accumulate(visual_tokens, initial=0))
+        assert kept_tokens in boundaries, "a cut between turns fell inside an image"
+        num_images = boundaries.index(kept_tokens)
+        if num_images == len(visual_tokens):
+            return
+        patches = int(grids[:num_images].prod(dim=1).sum())
+        if num_images == 0:
+            del sample["pixel_values"], sample["image_grid_thw"]
+        else:
+            sample.update(pixel_values=sample["pixel_values"][:patches], image_grid_thw=grids[:num_images])
+        sample["patches"] = patches
+
+    def _no_labels(self, chat: LabelledChat, keep: torch.Tensor) -> str:
+        """Why a sample has no label token, for the skip's detail."""
+        if bool(keep.any()):
+            first = int(keep.nonzero()[0])
+            return (f"truncation to {self.truncate_to} tokens cut every label token (the first is token {first} "
+                    f"of {len(chat.input_ids)}); raise max_tokens, shorten the record, or set over_cap to 'drop'")
+        return (f"the chat template marks no token to train on under train_on {self.config.train_on!r} (odb "
+                "labels what the template renders for an assistant turn after its generation prompt); check the "
+                "template renders the assistant turns, or set train_on to 'all'")
 
     def _augment_with_images(self, conversation, rng: random.Random) -> tuple[list[dict[str, str]], list[str]]:
         """The augmented messages and the images of their ``<image>`` placeholders, in order: a

@@ -73,6 +73,8 @@ def test_measure_many_matches_measure(coefs, over_cap):
     measured = [model.measure(i, *r) for i, r in enumerate(raw) if r is not None]
     assert admitted == [sample for sample, _ in measured if sample is not None]
     assert outcomes == {"truncated": sum(o == "truncated" for _, o in measured),
+                        "truncated_tokens": sum(r[0] - 8 for r, (_, o) in zip([r for r in raw if r], measured)
+                                                if o == "truncated"),
                         "dropped": sum(o == "dropped" for _, o in measured), "skipped": 1}
     assert outcomes["truncated" if over_cap == "truncate" else "dropped"] >= 1
 

@@ -361,3 +361,25 @@ def test_turn_sampling_drops_the_images_of_the_turns_it_leaves_out(tmp_path):
         assert len(sample["pixel_values"]) == sample["patches"]
         grids_seen.add(tuple(map(tuple, sample["image_grid_thw"].tolist())))
     assert grids_seen == {((1, 4, 4),), ((1, 4, 4), (1, 4, 8))}  # both cuts were drawn
+
+
+def test_a_dataset_over_chosen_indices_gives_those_records_in_that_order(tmp_path):
+    full = SampleDataset(ROOT / "data" / "chat.jsonl", TOKENIZER)
+    chosen = SampleDataset(ROOT / "data" / "chat.jsonl", TOKENIZER, indices=[3, 0, 5])
+    assert len(chosen) == 3
+    assert len({tuple(full[i]["input_ids"].tolist()) for i in (3, 0, 5)}) == 3  # three different records
+    for position, record in enumerate([3, 0, 5]):
+        sample, expected = chosen[position], full[record]
+        assert sample["index"] == position and sample["uid"] == position
+        assert torch.equal(sample["input_ids"], expected["input_ids"]) and torch.equal(sample["labels"],
+                                                                                       expected["labels"])
+    assert torch.equal(chosen[4]["input_ids"], full[0]["input_ids"])  # uid 4: the next epoch's position 1
+    assert len(SampleDataset(ROOT / "data" / "chat.jsonl", TOKENIZER, indices=[3, 0, 5], max_samples=2)) == 2
+    good = json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
+    path = tmp_path / "d.jsonl"
+    path.write_text(f"{good}\n\nnot json {{\n{good}\n")  # records: line 1, line 3 (bad), line 4
+    picked = SampleDataset(path, TOKENIZER, indices=[1, 0])
+    assert (picked[0]["skip"], picked[0]["where"], picked[0]["index"]) == ("not_json", f"{path}:3", 0)
+    assert "skip" not in picked[1] and picked[1]["index"] == 1
+    with pytest.raises(ValueError, match=r"in \[0, 3\) .*\[3\] outside"):
+        SampleDataset(path, TOKENIZER, indices=[0, 3])
