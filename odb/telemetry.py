@@ -14,18 +14,23 @@ In a report, loss sums are in millionths, times in microseconds; ``epoch`` is th
 the rank's samples in the step (``uid // dataset_size``), or -1 for dummies only, so that a
 quota-mode step, whose samples may come from a later pass, is labelled by its data; ``fetched``
 counts the records this rank has processed over the whole run, ``lost`` those of them that will
-never train (skipped, or dropped over the cap). Every rank gets every report, so the run-wide
+never train (skipped, or dropped over the cap), ``truncated_samples`` / ``truncated_tokens`` the
+samples cut to fit ``max_tokens`` and the tokens cut from them, wherever the cut happened (in the
+data workers, or by the cost model). Every rank gets every report, so the run-wide
 figures derived from them (:attr:`Telemetry.fetched`, :attr:`Telemetry.lost`) are identical on
 every rank and may steer the run (the learning-rate schedule plans by what will train).
 
 Run totals: each rank counts what it trained over the whole run (kept across resumes through
 :meth:`Telemetry.state_dict`) and, apart, in this process; the final gather sums them into
-``summary.json`` (:meth:`Telemetry.summary`).
+``summary.json`` (:meth:`Telemetry.summary`). Evaluations (:meth:`Telemetry.record_eval`) are
+rows of their own in ``metrics.jsonl`` (``eval_loss``), written after the training rows of the
+steps before them.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -42,19 +47,21 @@ from odb.data.processing import SKIP_REASONS
 __all__ = ["TOTALS", "StepTimes", "Telemetry", "report_layout"]
 
 _STEP_FIELDS = ("loss_sum_micro", "materialized", "wait_us", "plan_us", "collective_us", "epoch")
-_COUNTS = ("micro_batches", "dummy_micro_batches", "samples", "real_tokens", "materialized_tokens", "steps",
-           "wall_us")
-TOTALS = Layout(scalars=_COUNTS + ("truncated", "dropped"))
-"""A rank's run totals in the final gather: its whole-run counts, and its batcher's truncated and
-dropped samples."""
+_COUNTS = ("micro_batches", "dummy_micro_batches", "samples", "real_tokens", "materialized_tokens",
+           "label_tokens", "steps", "wall_us")
+TOTALS = Layout(scalars=_COUNTS + ("dropped",))
+"""A rank's run totals in the final gather: its whole-run counts, and its batcher's dropped samples."""
+_RECORDS = ("fetched", "lost", "truncated_samples", "truncated_tokens")
+TRUNCATION_WARNING_SHARE = 0.05
+"""Warn (once, rank 0) when more than this share of the samples, or of their tokens, is cut."""
 
 
 def report_layout(max_steps: int) -> Layout:
     """A rank's report for one round, room for ``max_steps`` steps: the steps it trained since the
     last round (``num_steps`` from ``first_step``, each a slot of every per-step array) and its
     whole-run record counts (``skipped`` by reason, in :data:`odb.data.processing.SKIP_REASONS`
-    order, ``fetched``, ``lost``)."""
-    return Layout(scalars=("num_steps", "first_step", "fetched", "lost"),
+    order, ``fetched``, ``lost``, ``truncated_samples``, ``truncated_tokens``)."""
+    return Layout(scalars=("num_steps", "first_step", *_RECORDS),
                   arrays={"skipped": len(SKIP_REASONS), **dict.fromkeys(_STEP_FIELDS, max_steps)})
 
 
@@ -98,6 +105,9 @@ class Telemetry:
         self.reported: list[_Step] = []  # reported, not yet gathered
         self.skipped: dict[str, int] = {}  # over all ranks and the whole run, as of the last round
         self.fetched = self.lost = 0  # over all ranks and the whole run, as of the last round
+        self.truncated = {"samples": 0, "tokens": 0}  # over all ranks and the whole run, as of the last round
+        self.evals: list[dict[str, Any]] = []  # rank 0: eval rows not yet written
+        self.last_eval: dict[str, Any] | None = None  # the latest evaluation's row
         self.losses: list[float] = []  # rank 0: the global loss per token of each step with labels
         self.last: dict[str, Any] = {}  # rank 0: the last metrics row
         # The run's progress (the same on every rank) and this rank's totals, resumes included.
@@ -105,6 +115,9 @@ class Telemetry:
         self.totals = dict.fromkeys(_COUNTS, 0)
         self.first_losses: list[float] = []  # the run's first global step losses, from before a resume
         self.skipped_before: Counter[str] = Counter()  # this rank's skipped records before a resume
+        self.truncated_before: Counter[str] = Counter()  # this rank's data-worker cuts before a resume
+        self.zero_label_steps = 0  # steps whose samples had no label token at all (the same on every rank)
+        self._warned_truncation = False
         self.this_process = {"steps": 0, "samples": 0, "rounds": 0, "wall_s": 0.0}
         self._rows_samples_done = 0  # rank 0: samples_done as of the last row written
         self._started: float | None = None  # while the train loop runs
@@ -130,9 +143,15 @@ class Telemetry:
         self.steps_done = plan.step + 1
         self.this_process["steps"] += 1
         self.this_process["samples"] += plan.num_samples
+        if plan.num_samples and not plan.num_label_tokens:
+            self.zero_label_steps += 1
+            if self.rank == 0:
+                print(f"odb: WARNING: step {plan.step} has {plan.num_samples} samples and no label token on any "
+                      "rank: it trains nothing", file=sys.stderr, flush=True)
         t = self.totals
         t["steps"] += 1
         for micro in plan.micro_batches:
+            t["label_tokens"] += micro.label_tokens
             t["micro_batches"] += not micro.is_dummy
             t["dummy_micro_batches"] += micro.is_dummy
             t["samples"] += len(micro.samples)
@@ -141,19 +160,21 @@ class Telemetry:
 
     # ---- reports --------------------------------------------------------------------------
 
-    def report(self, skipped: Mapping[str, int], *, fetched: int = 0, lost: int = 0) -> np.ndarray:
+    def report(self, skipped: Mapping[str, int], **records: int) -> np.ndarray:
         """This rank's vector for the next round: the steps trained since the last one, and its
-        whole-run record counts (``skipped``: this process's, by reason; ``fetched``, ``lost``)."""
-        return self.layout.encode(**self._report_fields(skipped, fetched, lost))
+        whole-run record counts (``skipped``: this process's, by reason; ``records``: ``fetched``,
+        ``lost``, ``truncated_samples``, ``truncated_tokens``, whole-run)."""
+        return self.layout.encode(**self._report_fields(skipped, records))
 
-    def _report_fields(self, skipped: Mapping[str, int], fetched: int, lost: int) -> dict[str, Any]:
+    def _report_fields(self, skipped: Mapping[str, int], records: Mapping[str, int]) -> dict[str, Any]:
         assert len(self.pending) <= self.max_steps, "more steps between rounds than a round plans"
         steps, skipped = self.pending, self.skipped_before + Counter(skipped)
         size = max(1, self.dataset_size)
         self.reported, self.pending = self.pending, []
         return {
             "num_steps": len(steps), "first_step": steps[0].plan.step if steps else -1,
-            "fetched": fetched, "lost": lost, "skipped": [skipped.get(r, 0) for r in SKIP_REASONS],
+            **{name: records.get(name, 0) for name in _RECORDS},
+            "skipped": [skipped.get(r, 0) for r in SKIP_REASONS],
             "loss_sum_micro": [round(s.loss_sum * 1e6) for s in steps],
             "materialized": [sum(m.materialized for m in s.plan.micro_batches) for s in steps],
             "wait_us": [round(s.times.wait * 1e6) for s in steps],
@@ -184,18 +205,50 @@ class Telemetry:
     def _complete(self, fields: dict[str, np.ndarray]) -> list[dict[str, Any]]:
         self.skipped = {r: int(v) for r, v in zip(SKIP_REASONS, fields["skipped"].sum(axis=0)) if v}
         self.fetched, self.lost = int(fields["fetched"].sum()), int(fields["lost"].sum())
+        self.truncated = {"samples": int(fields["truncated_samples"].sum()),
+                          "tokens": int(fields["truncated_tokens"].sum())}
         assert self._covers(fields), "ranks reported different steps"
         reported, self.reported = self.reported, []
         if self.rank != 0:  # only rank 0 writes the rows
             return []
         rows = [self._metrics(step, {name: fields[name][:, i] for name in _STEP_FIELDS})
                 for i, step in enumerate(reported)]
+        self._write(rows)
+        self._write_evals(up_to=rows[-1]["step"] if rows else -1)
+        self._warn_truncation()
+        return rows
+
+    def _write(self, rows: list[dict[str, Any]]) -> None:
         for row in rows:
             self.file.write(json.dumps(row) + "\n")
             if self.sink is not None:
                 self.sink(row)
         self.file.flush()
-        return rows
+
+    def _write_evals(self, up_to: int | None = None) -> None:
+        """Writes the eval rows of steps up to ``up_to`` (None: all), after those steps' rows."""
+        ready = [row for row in self.evals if up_to is None or row["step"] <= up_to]
+        self.evals = [row for row in self.evals if row not in ready]
+        self._write(ready)
+
+    def _warn_truncation(self) -> None:
+        samples = self.truncated["samples"]
+        if self._warned_truncation or samples <= TRUNCATION_WARNING_SHARE * max(20, self.fetched):
+            return
+        self._warned_truncation = True
+        print(f"odb: WARNING: {samples} of {self.fetched} samples so far were longer than max_tokens="
+              f"{self.max_tokens} and were cut ({self.truncated['tokens']} tokens lost); raise max_tokens in "
+              "the odb config, or see the data setting truncation ('turns' keeps whole assistant turns)",
+              file=sys.stderr, flush=True)
+
+    def record_eval(self, step: int, *, loss: float, label_tokens: int, samples: int, seconds: float) -> None:
+        """An evaluation after step ``step`` (the same on every rank); rank 0 writes its row once
+        the training rows up to that step are written."""
+        row = {"step": step, "eval_loss": round(loss, 6), "eval_label_tokens": label_tokens,
+               "eval_samples": samples, "eval_s": round(seconds, 3), "time": round(time.time(), 3)}
+        self.last_eval = row
+        if self.rank == 0:
+            self.evals.append(row)
 
     def _metrics(self, step: _Step, per_rank: dict[str, np.ndarray]) -> dict[str, Any]:
         plan, step_s = step.plan, step.times.step
@@ -229,23 +282,25 @@ class Telemetry:
             "materialized_tokens_per_s": round(materialized / step_s, 1) if step_s else 0.0,
             "data_wait_s": float(per_rank["wait_us"].max()) / 1e6, "odb_plan_s": float(per_rank["plan_us"].max()) / 1e6,
             "odb_collective_s": float(per_rank["collective_us"].max()) / 1e6, "skipped": dict(self.skipped),
+            "truncated_samples": self.truncated["samples"], "truncated_tokens": self.truncated["tokens"],
         }
         self.last = row
         return row
 
     # ---- the end of the run -----------------------------------------------------------------
 
-    def final_report(self, skipped: Mapping[str, int], *, fetched: int, lost: int, truncated: int,
-                     dropped: int) -> np.ndarray:
+    def final_report(self, skipped: Mapping[str, int], *, dropped: int, **records: int) -> np.ndarray:
         """This rank's vector for the final gather: its last report, then its run totals."""
-        fields = self._report_fields(skipped, fetched, lost)
-        return self.layout.then(TOTALS).encode(**fields, **self.totals, truncated=truncated, dropped=dropped)
+        fields = self._report_fields(skipped, records)
+        return self.layout.then(TOTALS).encode(**fields, **self.totals, dropped=dropped)
 
     def on_final_reports(self, gathered: np.ndarray) -> dict[str, int]:
         """Every rank's final vector: completes the last round's steps; returns the run totals
         summed over ranks."""
         fields = self.layout.then(TOTALS).decode(gathered)
         self._complete(fields)
+        if self.rank == 0:
+            self._write_evals()  # the evaluations after the last round's steps
         return {name: int(fields[name].sum()) for name in TOTALS.scalars}
 
     def summary(self, totals: Mapping[str, int], *, world_size: int, epochs: int | None, rounds: int,
@@ -263,13 +318,23 @@ class Telemetry:
         mine = self.this_process
         if epochs is None:
             epochs = round(totals["samples"] / max(1, self.dataset_size), 4)
+        cut = self.truncated
+        cut_share = cut["tokens"] / max(1, cut["tokens"] + totals["real_tokens"])
+        if self.rank == 0 and (cut_share > TRUNCATION_WARNING_SHARE
+                               or cut["samples"] > TRUNCATION_WARNING_SHARE * max(1, self.fetched)):
+            print(f"odb: WARNING: {cut['samples']} samples were cut to max_tokens={self.max_tokens}, losing "
+                  f"{cut['tokens']} tokens ({cut_share:.1%} of their tokens); raise max_tokens in the odb config",
+                  file=sys.stderr, flush=True)
         return {
             "world_size": world_size, "dataset_samples": self.dataset_size, "epochs": epochs,
             "steps": self.steps_done, "micro_batches": totals["micro_batches"],
             "dummy_micro_batches": totals["dummy_micro_batches"], "samples_emitted": totals["samples"],
             "real_tokens": totals["real_tokens"], "materialized_tokens": totals["materialized_tokens"],
             "padding_ratio": round(1 - totals["real_tokens"] / max(1, totals["materialized_tokens"]), 6),
-            "truncated": totals["truncated"], "dropped": totals["dropped"], "skipped": self.skipped,
+            "label_tokens": totals["label_tokens"], "truncated_samples": cut["samples"],
+            "truncated_tokens": cut["tokens"], "dropped": totals["dropped"], "skipped": self.skipped,
+            "zero_label_steps": self.zero_label_steps,
+            "eval_loss": self.last_eval["eval_loss"] if self.last_eval else None,
             "loss_first": round(sum(losses[:3]) / max(1, len(losses[:3])), 5),
             "loss_last": round(sum(last) / max(1, len(last)), 5),
             "wall_s": round(wall_s, 3),
@@ -285,13 +350,15 @@ class Telemetry:
 
     # ---- state ------------------------------------------------------------------------------
 
-    def state_dict(self, skipped: Mapping[str, int]) -> dict[str, Any]:
-        """The run's progress and this rank's whole-run counts (``skipped``: this process's), for a
-        checkpoint; JSON-able."""
+    def state_dict(self, skipped: Mapping[str, int], truncated: Mapping[str, int]) -> dict[str, Any]:
+        """The run's progress and this rank's whole-run counts (``skipped``, ``truncated``: this
+        process's data-worker counts), for a checkpoint; JSON-able."""
         running = round((time.perf_counter() - self._started) * 1e6) if self._started is not None else 0
         return {"samples_done": self.samples_done, "steps_done": self.steps_done,
                 "totals": {**self.totals, "wall_us": self.totals["wall_us"] + running},
                 "skipped": dict(self.skipped_before + Counter(skipped)),
+                "truncated": dict(self.truncated_before + Counter(truncated)),
+                "zero_label_steps": self.zero_label_steps, "last_eval": self.last_eval,
                 "first_losses": (self.first_losses or self.losses)[:3],
                 "fetched_lost": [self.fetched, self.lost]}
 
@@ -301,6 +368,9 @@ class Telemetry:
         self.steps_done = state["steps_done"]
         self.totals.update(state["totals"])
         self.skipped_before = Counter(state["skipped"])
+        self.truncated_before = Counter(state.get("truncated", {}))
+        self.zero_label_steps = state.get("zero_label_steps", 0)
+        self.last_eval = state.get("last_eval")
         self.first_losses = list(state["first_losses"])
         self.fetched, self.lost = state["fetched_lost"]
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Plot training runs from their metrics.jsonl: tokens/s, samples/s, padding, micro-batches per
-step and rank balance over steps, several runs overlaid.
+step, rank balance and the training loss over steps (with the validation loss of ``--eval_data`` /
+``--val_ratio`` runs as points on the loss panel), several runs overlaid.
 
     python tools/plot_run.py runs/odb runs/fixed --out runs/compare.png
 """
@@ -21,14 +22,16 @@ PANELS = [("tokens_per_s", "real tokens / s"), ("samples_per_s", "samples / s"),
           ("rank_balance", "rank balance (min / max tokens)"), ("loss", "loss")]
 
 
-def load(run: Path) -> list[dict]:
+def load(run: Path) -> tuple[list[dict], list[dict]]:
+    """The run's step rows and its evaluation rows."""
     path = run / "metrics.jsonl"
     if not path.is_file():
         raise SystemExit(f"{path} does not exist: pass the --output_dir of a training run")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    for row in rows:
+    steps = [row for row in rows if "eval_loss" not in row]
+    for row in steps:
         row["rank_balance"] = row["rank_tokens_min"] / row["rank_tokens_max"] if row["rank_tokens_max"] else 1.0
-    return rows
+    return steps, [row for row in rows if "eval_loss" in row]
 
 
 def smooth(values: list[float], width: int) -> list[float]:
@@ -49,10 +52,14 @@ def main() -> None:
     labels = args.labels or [run.name for run in args.runs]
     figure, axes = plt.subplots(2, 3, figsize=(15, 8), dpi=80)
     for run, label in zip(args.runs, labels):
-        rows = load(run)
+        rows, evals = load(run)
         steps = [row["step"] for row in rows]
         for ax, (key, title) in zip(axes.flat, PANELS):
-            ax.plot(steps, smooth([float(row[key]) for row in rows], args.smooth), label=label)
+            line, = ax.plot(steps, smooth([float(row[key]) for row in rows], args.smooth), label=label)
+            if key == "loss" and evals:
+                ax.plot([row["step"] for row in evals], [row["eval_loss"] for row in evals], "o--",
+                        color=line.get_color(), label=f"{label} (validation)")
+                ax.legend()
             ax.set_title(title)
             ax.set_xlabel("optimizer step")
             ax.grid(alpha=0.3)

@@ -30,6 +30,7 @@ from odb.telemetry import Telemetry
 from odb.training.attention import has_flash_attn
 from odb.training.config import RunConfig
 from odb.training.engine import BLANK_IMAGE_TOKENS, OdbEngine
+from odb.training.evaluate import Evaluator
 from odb.training.model import build_model, load_tokenizer, vision_spec
 from odb.training.mrope import supports_packing
 from odb.training.schedule import ProgressSchedule
@@ -55,6 +56,8 @@ class Components:
     telemetry: Telemetry
     settings: dict[str, Any]
     """The effective settings, logged at start and sent to W&B."""
+    evaluator: Evaluator | None
+    """The validation loss over ``--eval_data`` or the ``--val_ratio`` split, or None."""
     wandb_run: Any | None
     """Rank 0's W&B run with ``--report_to wandb``, else None."""
 
@@ -112,9 +115,8 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
         batching = dataclasses.replace(batching, max_tokens=batching.max_tokens - BLANK_IMAGE_TOKENS)
         log(f"odb: vision model: samples packed under max_tokens - {BLANK_IMAGE_TOKENS} "
             f"= {batching.max_tokens} (room for the blank image of imageless micro-batches)")
-    truncate_to = batching.max_tokens if batching.over_cap == "truncate" else None
-    dataset = SampleDataset(config.data.path, tokenizer, config.data.processing, seed=config.seed,
-                            max_samples=config.data.max_samples, truncate_to=truncate_to, vision=vision)
+    dataset, eval_dataset = _datasets(config, tokenizer, vision,
+                                      truncate_to=batching.max_tokens if batching.over_cap == "truncate" else None)
     packed = supports_packing(model)
     if not packed:
         log(f"odb: cannot pack {model.config.model_type} correctly (its rotary positions are "
@@ -127,19 +129,47 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
     feed = SampleFeed(dataset, sample_sizes, num_workers=config.data.num_workers,
                       prefetch_factor=config.data.prefetch_factor)
     comm = TorchCommunicator(timeout_s=config.run.dist_timeout_s)
+    evaluator = None if eval_dataset is None else Evaluator(
+        engine, eval_dataset, batching, comm, num_workers=config.data.num_workers,
+        prefetch_factor=config.data.prefetch_factor)
     batcher = OnlineBatcher(batching, comm, dataset_size=len(dataset), feed=feed, num_epochs=config.run.epochs,
                             report=report, on_reports=on_reports)
     planned = batching.quota if batching.mode == "quota" else config.run.epochs * len(dataset)
     schedule = ProgressSchedule(config.optimization.lr, planned, warmup_ratio=config.optimization.warmup_ratio)
     settings = _settings(config, batching, world_size=world_size, packed=packed, dataset_size=len(dataset),
                          planned=planned)
+    settings["eval_samples"] = len(eval_dataset) if eval_dataset is not None else 0
     wandb_run = _wandb(config, settings, batching) if config.logging.report_to == "wandb" and rank == 0 else None
     telemetry = Telemetry(rank=rank, max_steps_per_round=batcher.capacity // batching.gas + 1,
                           max_tokens=batching.max_tokens, dataset_size=len(dataset), output_dir=config.output_dir,
                           sink=(lambda row: wandb_run.log(row, step=row["step"])) if wandb_run else None)
     return Components(rank=rank, world_size=world_size, batching=batching, tokenizer=tokenizer, engine=engine,
                       dataset=dataset, feed=feed, comm=comm, batcher=batcher, schedule=schedule,
-                      telemetry=telemetry, settings=settings, wandb_run=wandb_run)
+                      telemetry=telemetry, settings=settings, wandb_run=wandb_run, evaluator=evaluator)
+
+
+def _datasets(config: RunConfig, tokenizer, vision, *, truncate_to: int | None
+              ) -> tuple[SampleDataset, SampleDataset | None]:
+    """The training data and the validation data (``--eval_data``, or a seeded ``--val_ratio``
+    share of ``--data`` that training then leaves out), processed alike but for augmentation,
+    which validation never applies."""
+    data = config.data
+    common = {"seed": config.seed, "truncate_to": truncate_to, "vision": vision}
+    plain = dataclasses.replace(data.processing, system_prompt_prob=0.0, turn_sampling=False)
+    if data.eval_path is not None:
+        return (SampleDataset(data.path, tokenizer, data.processing, max_samples=data.max_samples, **common),
+                SampleDataset(data.eval_path, tokenizer, plain, **common))
+    if not data.val_ratio:
+        return SampleDataset(data.path, tokenizer, data.processing, max_samples=data.max_samples, **common), None
+    size = len(SampleDataset(data.path, tokenizer, data.processing, max_samples=data.max_samples, **common))
+    held = max(1, round(size * data.val_ratio))
+    if held >= size:
+        raise ValueError(f"--val_ratio {data.val_ratio} of {size} records leaves nothing to train on; "
+                         "lower it or pass --eval_data")
+    order = np.random.default_rng(config.seed).permutation(size)
+    val, train = sorted(order[:held].tolist()), sorted(order[held:].tolist())
+    return (SampleDataset(data.path, tokenizer, data.processing, indices=train, **common),
+            SampleDataset(data.path, tokenizer, plain, indices=val, **common))
 
 
 def _deepspeed(config: RunConfig, model):

@@ -15,6 +15,8 @@ Saving and loading are collective (DeepSpeed's part is): every rank, the same ta
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,15 +31,31 @@ def _folder(config: RunConfig) -> Path:
 
 
 def save_checkpoint(parts: Components, config: RunConfig, tag: str) -> None:
-    """Saves the run as ``tag`` (collective)."""
+    """Saves the run as ``tag`` (collective); with ``--save_total_limit N``, then removes all but
+    the newest N ``step<k>`` checkpoints (rank 0, once every rank has written ``tag``)."""
+    import torch.distributed as dist
+
     folder = _folder(config)
     parts.engine.save(folder, tag)
     rank = parts.rank
     (folder / tag / f"odb_state.rank{rank}.json").write_text(json.dumps(parts.batcher.state_dict()))
     (folder / tag / f"run_state.rank{rank}.json").write_text(
-        json.dumps(parts.telemetry.state_dict(parts.feed.skipped)))
+        json.dumps(parts.telemetry.state_dict(parts.feed.skipped, parts.feed.truncated)))
     if rank == 0:
         (folder / tag / "run_config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    limit = config.checkpoints.save_total_limit
+    if limit is not None:
+        dist.barrier()  # every rank's files of ``tag`` are written before older tags go
+        if rank == 0:
+            for old in _step_tags(folder)[:-limit]:
+                if old != tag:
+                    shutil.rmtree(folder / old)
+
+
+def _step_tags(folder: Path) -> list[str]:
+    """The ``step<k>`` checkpoint folders, oldest (lowest k) first."""
+    tags = [p.name for p in folder.iterdir() if p.is_dir() and re.fullmatch(r"step\d+", p.name)]
+    return sorted(tags, key=lambda name: int(name[4:]))
 
 
 def load_checkpoint(parts: Components, config: RunConfig, tag: str, log: Callable[[str], None]) -> None:

@@ -68,6 +68,11 @@ def _parser(defaults: FileDefaults) -> argparse.ArgumentParser:
     p.add_argument("--data_format", choices=FORMATS, default=None, help="override the detected format")
     p.add_argument("--strict", action="store_true", default=None,
                    help="stop at the first bad record (file, line, reason) instead of skipping it")
+    p.add_argument("--eval_data", default=None, help="validation records (same formats as --data)")
+    p.add_argument("--val_ratio", type=float, default=0.0,
+                   help="hold out this share of --data for validation (a seeded split)")
+    p.add_argument("--eval_steps", type=int, default=0,
+                   help="evaluate every N steps (0: at the end only); needs --eval_data or --val_ratio")
     p.add_argument("--output_dir", default="runs/default")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--max_samples", type=int, default=None, help="use only the first N samples")
@@ -82,6 +87,11 @@ def _parser(defaults: FileDefaults) -> argparse.ArgumentParser:
                    help="continue from OUTPUT_DIR/checkpoints (latest, or a tag such as step20)")
     p.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (and at the end)")
     p.add_argument("--no_final_checkpoint", action="store_true", help="skip the checkpoint at the end")
+    p.add_argument("--save_total_limit", type=int, default=None, help="keep only the newest N checkpoints")
+    p.add_argument("--save_hf", action="store_true",
+                   help="write a Hugging Face model (from_pretrained) to OUTPUT_DIR/hf at the end; LoRA merged")
+    p.add_argument("--save_adapter_only", action="store_true",
+                   help="with --save_hf and --lora: write the PEFT adapter instead of the merged model")
     p.add_argument("--audit_ids", action="store_true",
                    help="write emitted_ids.rank<R>.jsonl: the dataset indices of every micro-batch")
     p.add_argument("--num_workers", type=int, default=1, help="DataLoader workers per rank")
@@ -128,9 +138,12 @@ def _batching(args: argparse.Namespace) -> OdbConfig:
 
 def _data(args: argparse.Namespace) -> DataSettings:
     _need_file(args.data, "data path", "pass --data data/chat.jsonl, or your own file or folder")
+    if args.eval_data is not None:
+        _need_file(args.eval_data, "--eval_data", "pass a validation file or folder, or --val_ratio R instead")
     processing = load_data_config(args.data_config, format=args.data_format, strict=args.strict)
     return DataSettings(path=args.data, processing=processing, max_samples=args.max_samples,
-                        num_workers=args.num_workers, prefetch_factor=args.prefetch_factor)
+                        num_workers=args.num_workers, prefetch_factor=args.prefetch_factor,
+                        eval_path=args.eval_data, val_ratio=args.val_ratio, eval_steps=args.eval_steps)
 
 
 def parse_config(argv: list[str] | None = None, *, defaults: FileDefaults) -> RunConfig:
@@ -147,6 +160,8 @@ def parse_config(argv: list[str] | None = None, *, defaults: FileDefaults) -> Ru
                                   use_bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
                                   source=args.deepspeed_config)
     model = _model(args, defaults)
+    if args.save_adapter_only and model.lora is None:
+        raise ValueError("--save_adapter_only saves a LoRA adapter: train with --lora, or drop the flag")
     data = _data(args)
     if args.resume and not (Path(args.output_dir) / "checkpoints").is_dir():
         raise FileNotFoundError(f"--resume: no checkpoints in {Path(args.output_dir) / 'checkpoints'}; "
@@ -156,7 +171,8 @@ def parse_config(argv: list[str] | None = None, *, defaults: FileDefaults) -> Ru
         optimization=OptimizationSettings(optimizer=args.optimizer, lr=args.lr, warmup_ratio=args.warmup_ratio,
                                           weight_decay=args.weight_decay, deepspeed=deepspeed),
         checkpoints=CheckpointSettings(save_steps=args.save_steps, final=not args.no_final_checkpoint,
-                                       resume=args.resume),
+                                       resume=args.resume, save_total_limit=args.save_total_limit,
+                                       save_hf=args.save_hf, save_adapter_only=args.save_adapter_only),
         logging=LoggingSettings(report_to=args.report_to, wandb_project=args.wandb_project, run_name=args.run_name,
                                 wandb_tags=tuple(t for t in args.wandb_tags.split(",") if t),
                                 audit_ids=args.audit_ids))

@@ -87,9 +87,24 @@ class DataSettings:
     num_workers: int = 1
     """DataLoader workers per rank."""
     prefetch_factor: int = 4
+    eval_path: str | None = None
+    """Validation records (``--eval_data``), processed as the training data but without augmentation."""
+    val_ratio: float = 0.0
+    """Hold out this share of ``path`` as validation data instead (``--val_ratio``; a seeded split)."""
+    eval_steps: int = 0
+    """Evaluate every N optimizer steps (``--eval_steps``; 0: only at the end); needs validation data."""
+
+    @property
+    def has_eval(self) -> bool:
+        return self.eval_path is not None or self.val_ratio > 0
 
     def __post_init__(self) -> None:
         _check(self.max_samples is None or self.max_samples >= 1, "--max_samples must be >= 1")
+        _check(0.0 <= self.val_ratio < 1.0, "--val_ratio must be within [0, 1)")
+        _check(not (self.eval_path and self.val_ratio), "pass either --eval_data or --val_ratio, not both")
+        _check(self.eval_steps >= 0, "--eval_steps must be >= 0")
+        _check(self.has_eval or not self.eval_steps, "--eval_steps needs validation data: pass --eval_data FILE "
+                                                     "or --val_ratio R")
         _check(self.num_workers >= 0, "--num_workers must be >= 0")
         _check(self.prefetch_factor >= 1, "--prefetch_factor must be >= 1")
 
@@ -121,9 +136,17 @@ class CheckpointSettings:
     """Save at the end (``--no_final_checkpoint`` turns it off)."""
     resume: str | None = None
     """Continue from OUTPUT_DIR/checkpoints: 'latest' or a tag such as 'step20'."""
+    save_total_limit: int | None = None
+    """Keep only the newest N checkpoints (``--save_total_limit``; None: all)."""
+    save_hf: bool = False
+    """Write a Hugging Face model to OUTPUT_DIR/hf at the end (``--save_hf``): LoRA merged."""
+    save_adapter_only: bool = False
+    """With ``--save_hf`` and LoRA: write the PEFT adapter instead of the merged model."""
 
     def __post_init__(self) -> None:
         _check(self.save_steps >= 0, "--save_steps must be >= 0")
+        _check(self.save_total_limit is None or self.save_total_limit >= 1, "--save_total_limit must be >= 1")
+        _check(self.save_hf or not self.save_adapter_only, "--save_adapter_only needs --save_hf")
 
 
 @dataclass(frozen=True, kw_only=True)

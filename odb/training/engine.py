@@ -147,6 +147,28 @@ class OdbEngine:
         self.engine.step()
         return StepResult(loss_sum=float(loss_sum), label_tokens=label_tokens, lr=lr)
 
+    @torch.no_grad()
+    def eval_step(self, plan: StepPlan, samples: Sequence[Sequence[dict[str, Any]]]) -> tuple[float, int]:
+        """Forwards only, no gradients: the plan's micro-batches as :meth:`train_step` runs them
+        (dummies too, so every rank enters ZeRO-3's parameter gathers alike), no backward, no step.
+
+        Returns:
+            ``(loss_sum, label_tokens)`` of this rank's real micro-batches: the summed next-token
+            cross entropy (micro-batch sums added in float64) and the label tokens it sums over,
+            counted from the labels scored (truncated to ``max_tokens`` as the collate does; the
+            first label of each sample never counts).
+        """
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # one host sync per step
+        label_tokens = 0
+        for micro, micro_samples in zip(plan.micro_batches, samples, strict=True):
+            if micro.is_dummy:
+                self._dummy_loss()
+                continue
+            loss_sum += self._forward_loss(micro_samples, micro.padded).double()
+            for sample in micro_samples:
+                label_tokens += int((torch.as_tensor(sample["labels"])[1:self.max_tokens] != -100).sum())
+        return float(loss_sum), label_tokens
+
 
 def _to_device(batch: dict[str, Any], device) -> dict[str, Any]:
     """The batch's tensors on ``device``; one tensor under two keys stays one tensor (the

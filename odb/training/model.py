@@ -52,6 +52,7 @@ def build_model(path: str | Path, *, seed: int, vocab_size: int, lora: dict[str,
         raise ValueError(f"the tokenizer has {vocab_size} tokens but the model's vocab_size is "
                          f"{text_config.vocab_size}; use the model's own tokenizer (--tokenizer)")
     model.config.use_cache = False  # packed samples leak into each other through the cache
+    model.train()  # from_pretrained leaves a model in eval mode: dropout off
     if lora is not None:
         from peft import LoraConfig, get_peft_model
 

@@ -22,6 +22,7 @@ from odb.telemetry import StepTimes
 from odb.training.build import Components, build_components, init_distributed, release_shared_memory
 from odb.training.checkpoint import load_checkpoint, save_checkpoint
 from odb.training.config import RunConfig
+from odb.training.export import save_hf
 from odb.training.schedule import planned_to_train
 
 __all__ = ["Trainer"]
@@ -35,6 +36,7 @@ class Trainer:
         self.parts: Components | None = None  # after build()
         self.saved: str | None = None  # the last checkpoint tag written
         self.audit: IO[str] | None = None  # emitted_ids.rank<R>.jsonl while training
+        self.evaluated_at: int | None = None  # steps done at the last evaluation
 
     @classmethod
     def init(cls, config: RunConfig) -> Trainer:
@@ -80,6 +82,8 @@ class Trainer:
             steps_this_run += 1
             if progress is not None:
                 _show(progress, plan, telemetry.last)
+            if config.data.eval_steps and telemetry.steps_done % config.data.eval_steps == 0:
+                self.evaluate()
             if config.checkpoints.save_steps and telemetry.steps_done % config.checkpoints.save_steps == 0:
                 self.save(f"step{telemetry.steps_done}")
             if config.run.max_steps and steps_this_run >= config.run.max_steps:
@@ -108,13 +112,21 @@ class Trainer:
         return parts.telemetry.report(parts.feed.skipped, **self._record_counts())
 
     def _on_reports(self, reports: np.ndarray) -> None:
-        self._built().telemetry.on_reports(reports)
+        telemetry = self._built().telemetry
+        telemetry.on_reports(reports)
+        if telemetry.this_process["rounds"] == 1 and not self.config.checkpoints.resume:
+            _check_labels(telemetry.skipped, telemetry.fetched)  # every rank has the same figures
 
     def _record_counts(self) -> dict[str, int]:
-        """Records this rank processed over the run (``fetched``), and those that will not train."""
-        batcher = self._built().batcher
-        lost = batcher.counts["skipped"] + batcher.counts["dropped"]
-        return {"fetched": batcher.observed_samples + lost, "lost": lost}
+        """Records this rank processed over the run (``fetched``), those that will not train
+        (``lost``), and those cut to fit (``truncated_samples``, ``truncated_tokens``: by the data
+        workers or by the cost model)."""
+        parts = self._built()
+        counts, feed, before = parts.batcher.counts, parts.feed.truncated, parts.telemetry.truncated_before
+        lost = counts["skipped"] + counts["dropped"]
+        return {"fetched": parts.batcher.observed_samples + lost, "lost": lost,
+                "truncated_samples": counts["truncated"] + feed["samples"] + before["samples"],
+                "truncated_tokens": counts["truncated_tokens"] + feed["tokens"] + before["tokens"]}
 
     def _audit(self, plan: StepPlan) -> None:
         if self.audit is None:
@@ -143,6 +155,22 @@ class Trainer:
         save_checkpoint(self._built(), self.config, tag)
         self.saved = tag
 
+    # ---- evaluation -------------------------------------------------------------------------
+
+    def evaluate(self) -> None:
+        """The exact validation loss over every validation sample (collective), logged and
+        written to ``metrics.jsonl`` (W&B) after the step it follows."""
+        parts = self._built()
+        assert parts.evaluator is not None, "no validation data"
+        result = parts.evaluator.run()
+        telemetry = parts.telemetry
+        telemetry.record_eval(telemetry.steps_done - 1, loss=result.loss, label_tokens=result.label_tokens,
+                              samples=result.samples, seconds=result.seconds)
+        self.evaluated_at = telemetry.steps_done
+        skipped = f", skipped {result.skipped}" if result.skipped else ""
+        self.log(f"eval after step {telemetry.steps_done}: loss {result.loss:.5f} over {result.samples} samples "
+                 f"({result.label_tokens} label tokens, {result.seconds:.1f} s{skipped})")
+
     # ---- the end ----------------------------------------------------------------------------
 
     def finish(self) -> dict[str, Any]:
@@ -152,11 +180,18 @@ class Trainer:
 
         parts, config = self._built(), self.config
         telemetry, batcher = parts.telemetry, parts.batcher
+        if parts.evaluator is not None and self.evaluated_at != telemetry.steps_done:
+            self.evaluate()
         final = f"step{telemetry.steps_done}"
         if config.checkpoints.final and self.saved != final:
             self.save(final)
-        vector = telemetry.final_report(parts.feed.skipped, **self._record_counts(),
-                                        truncated=batcher.counts["truncated"], dropped=batcher.counts["dropped"])
+        if config.checkpoints.save_hf:
+            out = config.output_dir / "hf"
+            lora = dict(config.model.lora) if config.model.lora is not None else None
+            save_hf(parts.engine.engine, model_path=config.model.path, lora=lora, tokenizer=parts.tokenizer, out=out,
+                    adapter_only=config.checkpoints.save_adapter_only, vision=parts.dataset.vision)
+            self.log(f"saved a Hugging Face model to {out}")
+        vector = telemetry.final_report(parts.feed.skipped, **self._record_counts(), dropped=batcher.counts["dropped"])
         totals = telemetry.on_final_reports(batcher.aligner.gather_reports(vector))
         if parts.feed.examples:
             print(f"rank {self.rank} skipped records, e.g.: " + "; ".join(parts.feed.examples), flush=True)
@@ -211,6 +246,17 @@ def _show(progress, plan: StepPlan, last: dict[str, Any]) -> None:
     if last:
         progress.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}",
                              pad=f"{last['padding_ratio']:.2f}", refresh=False)
+
+
+def _check_labels(skipped: dict[str, int], fetched: int) -> None:
+    """Stops the run at its first round when most samples have nothing to learn from."""
+    unlabelled = skipped.get("no_labels", 0) + skipped.get("template_mismatch", 0)
+    if fetched and 2 * unlabelled > fetched:
+        raise ValueError(
+            f"{unlabelled} of the first {fetched} samples have no label tokens ({skipped}): the chat template "
+            "marks no assistant tokens that odb can find, or truncation cut them all. Fix: use the model's own "
+            "tokenizer and template (--tokenizer), set train_on to 'last' (the final assistant turn) or 'all' in "
+            "--data_config, or raise max_tokens in the odb config")
 
 
 def _leave_process_group() -> None:

@@ -137,7 +137,8 @@ def test_resume_continues_with_exactly_the_samples_not_yet_trained(tmp_path):
     # the summary of the resumed run reports the whole run, as the uninterrupted one does
     whole, resumed = (json.loads((o / "summary.json").read_text()) for o in (full, part))
     for key in ("steps", "micro_batches", "dummy_micro_batches", "samples_emitted", "real_tokens",
-                "materialized_tokens", "rounds", "truncated", "dropped", "skipped"):
+                "materialized_tokens", "rounds", "label_tokens", "truncated_samples", "truncated_tokens", "dropped",
+                "skipped"):
         assert resumed[key] == whole[key], key
     assert resumed["loss_first"] == pytest.approx(whole["loss_first"], rel=1e-4)
     assert resumed["loss_last"] == pytest.approx(whole["loss_last"], rel=1e-4)

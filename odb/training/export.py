@@ -1,0 +1,364 @@
+"""Hugging Face models from a run: a folder that ``from_pretrained`` loads without odb.
+
+Two doors, one writer:
+
+* :func:`save_hf` (collective) gathers the live DeepSpeed engine's weights on rank 0, at any ZeRO
+  stage, in the training precision;
+* :func:`export_checkpoint` (one process, no process group) rebuilds the fp32 weights from a saved
+  checkpoint (``OUTPUT_DIR/checkpoints/<tag>``) with DeepSpeed's ``zero_to_fp32``;
+* both hand a full state dict (keys as ``engine.module.state_dict()`` names them) to one writer,
+  which builds an empty model on the ``meta`` device, *assigns* the weights to it (no second copy),
+  and saves with ``save_pretrained`` (safetensors):
+
+      full fine-tuning     -> the model
+      LoRA                 -> base + adapter merged (plain AutoModelForCausalLM loads it), or with
+                              ``adapter_only`` the PEFT adapter (PeftModel.from_pretrained(base, out))
+
+  plus the tokenizer, and for a vision-language model (its config has ``vision_config``) the image
+  processor odb trained with (``AutoImageProcessor.from_pretrained(out)``). A full
+  ``AutoProcessor`` (tokenizer + image + video processor) is not written: transformers builds
+  Qwen2-VL's video processor only with torchvision installed.
+
+The saved config has ``use_cache`` back on (training turns it off) and no attention implementation:
+the model loads with transformers' default attention, not odb's ``"odb_varlen"``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from odb.data.images import ImageProcessor, VisionSpec
+from odb.training.model import load_tokenizer
+
+__all__ = ["consolidated_state_dict", "export_checkpoint", "find_checkpoint", "gather_state_dict", "save_hf",
+           "training_dtype", "write_hf"]
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: pass one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def training_dtype(ds_config: dict[str, Any]) -> torch.dtype:
+    """The precision DeepSpeed's JSON trains in: bf16 if enabled, fp16 if enabled, else fp32."""
+    for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        if ds_config.get(key, {}).get("enabled") is True:
+            return dtype
+    return torch.float32
+
+
+def gather_state_dict(module: torch.nn.Module, *, dtype: torch.dtype, rank: int,
+                      keep: Callable[[str, torch.nn.Parameter], bool] | None = None) -> dict[str, torch.Tensor] | None:
+    """The full weights of ``module`` as CPU copies in ``dtype`` on rank 0 (None elsewhere); collective.
+
+    Under ZeRO-3 the parameters are partitioned: each module's own parameters are gathered with
+    ``deepspeed.zero.GatheredParameters`` (read-only, ``modifier_rank=None``: repartitioned on exit,
+    nothing broadcast back), copied to the CPU on rank 0, and released before the next module. So
+    rank 0 holds one full copy (in ``dtype``) plus one module's gathered parameters, the other ranks
+    only the latter. At ZeRO 0-2 the parameters are whole on every rank and the context is a no-op.
+    Shared parameters (tied embeddings) are gathered once and appear under each of their names, one
+    tensor. Persistent buffers are copied too. The live parameters are never written to.
+
+    Args:
+        module: ``engine.module``: the HF model or a PEFT model wrapping it.
+        dtype: of the floating-point copies.
+        rank: this process's rank (rank 0 keeps the copies).
+        keep: which parameters to include (by name and parameter; the same answer on every rank),
+            e.g. the trainable ones for an adapter; default all, and then the buffers too.
+    """
+    import deepspeed
+
+    state_dict: dict[str, torch.Tensor] | None = {} if rank == 0 else None
+    seen: dict[tuple[str, int], str] = {}  # parameter identity -> the first name it was copied under
+
+    def visit(mod: torch.nn.Module, prefix: str) -> None:
+        named = [(prefix + n, p) for n, p in mod.named_parameters(recurse=False)
+                 if keep is None or keep(prefix + n, p)]
+        fresh = [p for _, p in named if _identity(p) not in seen]
+        with deepspeed.zero.GatheredParameters(fresh, modifier_rank=None) if fresh else nullcontext():
+            for key, param in named:
+                first = seen.setdefault(_identity(param), key)
+                if state_dict is not None:
+                    state_dict[key] = state_dict[first] if first != key else _cpu_copy(param, dtype)
+            if state_dict is not None and keep is None:
+                for name, buf in mod.named_buffers(recurse=False):
+                    if name not in mod._non_persistent_buffers_set:
+                        state_dict[prefix + name] = _cpu_copy(buf, dtype)
+        for name, child in mod.named_children():
+            visit(child, prefix + name + ".")
+
+    visit(module, "")
+    return state_dict
+
+
+def _identity(param: torch.nn.Parameter) -> tuple[str, int]:
+    return ("ds_id", param.ds_id) if hasattr(param, "ds_id") else ("id", id(param))
+
+
+def _cpu_copy(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # a copy even on the CPU: the writer merges LoRA into it in place, and ZeRO-3 frees what it gathered
+    return tensor.detach().to("cpu", dtype=dtype if tensor.is_floating_point() else tensor.dtype, copy=True)
+
+
+def save_hf(engine, *, model_path: str | Path, lora: dict[str, Any] | None, tokenizer: Any, out: str | Path,
+            adapter_only: bool = False, dtype: torch.dtype | str | None = None,
+            vision: VisionSpec | None = None) -> None:
+    """Saves the live model as a Hugging Face folder ``out`` (collective: every rank calls it).
+
+    Rank 0 gathers the weights (:func:`gather_state_dict`; with ``adapter_only`` only the trainable
+    ones) and writes ``out`` (:func:`write_hf`); every rank returns once it has, and raises if rank 0
+    failed. The live model and its training continue unchanged.
+
+    Args:
+        engine: what ``deepspeed.initialize`` returned (``OdbEngine.engine``).
+        model_path: the run's ``--model`` (a config JSON or an HF folder): the config to save.
+        lora: the run's LoRA settings, or None for full fine-tuning.
+        tokenizer: the training tokenizer, or its folder.
+        out: the folder to write.
+        adapter_only: LoRA: save the adapter instead of the merged model.
+        dtype: of the saved weights (default: the training precision, the dtype of the parameters).
+        vision: the image geometry of the run (:func:`odb.training.model.vision_spec`) for a
+            vision-language model; default: its config's patches and odb's default pixel range.
+    """
+    import torch.distributed as dist
+    from peft import PeftModel
+
+    _check_adapter(adapter_only, lora)
+    module = engine.module
+    if isinstance(module, PeftModel) != (lora is not None):
+        raise ValueError("save_hf: pass lora=config.model.lora, the run's LoRA settings (None: full fine-tuning); "
+                         f"the engine's model is {'' if isinstance(module, PeftModel) else 'not '}a PEFT model")
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    dtype = _as_dtype(dtype) or next(module.parameters()).dtype
+    optimizer = getattr(engine, "optimizer", None)
+    if hasattr(optimizer, "checkpoint_event_prologue"):  # ZeRO-3: every parameter partitioned first
+        optimizer.checkpoint_event_prologue()
+    keep = (lambda _, p: p.requires_grad) if adapter_only else None
+    state_dict = gather_state_dict(module, dtype=dtype, rank=rank, keep=keep)
+    if hasattr(optimizer, "checkpoint_event_epilogue"):
+        optimizer.checkpoint_event_epilogue()
+    error = None
+    if rank == 0:
+        try:
+            write_hf(state_dict, model_path=model_path, lora=lora, tokenizer=tokenizer, out=out,
+                     adapter_only=adapter_only, dtype=dtype, vision=vision)
+        except Exception as exc:  # told to every rank below, then raised here
+            error = exc
+    if distributed:  # the barrier: every rank learns whether rank 0 wrote ``out``
+        message = [None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(message, src=0)
+        if rank != 0 and message[0] is not None:
+            raise RuntimeError(f"save_hf: rank 0 failed to write {out}: {message[0]}")
+    if error is not None:
+        raise error
+
+
+def write_hf(state_dict: dict[str, torch.Tensor], *, model_path: str | Path, lora: dict[str, Any] | None,
+             tokenizer: Any, out: str | Path, adapter_only: bool = False, dtype: torch.dtype | None = None,
+             vision: VisionSpec | None = None) -> Path:
+    """Writes ``out`` from a full state dict (one process). Consumes ``state_dict``: its tensors
+    become the saved model's (cast to ``dtype`` after any LoRA merge), and the dict is emptied.
+
+    Args:
+        state_dict: as ``engine.module.state_dict()`` names the weights (PEFT names under LoRA);
+            with ``adapter_only`` the trainable ones suffice.
+        model_path / lora / tokenizer / out / adapter_only / vision: as :func:`save_hf`.
+        dtype: of the saved weights (default: as given).
+
+    Returns:
+        ``out``.
+    """
+    out = Path(out)
+    _check_adapter(adapter_only, lora)
+    config = _export_config(model_path)
+    with torch.device("meta"):  # shapes only: the weights come from the state dict
+        model = _auto_class(config).from_config(config, dtype=torch.float32)
+        if lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            base_path = str(model_path) if Path(model_path).is_dir() else None
+            model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", base_model_name_or_path=base_path,
+                                                     **lora))
+    if adapter_only:
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        missing = trainable - state_dict.keys()
+        if missing:
+            raise ValueError(f"the state dict lacks adapter weights {sorted(missing)[:4]}: is it from this LoRA run?")
+        adapter = {k: _cast(state_dict[k], dtype) for k in sorted(trainable)}
+        state_dict.clear()
+        model.save_pretrained(str(out), state_dict=adapter, save_embedding_layers=False)
+    else:
+        model.load_state_dict(state_dict, strict=True, assign=True)
+        state_dict.clear()
+        base = model.get_base_model() if lora is not None else model
+        base.tie_weights()  # assign replaced the tied parameters one by one
+        if lora is not None:
+            base = model.merge_and_unload()  # into the base weights, in their precision (fp32 from a checkpoint)
+        if dtype is not None:
+            base.to(dtype)
+        base.config.dtype = base.dtype
+        _copy_generation_config(base, model_path)
+        base.save_pretrained(str(out), safe_serialization=True)
+    _save_tokenizer(tokenizer, out)
+    if getattr(config, "vision_config", None) is not None:
+        _save_image_processor(config, vision, out)
+    return out
+
+
+def _check_adapter(adapter_only: bool, lora: Any) -> None:
+    if adapter_only and lora is None:
+        raise ValueError("adapter_only: the run has no LoRA adapter (train with --lora, or save the full model)")
+
+
+def _export_config(model_path: str | Path):
+    """The model's config as saved: ``use_cache`` on, transformers' default attention."""
+    from transformers import AutoConfig
+
+    path = Path(model_path)
+    if not path.exists():
+        raise FileNotFoundError(f"model {path} does not exist; pass the run's --model (a config JSON or an HF "
+                                "folder), relative to the directory the run started in, or absolute")
+    config = AutoConfig.for_model(**json.loads(path.read_text())) if path.is_file() else \
+        AutoConfig.from_pretrained(str(path))
+    config = copy.deepcopy(config)
+    for sub in (config, getattr(config, "text_config", None)):
+        if sub is not None:
+            sub.use_cache = True  # training turns it off: packed samples would leak through the cache
+    return config
+
+
+def _auto_class(config):
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+
+def _copy_generation_config(model, model_path: str | Path) -> None:
+    """An HF folder's own generation settings (stop tokens of a chat model), where it has them."""
+    path = Path(model_path)
+    if path.is_dir() and (path / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(str(path))
+
+
+def _save_tokenizer(tokenizer: Any, out: Path) -> None:
+    if isinstance(tokenizer, (str, Path)):
+        tokenizer = load_tokenizer(tokenizer)
+    tokenizer.save_pretrained(str(out))
+
+
+def _vision_spec(config, **pixels: int) -> VisionSpec | None:
+    """A vision tower's image geometry (``pixels``: odb's range), or None where odb knows none."""
+    spec = getattr(config, "vision_config", None)
+    names = ("patch_size", "temporal_patch_size", "spatial_merge_size")
+    if spec is None or not all(hasattr(spec, name) for name in names):
+        return None
+    return VisionSpec(patch_size=spec.patch_size, temporal_patch_size=spec.temporal_patch_size,
+                      merge_size=spec.spatial_merge_size, **pixels)
+
+
+def _save_image_processor(config, vision: VisionSpec | None, out: Path) -> None:
+    """The Qwen2-VL image processor odb trained with: its patches, merge and pixel range."""
+    vision = vision or _vision_spec(config)
+    if vision is None:
+        warnings.warn(f"no image processor saved in {out}: odb knows only Qwen2-VL-style vision towers; copy "
+                      "the base model's preprocessor_config.json into it", stacklevel=3)
+        return
+    ImageProcessor(vision).processor.save_pretrained(str(out))
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The tag folder ``path`` names: itself (it holds ``run_config.json``), or the ``latest`` tag
+    of ``OUTPUT_DIR/checkpoints`` or of ``OUTPUT_DIR``.
+
+    Raises:
+        FileNotFoundError: naming what to pass instead.
+    """
+    path = Path(path)
+    fix = "pass OUTPUT_DIR/checkpoints/<tag> (a folder with run_config.json) or OUTPUT_DIR/checkpoints"
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint {path} is not a folder; {fix}")
+    if (path / "run_config.json").is_file():
+        return path
+    for folder in (path, path / "checkpoints"):
+        if (folder / "latest").is_file():
+            tag = folder / (folder / "latest").read_text().strip()
+            if not (tag / "run_config.json").is_file():
+                raise FileNotFoundError(f"{folder / 'latest'} names {tag.name}, but {tag} has no run_config.json; "
+                                        f"{fix}")
+            return tag
+    if any(path.glob("*model_states.pt")):
+        raise FileNotFoundError(f"{path} holds DeepSpeed files but no run_config.json (odb writes it with each "
+                                f"checkpoint, rank 0); {fix}")
+    raise FileNotFoundError(f"{path} is not a checkpoint (no run_config.json, no 'latest' file); {fix}")
+
+
+def consolidated_state_dict(tag_folder: Path, *, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
+    """The full weights of a DeepSpeed checkpoint, in one process: fp32 master weights from ZeRO
+    1-3's optimizer partitions (``zero_to_fp32``; ``exclude_frozen``: only the trained ones); at
+    ZeRO-0 the module's own (``mp_rank_00``, in the training precision)."""
+    if any(tag_folder.glob("*_optim_states.pt")):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(tag_folder.parent), tag=tag_folder.name,
+                                                        exclude_frozen_parameters=exclude_frozen)
+    states = tag_folder / "mp_rank_00_model_states.pt"
+    if not states.is_file():
+        raise FileNotFoundError(f"{tag_folder} has no DeepSpeed model states (mp_rank_00_model_states.pt or "
+                                "*_optim_states.pt): the save did not finish; export another tag")
+    # mmap: the optimizer states in the same file stay on disk
+    return dict(torch.load(states, map_location="cpu", mmap=True, weights_only=False)["module"])
+
+
+def export_checkpoint(checkpoint_dir: str | Path, out: str | Path, *, adapter_only: bool = False,
+                      dtype: torch.dtype | str | None = None, model_path: str | Path | None = None,
+                      tokenizer: str | Path | None = None) -> Path:
+    """Writes a saved checkpoint as a Hugging Face folder ``out`` (one process, no process group).
+
+    Args:
+        checkpoint_dir: ``OUTPUT_DIR/checkpoints/<tag>``, or ``OUTPUT_DIR/checkpoints`` (its latest).
+        out: the folder to write.
+        adapter_only: LoRA: save the adapter instead of the merged model.
+        dtype: of the saved weights (default: the run's precision: bf16 or fp16 if DeepSpeed's JSON
+            enabled it, else fp32).
+        model_path / tokenizer: instead of the run's (``run_config.json``), e.g. where they moved.
+
+    Returns:
+        ``out``.
+    """
+    tag_folder = find_checkpoint(checkpoint_dir)
+    run = json.loads((tag_folder / "run_config.json").read_text())
+    model = run["model"]
+    _check_adapter(adapter_only, model["lora"])
+    dtype = _as_dtype(dtype) or training_dtype(run["optimization"]["deepspeed"])
+    tokenizer = Path(tokenizer or model["tokenizer"])
+    if not tokenizer.is_dir():
+        raise FileNotFoundError(f"tokenizer {tokenizer} (model.tokenizer in {tag_folder / 'run_config.json'}) "
+                                "does not exist here; pass --tokenizer")
+    processing = run["data"]["processing"]
+    vision = _vision_spec(_export_config(model_path or model["path"]), min_pixels=processing["min_pixels"],
+                          max_pixels=processing["max_pixels"])
+    state_dict = consolidated_state_dict(tag_folder, exclude_frozen=adapter_only)
+    return write_hf(state_dict, model_path=model_path or model["path"],
+                    lora=model["lora"], tokenizer=tokenizer, out=out, adapter_only=adapter_only, dtype=dtype,
+                    vision=vision)

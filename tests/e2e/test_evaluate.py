@@ -1,0 +1,299 @@
+"""Exact eval loss (odb/training/evaluate.py) against an oracle that shares none of its code.
+
+The oracle: one process, no DeepSpeed, no packing, the same weights in a model with
+``attn_implementation="eager"``; each eval sample alone through it, the cross entropy of its labels
+(shifted inside the sample) summed in float64 over every sample, / the label tokens. The evaluator
+must give the same number to 1e-6 on simulated ranks (any world size, packed or one sample per
+micro-batch, skipped, dropped and truncated records) and on 1 and 2 ZeRO-3 ranks under the
+deepspeed launcher (tests/e2e/eval_worker.py), text and a tiny Qwen2-VL with images.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+from conftest import bundled_tokenizer
+from launch import ROOT, free_port, shm_leftovers, write_json
+from odb.batching.config import OdbConfig
+from odb.batching.simulate import run_ranks
+from odb.data.feed import DataError
+from odb.data.processing import DataConfig, SampleDataset
+from odb.training.engine import OdbEngine
+from odb.training.evaluate import Evaluator
+from odb.training.model import build_model, vision_spec
+
+TOKENIZER = bundled_tokenizer()
+TINY, VL = ROOT / "configs" / "tiny_model.json", ROOT / "configs" / "tiny_vl_model.json"
+CHATS, MM = ROOT / "data" / "chat.jsonl", ROOT / "data" / "mm"
+WORKER = Path(__file__).resolve().parent / "eval_worker.py"
+TOLERANCE = 1e-6
+IMAGE_TOKEN = TOKENIZER.convert_tokens_to_ids("<|image_pad|>")
+
+
+# ---- the oracle ---------------------------------------------------------------------------------
+
+def oracle(model_path: Path, weights: dict[str, torch.Tensor], samples: list[dict], *,
+           max_tokens: int | None = None) -> tuple[float, int]:
+    """``(sum of CE over every label / label tokens, label tokens)``: each sample alone (its first
+    ``max_tokens`` tokens) through an eager model, float64."""
+    config = AutoConfig.for_model(**json.loads(model_path.read_text()))
+    is_vl = getattr(config, "vision_config", None) is not None
+    model = (AutoModelForImageTextToText if is_vl else AutoModelForCausalLM).from_config(
+        config, attn_implementation="eager").eval()
+    model.load_state_dict(weights)
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for sample in samples:
+            ids, labels = sample["input_ids"][:max_tokens][None], sample["labels"][:max_tokens]
+            images = {}
+            if sample.get("pixel_values") is not None:
+                images = {"pixel_values": sample["pixel_values"], "image_grid_thw": sample["image_grid_thw"],
+                          "mm_token_type_ids": (ids == IMAGE_TOKEN).int()}
+            logits = model(input_ids=ids, use_cache=False, **images).logits[0].double()
+            total += float(F.cross_entropy(logits[:-1], labels[1:], ignore_index=-100, reduction="sum"))
+            tokens += int((labels[1:] != -100).sum())
+    return (total / tokens if tokens else math.nan), tokens
+
+
+@functools.cache
+def initial_weights(model_path: Path) -> dict[str, torch.Tensor]:
+    return build_model(model_path, seed=0, vocab_size=len(TOKENIZER)).state_dict()
+
+
+# ---- simulated ranks: the evaluator over a plain model -------------------------------------------
+
+class LocalEngine:
+    """What OdbEngine uses of a DeepSpeed engine, over a plain model (no ZeRO); notes each forward's
+    training mode, whether gradients were on, and how many samples (or padded rows) it held."""
+
+    def __init__(self, model) -> None:
+        self.module, self.device, self.forwards = model, torch.device("cpu"), []
+
+    def __call__(self, **batch):
+        cu_seqlens = batch.get("cu_seq_lens_q")
+        rows = len(cu_seqlens) - 1 if cu_seqlens is not None else len(batch["input_ids"])
+        self.forwards.append((self.module.training, torch.is_grad_enabled(), rows))
+        return self.module(**batch)
+
+    def eval(self) -> None:
+        self.module.train(False)
+
+    def train(self, mode: bool = True) -> None:
+        self.module.train(mode)
+
+
+@functools.cache
+def text_model():
+    return build_model(TINY, seed=0, vocab_size=len(TOKENIZER))
+
+
+def simulate(world: int, dataset, batching: OdbConfig, *, training: bool = True):
+    """Runs the evaluator on ``world`` simulated ranks, each with its own copy of the model."""
+    engines = [LocalEngine(copy.deepcopy(text_model()).train(training)) for _ in range(world)]
+
+    def rank(comm):
+        engine = OdbEngine(engines[comm.rank], world_size=world, max_tokens=batching.max_tokens,
+                           pad_token_id=TOKENIZER.pad_token_id)
+        return Evaluator(engine, dataset, batching, comm).run()
+
+    return run_ranks(world, rank), engines
+
+
+def check_simulated(results, engines, expected: tuple[float, int], samples: int) -> float:
+    assert all(r == results[0] for r in results), "ranks returned different results"
+    counts = [len(e.forwards) for e in engines]
+    assert len(set(counts)) == 1, f"ranks ran different numbers of forwards: {counts}"
+    assert not any(f[0] or f[1] for e in engines for f in e.forwards), "a forward in train mode or with grad"
+    assert all(e.module.training for e in engines), "train mode not restored"
+    result, (loss, tokens) = results[0], expected
+    print(f"  simulated world {len(engines)}: loss {result.loss:.12f}, oracle {loss:.12f}, "
+          f"diff {result.loss - loss:+.2e}")
+    assert abs(result.loss - loss) <= TOLERANCE
+    assert result.label_tokens == tokens and result.samples == samples
+    return result.loss
+
+
+def chats(tmp_path: Path, lines: list[str]) -> Path:
+    path = tmp_path / "eval.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+BATCHINGS = {  # packed; one sample per micro-batch (fixed batch 1); training in quota mode, static shards
+    "packed": OdbConfig(max_tokens=2048, window=16),
+    "single": OdbConfig(policy="fixed", batch_size=1, window=4, sharding="static"),
+    "quota_static": OdbConfig(mode="quota", quota=5, sharding="static", max_tokens=600, window=8),
+}
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_simulated_ranks_give_the_oracle_loss(world):
+    dataset = SampleDataset(CHATS, TOKENIZER, max_samples=24, truncate_to=600)
+    samples = [dataset[i] for i in range(len(dataset))]
+    expected = oracle(TINY, initial_weights(TINY), samples)
+    for name, batching in BATCHINGS.items():
+        results, engines = simulate(world, dataset, batching)
+        check_simulated(results, engines, expected, len(dataset))
+        rows = [f[2] for e in engines for f in e.forwards]
+        assert max(rows) == 1 if name == "single" else max(rows) > 1
+
+
+@pytest.mark.sim
+def test_skipped_dropped_and_truncated_records_are_counted_and_the_loss_is_over_what_was_scored(tmp_path):
+    lines = (CHATS.read_text().splitlines())[:12]
+    lines += [json.dumps({"messages": [{"role": "user", "content": f"question {i}"}]}) for i in range(3)]
+    lines += ["{not json"]
+    dataset = SampleDataset(chats(tmp_path, lines), TOKENIZER)  # not truncated by the data layer
+    records = [dataset[i] for i in range(len(dataset))]
+    samples = [s for s in records if "skip" not in s]
+    cap = 150
+    assert 0 < sum(len(s["input_ids"]) > cap for s in samples) < len(samples)
+    # over_cap 'drop': the samples over the cap are not scored, and say so under 'over_cap'
+    kept = [s for s in samples if len(s["input_ids"]) <= cap]
+    results, engines = simulate(2, dataset, OdbConfig(max_tokens=cap, window=8, over_cap="drop"))
+    check_simulated(results, engines, oracle(TINY, initial_weights(TINY), kept), len(kept))
+    assert results[0].skipped == {"no_assistant_turn": 3, "not_json": 1, "over_cap": len(samples) - len(kept)}
+    # 'truncate' where the data layer did not: every sample scored on its first ``cap`` tokens only
+    results, engines = simulate(2, dataset, OdbConfig(max_tokens=cap, window=8))
+    check_simulated(results, engines, oracle(TINY, initial_weights(TINY), samples, max_tokens=cap), len(samples))
+    assert results[0].skipped == {"no_assistant_turn": 3, "not_json": 1}
+
+
+@pytest.mark.sim
+def test_no_label_tokens_gives_nan_and_an_error_restores_the_mode_it_found(tmp_path):
+    no_answers = [json.dumps({"messages": [{"role": "user", "content": f"q {i}"}]}) for i in range(5)]
+    results, engines = simulate(2, SampleDataset(chats(tmp_path, no_answers), TOKENIZER), OdbConfig(window=4))
+    assert math.isnan(results[0].loss) and results[0].label_tokens == results[0].samples == 0
+    assert results[0].skipped == {"no_assistant_turn": 5}
+    bad = SampleDataset(chats(tmp_path, CHATS.read_text().splitlines()[:6] + ["{not json"]), TOKENIZER,
+                        DataConfig(strict=True))
+    for training in (True, False):  # a model loaded with from_pretrained comes in eval mode: it stays there
+        engines = [LocalEngine(copy.deepcopy(text_model()).train(training)) for _ in range(2)]
+
+        def rank(comm, engines=engines):
+            engine = OdbEngine(engines[comm.rank], world_size=2, max_tokens=512, pad_token_id=0)
+            return Evaluator(engine, bad, OdbConfig(max_tokens=512, window=4), comm).run()
+
+        with pytest.raises(DataError, match="not_json"):
+            run_ranks(2, rank)
+        assert [e.module.training for e in engines] == [training, training]
+
+
+# ---- real ranks: ZeRO-3 under the deepspeed launcher ---------------------------------------------
+
+def launch(tmp_path: Path, scenario: dict, nproc: int) -> list[dict]:
+    """Runs eval_worker.py on ``nproc`` CPU ranks; every rank's JSON. The launch must leave no
+    DeepSpeed shared memory behind."""
+    out = tmp_path / f"out{nproc}"
+    out.mkdir()
+    path = write_json(tmp_path / f"scenario{nproc}.json", {**scenario, "out": str(out)})
+    port = free_port()
+    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(nproc), "--master_port", str(port),
+           str(WORKER), str(path)]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    finally:
+        left = shm_leftovers(port)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    assert not left, f"the launch left DeepSpeed's shared memory behind: {left}"
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+    if scenario.get("train_lr"):
+        ranks[0]["weights"] = torch.load(out / "weights.pt")
+    return ranks
+
+
+def check_launch(ranks: list[dict], expected: dict[str, tuple[float, int]], size: int) -> dict[str, float]:
+    """Every eval against its oracle, and the invariants each rank recorded; the losses by name."""
+    world, losses = len(ranks), {}
+    for e, first in enumerate(ranks[0]["evals"]):
+        name, result = first["name"], first["result"]
+        evals = [rank["evals"][e] for rank in ranks]
+        assert all(ev["result"] == result for ev in evals), f"{name}: ranks returned different results"
+        steps = [ev["steps"] for ev in evals]
+        assert len({len(s) for s in steps}) == 1, f"{name}: ranks ran different numbers of steps"
+        assert all(len(step["sizes"]) == 1 for s in steps for step in s)  # gas 1
+        ids = Counter(i for s in steps for step in s for i in step["ids"])
+        assert ids == Counter(range(size)), f"{name}: not every sample exactly once"
+        assert all(step["forwards"] == [[False, False]] for s in steps for step in s), "one forward, eval, no grad"
+        assert all(ev["training_after"] and ev["children_after"] == 0 for ev in evals)
+        sizes = [n for s in steps for step in s for n in step["sizes"]]
+        if name == "single":
+            assert max(sizes) == 1, "one sample per micro-batch"
+            assert sizes.count(0) == world * len(steps[0]) - size  # the dummies that align the ranks
+        if name in ("packed", "after_train"):
+            assert max(sizes) > 1, "packed"
+        workers = [max(step["children"] for step in s) for s in steps]  # the eval feed's, while it ran
+        assert all(bool(n) == bool(first["num_workers"]) for n in workers), (name, workers)
+        loss, tokens = expected[name]
+        print(f"  world {world} {name}: loss {result['loss']:.12f}, oracle {loss:.12f}, "
+              f"diff {result['loss'] - loss:+.2e}")
+        assert abs(result["loss"] - loss) <= TOLERANCE
+        assert result["label_tokens"] == tokens and result["samples"] == size and not result["skipped"]
+        losses[name] = result["loss"]
+    return losses
+
+
+EVALS = [{"name": "packed", "batching": {"max_tokens": 2048, "window": 16}},
+         {"name": "single", "batching": {"policy": "fixed", "batch_size": 1, "window": 4, "sharding": "static"},
+          "num_workers": 1},
+         {"name": "quota_static", "num_workers": 2,
+          "batching": {"mode": "quota", "quota": 5, "sharding": "static", "max_tokens": 600, "window": 8}}]
+
+
+def test_eval_loss_on_one_and_two_zero3_ranks_equals_the_oracle(tmp_path):
+    """41 chats (static shards of 21 and 20: the 2-rank one-sample-per-micro-batch eval has a dummy);
+    three evals, one SGD step, the first eval again against the oracle on the gathered weights."""
+    size = 41
+    scenario = {"model": str(TINY), "data": str(CHATS), "max_samples": size, "image_folder": None,
+                "train_lr": 1.0, "evals": EVALS}
+    dataset = SampleDataset(CHATS, TOKENIZER, max_samples=size)
+    samples = [dataset[i] for i in range(size)]
+    assert max(len(s["input_ids"]) for s in samples) <= 600  # no truncation anywhere
+    before = oracle(TINY, initial_weights(TINY), samples)
+    losses = {}
+    for world in (1, 2):
+        ranks = launch(tmp_path, scenario, world)
+        after = oracle(TINY, ranks[0]["weights"], samples)
+        assert abs(after[0] - before[0]) > 1e-2  # the training step moved the weights
+        expected = {**{spec["name"]: before for spec in EVALS}, "after_train": after}
+        losses[world] = check_launch(ranks, expected, size)
+    for name in ("packed", "single", "quota_static"):
+        print(f"  world 1 vs 2 {name}: diff {losses[1][name] - losses[2][name]:+.2e}")
+        assert abs(losses[1][name] - losses[2][name]) <= TOLERANCE
+
+
+def test_vision_language_eval_on_two_zero3_ranks_equals_the_oracle(tmp_path):
+    """A tiny Qwen2-VL, 11 records with images and 4 without (a blank image joins their micro-batch
+    when it has none of its own), packed and one sample per micro-batch (with a dummy)."""
+    lines = (MM / "train.jsonl").read_text().splitlines()[:11] + CHATS.read_text().splitlines()[:4]
+    data = chats(tmp_path, lines)
+    size, folder = len(lines), str(MM)
+    evals = [{"name": "packed", "batching": {"max_tokens": 1024, "window": 16}},
+             {"name": "single", "batching": {"policy": "fixed", "batch_size": 1, "window": 4, "sharding": "static"}}]
+    ranks = launch(tmp_path, {"model": str(VL), "data": str(data), "max_samples": size, "image_folder": folder,
+                              "train_lr": None, "evals": evals}, 2)
+    weights = initial_weights(VL)
+    model = build_model(VL, seed=0, vocab_size=len(TOKENIZER))
+    config = DataConfig(image_folder=folder)
+    dataset = SampleDataset(data, TOKENIZER, config, vision=vision_spec(model, config))
+    samples = [dataset[i] for i in range(size)]
+    assert sum(s.get("pixel_values") is not None for s in samples) == 11
+    assert max(len(s["input_ids"]) for s in samples) <= 1021  # no truncation (1024 - the blank image)
+    expected = oracle(VL, weights, samples)
+    losses = check_launch(ranks, {"packed": expected, "single": expected}, size)
+    assert abs(losses["packed"] - losses["single"]) <= TOLERANCE
