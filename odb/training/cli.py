@@ -64,7 +64,8 @@ def _parser(defaults: FileDefaults) -> argparse.ArgumentParser:
     p.add_argument("--data", default=str(defaults.data),
                    help="JSONL / JSON / Parquet file or folder: messages, ShareGPT or LLaVA records")
     p.add_argument("--data_config", default=None,
-                   help="data settings JSON (format, train_on, augmentation, image sizes, strict)")
+                   help="data settings JSON (format, train_on: assistant/last/all, truncation: turns/tokens, "
+                        "augmentation, image sizes, strict)")
     p.add_argument("--data_format", choices=FORMATS, default=None, help="override the detected format")
     p.add_argument("--strict", action="store_true", default=None,
                    help="stop at the first bad record (file, line, reason) instead of skipping it")
