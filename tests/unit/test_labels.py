@@ -311,3 +311,17 @@ def test_turn_truncation_drops_the_images_of_the_turns_it_drops(tmp_path, with_i
     assert cut["patches"] == alone["patches"] == (16 if with_images[0] else 0)
     tokens = SampleDataset(path, tokenizer, DataConfig(truncation="tokens"), vision=VisionSpec(), truncate_to=cap)[0]
     assert tokens["skip"] == "over_cap" and "would cut an image" in tokens["detail"]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5", "llama3", "mistral", "gemma"])
+def test_show_labels_prints_what_a_run_would_train_on(tmp_path, family):
+    import subprocess
+    import sys
+
+    folder = tmp_path / "tokenizer"
+    family_tokenizer(family).save_pretrained(folder)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"messages": CONVERSATIONS["multi"]}])
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "show_labels.py"), "--tokenizer", str(folder),
+                          "--data", str(data)], capture_output=True, text=True, check=True).stdout
+    assert [line.split("label run: ", 1)[1] for line in out.splitlines() if "label run: " in line] == \
+        [repr(run) for run in RUNS[family]]
