@@ -100,8 +100,7 @@ class Evaluator:
         on error; the feed's workers are stopped either way.
         """
         start = time.perf_counter()
-        # The mode it found, not always train(): odb never calls train(), and a model loaded with
-        # from_pretrained comes in eval mode (dropout off); forcing train() would change training.
+        # The mode it found (odb trains in train mode; a caller may evaluate a model in eval mode)
         was_training = self.engine.engine.module.training
         feed = SampleFeed(self.dataset, sample_sizes, num_workers=self.num_workers,
                           prefetch_factor=self.prefetch_factor)
