@@ -199,6 +199,7 @@ class Trainer:
                                     epochs=config.run.epochs if parts.batching.mode == "join" else None,
                                     rounds=batcher.round_index, collectives=parts.comm.num_collectives,
                                     policy=parts.batching.policy)
+        summary["this_process"]["peak_memory_mb"] = _peak_memory_mb()
         summary["config"] = config.to_dict()
         if self.rank == 0:
             (config.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -246,6 +247,17 @@ def _show(progress, plan: StepPlan, last: dict[str, Any]) -> None:
     if last:
         progress.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}",
                              pad=f"{last['padding_ratio']:.2f}", refresh=False)
+
+
+def _peak_memory_mb() -> float:
+    """This process's peak memory: the GPU's allocations on CUDA, else the peak resident set."""
+    import resource
+
+    import torch
+
+    if torch.cuda.is_available():
+        return round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # Linux: KiB
 
 
 def _check_labels(skipped: dict[str, int], fetched: int) -> None:
