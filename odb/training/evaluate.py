@@ -118,6 +118,9 @@ class Evaluator:
             skipped["over_cap"] += batcher.counts["dropped"]
         finally:
             self.engine.engine.train(was_training)
+            # ZeRO-3 keeps parameters a forward gathered for reuse (up to stage3_max_live_parameters)
+            # until a backward releases them; evaluation has none, so release them here
+            self.engine.engine.empty_partition_cache()
             feed.close()
         return _combine(batcher.aligner, loss_sum, label_tokens, samples, skipped, time.perf_counter() - start)
 

@@ -94,6 +94,9 @@ class LocalEngine:
     def train(self, mode: bool = True) -> None:
         self.module.train(mode)
 
+    def empty_partition_cache(self) -> None:  # DeepSpeed's: releases ZeRO-3's gathered parameters
+        pass
+
 
 @functools.cache
 def text_model():
