@@ -12,6 +12,10 @@ micro-batches m on rank r and token losses l:
     and  mean_r sum_m grad(loss_{r,m}) = g  exactly. A dummy micro-batch backs 0 * (its output):
     a real forward and backward (ZeRO-3 gathers, ZeRO-2 reduces) that adds nothing.
 
+The token losses come from :mod:`odb.training.loss` (by default): the LM head applied to chunks of
+the final hidden states, never the row's full fp32 logits; ``loss_chunk_tokens=None`` keeps the
+full-logits loss (:func:`token_loss_sum`), the oracle both are tested against.
+
 Accumulation boundaries are the caller's: ``engine.set_gradient_accumulation_boundary(True)``
 before the last backward of a step (False before the others), then one ``engine.step()``.
 DESIGN.md records why (DeepSpeed 0.19.8): uneven micro-batch counts deadlock at every stage, and
@@ -31,6 +35,7 @@ import torch.nn.functional as F
 
 from odb.batching.plan import StepPlan
 from odb.data.collate import collate_packed, collate_padded
+from odb.training.loss import DEFAULT_LOSS_CHUNK_TOKENS, HeadLoss, final_logit_softcap, num_loss_chunks
 from odb.training.mrope import packed_position_ids
 
 __all__ = ["OdbEngine", "StepResult", "token_loss_sum", "BLANK_IMAGE_TOKENS"]
@@ -61,9 +66,15 @@ class OdbEngine:
         max_tokens: per-sample truncation (the over-cap policy 'truncate').
         pad_token_id: for padded baselines and dummy rows.
         packed: pack rows (varlen); False for a model odb cannot pack correctly (padded fallback).
+        loss_chunk_tokens: the loss from the LM head's input in chunks of at most this many scored
+            tokens (``ceil(max_tokens / loss_chunk_tokens)`` chunks per micro-batch, on every rank
+            alike); None: the model's full logits (:func:`token_loss_sum`).
+        fused_loss: with chunks, use Liger's fused linear cross entropy where it can serve
+            (:func:`odb.training.loss.liger_loss`: importable, CUDA, no ZeRO-3, plain head).
     """
 
-    def __init__(self, engine, *, world_size: int, max_tokens: int, pad_token_id: int, packed: bool = True) -> None:
+    def __init__(self, engine, *, world_size: int, max_tokens: int, pad_token_id: int, packed: bool = True,
+                 loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS, fused_loss: bool = True) -> None:
         self.engine = engine
         self.world_size = world_size
         self.max_tokens = max_tokens
@@ -74,6 +85,9 @@ class OdbEngine:
         self.model = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
         self.vision = getattr(getattr(self.model, "model", None), "visual", None)
         self._blank: dict[str, torch.Tensor] | None = None
+        self.head_loss = None if loss_chunk_tokens is None else HeadLoss(
+            self.model.get_output_embeddings(), softcap=final_logit_softcap(self.model.config),
+            num_chunks=num_loss_chunks(max_tokens, loss_chunk_tokens), fused=fused_loss)
 
     def _forward_loss(self, samples: Sequence[dict[str, Any]], padded: bool) -> torch.Tensor:
         samples = self._with_image(samples)
@@ -89,8 +103,13 @@ class OdbEngine:
         elif self.vision is not None:  # padded rows: the model derives its rotary positions from the mask
             del batch["position_ids"]
             batch["mm_token_type_ids"] = (batch["input_ids"] == self.model.config.image_token_id).int()
-        logits = self.engine(**batch, use_cache=False).logits
-        return token_loss_sum(logits, labels)
+        return self._loss(batch, labels)
+
+    def _loss(self, batch: dict[str, Any], labels: torch.Tensor) -> torch.Tensor:
+        """The summed token loss of one model call (through the DeepSpeed engine either way)."""
+        if self.head_loss is None:
+            return token_loss_sum(self.engine(**batch, use_cache=False).logits, labels)
+        return self.head_loss.forward_loss(lambda: self.engine(**batch, use_cache=False), labels)
 
     def _with_image(self, samples: Sequence[dict[str, Any]]) -> Sequence[dict[str, Any]]:
         """A micro-batch without images gets one tiny blank image as a sample of its own (its
@@ -113,8 +132,10 @@ class OdbEngine:
         if self.vision is not None:  # a real pass through every module, as the others run
             return self._forward_loss([], padded=False) * 0.0
         ids = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=self.device)
-        logits = self.engine(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False).logits
-        return logits.float().sum() * 0.0
+        batch = {"input_ids": ids, "position_ids": torch.zeros_like(ids)}
+        if self.head_loss is None:
+            return self.engine(**batch, use_cache=False).logits.float().sum() * 0.0
+        return self._loss(batch, torch.full_like(ids, -100)) * 0.0  # the head runs as often as in a real one
 
     def save(self, folder: Path, tag: str) -> None:
         """DeepSpeed's checkpoint of the model and optimizer in ``folder / tag`` (collective)."""
