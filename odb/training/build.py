@@ -28,14 +28,14 @@ from odb.data.feed import SampleFeed
 from odb.data.processing import SampleDataset, sample_sizes
 from odb.telemetry import Telemetry
 from odb.training.attention import has_flash_attn
-from odb.training.config import RunConfig
+from odb.training.config import OptimizationSettings, RunConfig
 from odb.training.engine import BLANK_IMAGE_TOKENS, OdbEngine
 from odb.training.evaluate import Evaluator
 from odb.training.model import build_model, load_tokenizer, vision_spec
 from odb.training.mrope import supports_packing
 from odb.training.schedule import ProgressSchedule
 
-__all__ = ["Components", "build_components", "init_distributed", "release_shared_memory"]
+__all__ = ["Components", "build_components", "init_distributed", "initialize_deepspeed", "release_shared_memory"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,8 +106,11 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
         log: rank 0's console.
     """
     tokenizer = load_tokenizer(config.model.tokenizer)
+    # in DeepSpeed's precision; at ZeRO-3 partitioned as it is built (collective)
     model = build_model(config.model.path, seed=config.seed, vocab_size=len(tokenizer),
-                        lora=dict(config.model.lora) if config.model.lora is not None else None)
+                        lora=dict(config.model.lora) if config.model.lora is not None else None,
+                        ds_config=config.optimization.deepspeed,
+                        gradient_checkpointing=config.model.gradient_checkpointing)
     batching = config.batching
     vision = vision_spec(model, config.data.processing)
     if vision is not None:
@@ -124,8 +127,9 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
             f"rows x longest <= {batching.max_tokens} tokens")
         if batching.policy == "odb":
             batching = dataclasses.replace(batching, pad_rows=True)
-    engine = OdbEngine(_deepspeed(config, model), world_size=world_size, max_tokens=batching.max_tokens,
-                       pad_token_id=tokenizer.pad_token_id, packed=packed)
+    engine = OdbEngine(initialize_deepspeed(config.optimization, model), world_size=world_size,
+                       max_tokens=batching.max_tokens, pad_token_id=tokenizer.pad_token_id, packed=packed,
+                       loss_chunk_tokens=config.model.loss_chunk_tokens)
     feed = SampleFeed(dataset, sample_sizes, num_workers=config.data.num_workers,
                       prefetch_factor=config.data.prefetch_factor)
     comm = TorchCommunicator(timeout_s=config.run.dist_timeout_s)
@@ -172,14 +176,13 @@ def _datasets(config: RunConfig, tokenizer, vision, *, truncate_to: int | None
             SampleDataset(data.path, tokenizer, plain, indices=val, **common))
 
 
-def _deepspeed(config: RunConfig, model):
-    """``deepspeed.initialize`` with a torch optimizer, unless DeepSpeed's JSON declares one."""
+def initialize_deepspeed(opt: OptimizationSettings, model):
+    """``deepspeed.initialize`` (collective) with a torch optimizer, unless DeepSpeed's JSON declares one."""
     import deepspeed
 
-    ds_config = dict(config.optimization.deepspeed)
+    ds_config = dict(opt.deepspeed)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = None
-    opt = config.optimization
     if "optimizer" not in ds_config:  # a torch optimizer: no DeepSpeed op to compile
         optimizer = (torch.optim.AdamW(params, lr=opt.lr, weight_decay=opt.weight_decay)
                      if opt.optimizer == "adamw" else torch.optim.SGD(params, lr=opt.lr))
@@ -203,7 +206,9 @@ def _settings(config: RunConfig, batching: OdbConfig, *, world_size: int, packed
             "gas": batching.gas, "mode": batching.mode, "policy": batching.policy,
             "zero_stage": ds_config.get("zero_optimization", {}).get("stage", 0),
             "bf16": ds_config.get("bf16", {}).get("enabled", False), "attention": attention,
-            "model": config.model.path, "lora": bool(config.model.lora), "data": config.data.path,
+            "model": config.model.path, "lora": bool(config.model.lora),
+            "gradient_checkpointing": config.model.gradient_checkpointing,
+            "loss_chunk_tokens": config.model.loss_chunk_tokens, "data": config.data.path,
             "dataset_samples": dataset_size, "epochs": config.run.epochs, "planned_samples": planned,
             "lr": config.optimization.lr, "num_workers": config.data.num_workers}
 

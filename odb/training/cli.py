@@ -32,6 +32,7 @@ from odb.training.config import (
     lora_keys,
 )
 from odb.training.ds_config import load_ds_config, resolve_ds_config
+from odb.training.loss import DEFAULT_LOSS_CHUNK_TOKENS
 
 __all__ = ["FileDefaults", "parse_config"]
 
@@ -84,6 +85,11 @@ def _parser(defaults: FileDefaults) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="default: the odb config's seed (0)")
     p.add_argument("--lora", nargs="?", const=str(defaults.lora), default=None,
                    help="train PEFT LoRA adapters (rank, alpha, targets from this JSON)")
+    p.add_argument("--gradient_checkpointing", action="store_true",
+                   help="recompute activations in the backward pass (less memory, ~1 more forward of compute)")
+    p.add_argument("--loss_chunk_tokens", type=int, default=DEFAULT_LOSS_CHUNK_TOKENS,
+                   help="apply the LM head and the loss to this many tokens at a time, never materializing the "
+                        "whole micro-batch's fp32 logits (0: the model's full logits)")
     p.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="continue from OUTPUT_DIR/checkpoints (latest, or a tag such as step20)")
     p.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (and at the end)")
@@ -129,7 +135,9 @@ def _model(args: argparse.Namespace, defaults: FileDefaults) -> ModelSettings:
     lora = None
     if args.lora:
         lora = load_json_config(args.lora, known=lora_keys(), what="LoRA config", fix="pass --lora configs/lora.json")
-    return ModelSettings(path=str(model), tokenizer=tokenizer, lora=lora)
+    return ModelSettings(path=str(model), tokenizer=tokenizer, lora=lora,
+                         gradient_checkpointing=args.gradient_checkpointing,
+                         loss_chunk_tokens=args.loss_chunk_tokens or None)
 
 
 def _batching(args: argparse.Namespace) -> OdbConfig:

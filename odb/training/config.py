@@ -20,6 +20,7 @@ from typing import Any
 
 from odb.batching.config import OdbConfig, load_json_config
 from odb.data.processing import DataConfig
+from odb.training.loss import DEFAULT_LOSS_CHUNK_TOKENS
 
 __all__ = ["CheckpointSettings", "DataSettings", "LoggingSettings", "ModelSettings", "OptimizationSettings",
            "RunConfig", "RunSettings", "load_json_config", "lora_keys"]
@@ -54,6 +55,17 @@ class ModelSettings:
     """Tokenizer folder (``--tokenizer``; default: the model folder, else the bundled one)."""
     lora: Mapping[str, Any] | None = None
     """PEFT LoRA settings (``--lora``), or None to train every weight."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass instead of keeping them
+    (``--gradient_checkpointing``; non-reentrant, vision blocks too): less activation memory, about
+    one more forward pass of compute."""
+    loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS
+    """The loss from the final hidden states, the LM head applied to this many tokens at a time and
+    recomputed in the backward (``--loss_chunk_tokens``; 0 on the command line = None: the model's
+    full logits, fp32 over the whole micro-batch)."""
+
+    def __post_init__(self) -> None:
+        _check(self.loss_chunk_tokens is None or self.loss_chunk_tokens >= 1, "--loss_chunk_tokens must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)
