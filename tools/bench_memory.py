@@ -1,7 +1,9 @@
 #!/usr/bin/env python
-"""Peak memory of the loss alone: the full-logits loss against odb's chunked loss.
+"""Peak memory of the loss alone: the full-logits loss against odb's chunked loss; and, with
+``--checkpointing``, of a model's forward and backward without and with activation checkpointing.
 
     python tools/bench_memory.py --vocab 152064 --hidden 1024 --tokens 8192 --json
+    python tools/bench_memory.py --checkpointing --layers 8 --hidden 512 --vocab 32000 --tokens 4096 --json
 
 From a random ``hidden [tokens, hidden]`` (requiring grad) and an LM head ``weight [vocab, hidden]``,
 forward and backward of the head and the summed next-token cross entropy, once each way:
@@ -22,6 +24,12 @@ gradients and this one compares them. The last line of stdout is one JSON object
 ``--json``): the settings, ``full_loss_peak_mb``, ``chunked_loss_peak_mb``, their ``ratio``, both
 losses, ``max_abs_grad_diff`` (over the hidden and the weight gradients, also reported apart;
 ``max_rel_grad_diff`` divides it by the largest gradient entry) and the seconds each path took.
+
+``--checkpointing``: a random-init Llama of ``--layers`` x ``--hidden`` built by odb's
+``build_model`` (without and with ``gradient_checkpointing``), one packed row of ``--tokens`` tokens
+in samples of 512 through odb's varlen attention, forward to the final hidden states and backward
+(the head and loss left out: they are the same either way). Reported the same way:
+``plain_peak_mb``, ``checkpointing_peak_mb``, ``ratio``, ``max_rel_grad_diff`` over every weight.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from odb.training.loss import (  # noqa: E402
 )
 
 PATHS = ("full", "chunked")
+MODEL_PATHS = ("plain", "checkpointing")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,7 +73,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         help="hidden and head precision (bfloat16: CUDA only; the loss is fp32 either way)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
-    parser.add_argument("--path", choices=PATHS, help=argparse.SUPPRESS)  # a child process: one path
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="measure a model's forward + backward without and with activation checkpointing")
+    parser.add_argument("--layers", type=int, default=8, help="--checkpointing: decoder layers")
+    parser.add_argument("--path", choices=PATHS + MODEL_PATHS, help=argparse.SUPPRESS)  # a child: one path
     parser.add_argument("--grads-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.dtype == "bfloat16" and args.device == "cpu":
@@ -76,6 +88,32 @@ def resident_kb() -> int:
     """This process's resident set now, in KiB (Linux)."""
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def run_model_path(args: argparse.Namespace) -> dict:
+    """``--checkpointing``, one path in this process: the model, then the measured forward and backward."""
+    from odb.data.collate import collate_packed
+    from odb.training.model import build_model
+
+    config = {"model_type": "llama", "vocab_size": args.vocab, "hidden_size": args.hidden,
+              "intermediate_size": args.hidden * 11 // 4, "num_hidden_layers": args.layers,
+              "num_attention_heads": max(1, args.hidden // 64), "max_position_embeddings": 8192}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as spec:
+        json.dump(config, spec)
+    model = build_model(spec.name, seed=args.seed, vocab_size=args.vocab,
+                        gradient_checkpointing=args.path == "checkpointing")
+    gen = torch.Generator().manual_seed(args.seed)
+    sizes = [512] * (args.tokens // 512) + ([args.tokens % 512] if args.tokens % 512 else [])
+    batch = collate_packed([{"input_ids": torch.randint(0, args.vocab, (n,), generator=gen).tolist()} for n in sizes])
+    batch.pop("labels")
+    base = resident_kb()
+    start = time.perf_counter()
+    hidden = model.model(**batch, use_cache=False).last_hidden_state
+    hidden.float().pow(2).mean().backward()
+    peak_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
+    seconds = time.perf_counter() - start
+    torch.save({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, args.grads_out)
+    return {"peak_mb": peak_mb, "loss": float(hidden.float().pow(2).mean()), "seconds": seconds}
 
 
 def run_path(args: argparse.Namespace) -> dict:
@@ -117,6 +155,8 @@ def child(args: argparse.Namespace, path: str, grads_out: Path) -> dict:
            "--device", args.device, "--dtype", args.dtype, "--seed", str(args.seed)]
     if args.softcap is not None:
         cmd += ["--softcap", str(args.softcap)]
+    if path in MODEL_PATHS:
+        cmd += ["--layers", str(args.layers)]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -127,7 +167,10 @@ def child(args: argparse.Namespace, path: str, grads_out: Path) -> dict:
 def main() -> None:
     args = parse()
     if args.path is not None:
-        print(json.dumps(run_path(args)))
+        print(json.dumps(run_model_path(args) if args.path in MODEL_PATHS else run_path(args)))
+        return
+    if args.checkpointing:
+        checkpointing(args)
         return
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
         runs = {path: child(args, path, Path(tmp) / f"{path}.pt") for path in PATHS}
@@ -153,6 +196,27 @@ def main() -> None:
           f"  {report['num_chunks']:3d} chunks   {report['chunked_loss_peak_mb']:9.1f} MB  "
           f"{report['chunked_seconds']:7.2f} s  (x{report['ratio']:.3f})\n"
           f"  loss rel diff {report['loss_rel_diff']:.1e}, max abs grad diff {report['max_abs_grad_diff']:.1e}")
+    if args.json:
+        print(json.dumps(report))
+
+
+def checkpointing(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
+        runs = {path: child(args, path, Path(tmp) / f"{path}.pt") for path in MODEL_PATHS}
+        grads = {path: torch.load(Path(tmp) / f"{path}.pt") for path in MODEL_PATHS}
+    plain, ckpt = grads["plain"], grads["checkpointing"]
+    assert plain.keys() == ckpt.keys(), "the two paths trained different weights"
+    worst = max(float((ckpt[n] - plain[n]).abs().max() / plain[n].abs().max().clamp_min(1e-30)) for n in plain)
+    report = {"layers": args.layers, "hidden": args.hidden, "vocab": args.vocab, "tokens": args.tokens,
+              "device": "cpu", "measure": "ru_maxrss - rss before, glibc mmap threshold 64 KiB",
+              "plain_peak_mb": round(runs["plain"]["peak_mb"], 1),
+              "checkpointing_peak_mb": round(runs["checkpointing"]["peak_mb"], 1),
+              "ratio": round(runs["checkpointing"]["peak_mb"] / runs["plain"]["peak_mb"], 4),
+              "max_rel_grad_diff": worst, "plain_seconds": round(runs["plain"]["seconds"], 2),
+              "checkpointing_seconds": round(runs["checkpointing"]["seconds"], 2)}
+    print(f"forward + backward of {args.layers} x {args.hidden} on {args.tokens} tokens: "
+          f"{report['plain_peak_mb']:.1f} MB plain, {report['checkpointing_peak_mb']:.1f} MB with checkpointing "
+          f"(x{report['ratio']:.3f}); max rel grad diff {worst:.1e}")
     if args.json:
         print(json.dumps(report))
 

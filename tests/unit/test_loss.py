@@ -299,3 +299,13 @@ def test_bench_memory_tool_prints_one_json_object():
             "chunk_tokens"} <= set(report)
     assert report["num_chunks"] == 5 and report["loss_rel_diff"] <= LOSS_RTOL
     assert report["max_rel_grad_diff"] <= GRAD_RTOL
+
+
+def test_bench_memory_measures_activation_checkpointing():
+    """tools/bench_memory.py --checkpointing at a tiny size: checkpointing keeps less and the
+    gradients are the plain run's."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_memory.py"), "--checkpointing", "--layers", "4",
+                           "--hidden", "128", "--vocab", "500", "--tokens", "2048", "--json"],
+                          capture_output=True, text=True, timeout=300, check=True)
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["checkpointing_peak_mb"] < report["plain_peak_mb"] and report["max_rel_grad_diff"] <= GRAD_RTOL
