@@ -25,15 +25,17 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from odb.batching.align import TorchCommunicator
-from odb.batching.batcher import OnlineBatcher
-from odb.batching.config import OdbConfig
-from odb.data.feed import SampleFeed
-from odb.data.processing import DataConfig, SampleDataset, sample_sizes
-from odb.training.build import release_shared_memory
-from odb.training.engine import BLANK_IMAGE_TOKENS, OdbEngine
-from odb.training.evaluate import Evaluator
-from odb.training.model import build_model, load_tokenizer, vision_spec
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's odb, installed or not
+
+from odb.batching.align import TorchCommunicator  # noqa: E402
+from odb.batching.batcher import OnlineBatcher  # noqa: E402
+from odb.batching.config import OdbConfig  # noqa: E402
+from odb.data.feed import SampleFeed  # noqa: E402
+from odb.data.processing import DataConfig, SampleDataset, sample_sizes  # noqa: E402
+from odb.training.build import release_shared_memory  # noqa: E402
+from odb.training.engine import BLANK_IMAGE_TOKENS, OdbEngine  # noqa: E402
+from odb.training.evaluate import Evaluator  # noqa: E402
+from odb.training.model import build_model, load_tokenizer, vision_spec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
