@@ -36,10 +36,10 @@ from typing import Any
 import torch
 
 from odb.data.images import ImageProcessor, VisionSpec
-from odb.training.model import load_tokenizer
+from odb.training.model import load_tokenizer, training_dtype
 
 __all__ = ["consolidated_state_dict", "export_checkpoint", "find_checkpoint", "gather_state_dict", "save_hf",
-           "training_dtype", "write_hf"]
+           "write_hf"]
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -51,14 +51,6 @@ def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: pass one of {sorted(DTYPES)}")
     return DTYPES[dtype]
-
-
-def training_dtype(ds_config: dict[str, Any]) -> torch.dtype:
-    """The precision DeepSpeed's JSON trains in: bf16 if enabled, fp16 if enabled, else fp32."""
-    for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        if ds_config.get(key, {}).get("enabled") is True:
-            return dtype
-    return torch.float32
 
 
 def gather_state_dict(module: torch.nn.Module, *, dtype: torch.dtype, rank: int,
