@@ -50,10 +50,12 @@ def shm_leftovers(port: int) -> list[str]:
     return [path.name for path in left]
 
 
-def deepspeed(args: list[str], *, nproc: int = 2, timeout: int = 420) -> subprocess.CompletedProcess:
-    """Every run that succeeds must also leave no shared memory behind."""
+def deepspeed(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Path = TRAIN
+              ) -> subprocess.CompletedProcess:
+    """``script`` (launch/train.py, or a test's worker) on ``nproc`` CPU ranks under the deepspeed
+    launcher; it must succeed and leave no shared memory behind."""
     launcher, port = Path(sys.executable).with_name("deepspeed"), free_port()
-    cmd = [str(launcher), "--num_gpus", str(nproc), "--master_port", str(port), str(TRAIN), *args]
+    cmd = [str(launcher), "--num_gpus", str(nproc), "--master_port", str(port), str(script), *args]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)

@@ -7,7 +7,6 @@ init, a saved folder); the oracle of activation checkpointing is the same step w
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import bundled_tokenizer
-from launch import ROOT, free_port, shm_leftovers
+from launch import ROOT, deepspeed
 from odb.data.collate import collate_packed
 from odb.data.processing import DataConfig, SampleDataset
 from odb.training.cli import FileDefaults, parse_config
@@ -31,17 +30,7 @@ WORKER = Path(__file__).resolve().parent / "big_models_worker.py"
 
 
 def launch(script: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    port = free_port()
-    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(port),
-           str(script), *args]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    finally:
-        left = shm_leftovers(port)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    assert not left, f"the worker left DeepSpeed's shared memory behind: {left}"
-    return proc
+    return deepspeed(list(args), timeout=timeout, script=script)
 
 
 def test_training_dtype_follows_the_resolved_deepspeed_config():

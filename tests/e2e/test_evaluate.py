@@ -14,9 +14,6 @@ import copy
 import functools
 import json
 import math
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -26,7 +23,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from conftest import bundled_tokenizer
-from launch import ROOT, free_port, shm_leftovers, write_json
+from launch import ROOT, deepspeed, write_json
 from odb.batching.config import OdbConfig
 from odb.batching.simulate import run_ranks
 from odb.data.feed import DataError
@@ -204,16 +201,7 @@ def launch(tmp_path: Path, scenario: dict, nproc: int) -> list[dict]:
     out = tmp_path / f"out{nproc}"
     out.mkdir()
     path = write_json(tmp_path / f"scenario{nproc}.json", {**scenario, "out": str(out)})
-    port = free_port()
-    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(nproc), "--master_port", str(port),
-           str(WORKER), str(path)]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    finally:
-        left = shm_leftovers(port)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    assert not left, f"the launch left DeepSpeed's shared memory behind: {left}"
+    deepspeed([str(path)], nproc=nproc, timeout=300, script=WORKER)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
     if scenario.get("train_lr"):
         ranks[0]["weights"] = torch.load(out / "weights.pt")

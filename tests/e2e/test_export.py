@@ -9,7 +9,6 @@ engine's own forward.
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 import torch
 
 from conftest import bundled_tokenizer
-from launch import ROOT, deepspeed, ds_config, free_port, odb_config, shm_leftovers
+from launch import ROOT, deepspeed, ds_config, odb_config
 from odb.data.images import ImageProcessor, VisionSpec
 from odb.data.processing import SampleDataset
 from odb.training.export import export_checkpoint, find_checkpoint
@@ -159,16 +158,7 @@ def test_lora_exports_merged_and_as_adapter(tmp_path):
 
 def test_save_hf_in_a_live_zero3_run(tmp_path):
     """2 ranks: every parameter partitioned, save_hf merged and adapter-only, training goes on."""
-    port = free_port()
-    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(port),
-           str(WORKER), str(tmp_path)]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    finally:
-        left = shm_leftovers(port)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    assert not left, f"the worker left DeepSpeed's shared memory behind: {left}"
+    deepspeed([str(tmp_path)], timeout=300, script=WORKER)
     report = json.loads((tmp_path / "report.json").read_text())
     print("save_hf:", {k: v for k, v in report.items() if k.endswith("diff")})
     for name in ("full", "lora"):

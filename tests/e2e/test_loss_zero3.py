@@ -10,31 +10,20 @@ agree to 1e-5 (relative to each parameter's largest entry) and each rank's loss 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from launch import ROOT, free_port, shm_leftovers
+from launch import deepspeed
 
 WORKER = Path(__file__).resolve().parent / "loss_zero3_worker.py"
 
 
 @pytest.mark.e2e
 def test_chunked_loss_gradient_equals_full_logits_at_zero3_on_two_ranks(tmp_path):
-    port, start = free_port(), time.monotonic()
-    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(port),
-           str(WORKER), str(tmp_path)]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env, cwd=ROOT)
-    finally:
-        left = shm_leftovers(port)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    assert not left, f"the launch left DeepSpeed's shared memory behind: {left}"
+    start = time.monotonic()
+    deepspeed([str(tmp_path)], timeout=420, script=WORKER)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     print(f"launch took {time.monotonic() - start:.0f} s")
     for name, result in ranks[0].items():
