@@ -226,9 +226,10 @@ class Telemetry:
         self.file.flush()
 
     def _write_evals(self, up_to: int | None = None) -> None:
-        """Writes the eval rows of steps up to ``up_to`` (None: all), after those steps' rows."""
+        """Writes the eval rows of steps up to ``up_to`` (None: all), after those steps' rows (they
+        arrive in step order, so the ready ones lead)."""
         ready = [row for row in self.evals if up_to is None or row["step"] <= up_to]
-        self.evals = [row for row in self.evals if row not in ready]
+        self.evals = self.evals[len(ready):]
         self._write(ready)
 
     def _warn_truncation(self) -> None:
