@@ -8,25 +8,57 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OdbConfig", "load_json_config", "load_odb_config", "read_json_object"]
+__all__ = ["OdbConfig", "check_bool", "check_int", "check_number", "check_str", "load_json_config", "load_odb_config",
+           "read_json_object"]
 
 _POLICIES = ("odb", "fixed", "gmt", "bmt")
 _MODES = ("join", "quota")
 _OVER_CAP = ("truncate", "drop", "error")
 _SHARDING = ("dynamic", "static")
+_INT_LIMIT = 2**63
+"""Integers odb reads from a config stay below this: ranks exchange them (and sums of them) as int64."""
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_bool(value: Any) -> bool:
-    return isinstance(value, bool)
+def check_int(name: str, value: Any, minimum: int) -> None:
+    """Raises a ValueError naming ``name`` unless ``value`` is an int (not a bool) in [minimum, 2**63)."""
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if value >= _INT_LIMIT:
+        raise ValueError(f"{name} must be < 2**63 (odb exchanges it as int64), got {value}")
+
+
+def check_number(name: str, value: Any, low: float, high: float | None = None) -> None:
+    """Raises a ValueError naming ``name`` unless ``value`` is a finite int or float (not a bool)
+    within [low, high] (``high`` None: no upper bound)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if high is not None and not low <= value <= high:
+        raise ValueError(f"{name} must be within [{low}, {high}], got {value}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+def check_str(name: str, value: Any) -> None:
+    """Raises a ValueError naming ``name`` unless ``value`` is a non-empty string."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty string, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,37 +112,29 @@ class OdbConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "window", "gas", "lookahead", "batch_size", "bucket_size", "seed"):
-            value = getattr(self, name)
-            if not _is_int(value):
-                raise ValueError(f"--{name} must be an integer, got {value!r}")
-        for name in ("max_tokens", "window", "gas", "batch_size", "bucket_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        for name, minimum in (("max_tokens", 1), ("window", 1), ("gas", 1), ("batch_size", 1), ("bucket_size", 1),
+                              ("lookahead", 0), ("seed", 0)):
+            check_int(f"--{name}", getattr(self, name), minimum)
         if self.window < self.gas:
             raise ValueError(f"--window ({self.window}) must be >= --gas ({self.gas}): a rank needs GAS "
                              "samples at hand to fill a step without dummies")
-        if self.lookahead < 0:
-            raise ValueError(f"--lookahead must be >= 0, got {self.lookahead}")
         for name, allowed in (("mode", _MODES), ("over_cap", _OVER_CAP), ("sharding", _SHARDING),
                               ("policy", _POLICIES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.mode == "quota":
-            if self.quota is None or not _is_int(self.quota) or self.quota < 1:
-                raise ValueError(f"--mode quota needs --quota >= 1 (samples to train), got {self.quota!r}")
+            if self.quota is None:
+                raise ValueError("--mode quota needs --quota >= 1 (samples to train), got None")
+            check_int("--quota", self.quota, 1)
         elif self.quota is not None:
             raise ValueError("--quota is only used with --mode quota; drop it or set --mode quota")
-        if self.max_patches is not None and (not _is_int(self.max_patches) or self.max_patches < 1):
-            raise ValueError(f"--max_patches must be a positive integer or null, got {self.max_patches!r}")
+        if self.max_patches is not None:
+            check_int("--max_patches", self.max_patches, 1)  # (or null: no cap)
         for name in ("attn_coef", "patch_coef"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
+            check_number(f"--{name}", getattr(self, name), 0)
         for name in ("min_fill", "max_carry"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"--{name} must be within [0, 1], got {getattr(self, name)}")
-        if not _is_bool(self.pad_rows):
-            raise ValueError(f"--pad_rows must be true or false, got {self.pad_rows!r}")
+            check_number(f"--{name}", getattr(self, name), 0, 1)
+        check_bool("--pad_rows", self.pad_rows)
         self._check_policy()
 
     def _check_policy(self) -> None:
@@ -136,14 +160,17 @@ class OdbConfig:
 def read_json_object(path: str | Path, what: str, fix: str) -> dict[str, Any]:
     """A JSON object from ``path``; a missing file or bad JSON is an error naming ``fix``."""
     path = Path(path)
+    if path.is_dir():
+        raise FileNotFoundError(f"{what} {path} is a folder, not a JSON file; {fix}")
     if not path.is_file():
         raise FileNotFoundError(f"{what} {path} does not exist; {fix}")
     try:
-        values = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{what} {path} is not valid JSON: {err}") from err
+        values = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as err:  # bad JSON, not UTF-8, a 5000-digit number, nesting too deep
+        raise ValueError(f"{what} {path} is not valid JSON: {err}; {fix}") from err
     if not isinstance(values, dict):
-        raise ValueError(f"{what} {path} must hold a JSON object")
+        raise ValueError(f"{what} {path} must hold a JSON object {{\"key\": value, ...}}, got "
+                         f"{json.dumps(values)[:60]}; {fix}")
     return values
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from odb.batching.config import load_json_config
+from odb.batching.config import check_bool, check_int, check_number, check_str, load_json_config
 from odb.batching.cost import count_label_tokens
 from odb.data.formats import FORMATS, IMAGE_PLACEHOLDER, SkipSample, normalize
 from odb.data.images import IMAGE_PAD, ImageProcessor, VisionSpec, expand_placeholders
@@ -84,12 +84,20 @@ class DataConfig:
                              f"rewrites past turns), got {self.train_on!r}")
         if self.truncation not in TRUNCATION:
             raise ValueError(f"truncation must be one of {TRUNCATION}, got {self.truncation!r}")
-        if not 0.0 <= self.system_prompt_prob <= 1.0:
-            raise ValueError("system_prompt_prob must be within [0, 1]")
+        check_bool("strict", self.strict)
+        check_bool("turn_sampling", self.turn_sampling)
+        prompts = self.system_prompts
+        if not isinstance(prompts, (list, tuple)) or not all(isinstance(prompt, str) for prompt in prompts):
+            raise ValueError(f"system_prompts must be a list of strings, got {self.system_prompts!r}")
+        check_number("system_prompt_prob", self.system_prompt_prob, 0, 1)
         if self.system_prompt_prob and not self.system_prompts:
             raise ValueError("system_prompt_prob > 0 needs system_prompts to choose from")
-        if not 0 < self.min_pixels <= self.max_pixels:
-            raise ValueError("need 0 < min_pixels <= max_pixels")
+        if self.image_folder is not None:
+            check_str("image_folder", self.image_folder)
+        check_int("min_pixels", self.min_pixels, 1)
+        check_int("max_pixels", self.max_pixels, 1)
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"need min_pixels <= max_pixels, got {self.min_pixels} > {self.max_pixels}")
         object.__setattr__(self, "system_prompts", tuple(self.system_prompts))
 
 

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from odb.batching.config import OdbConfig, load_odb_config
+from odb.batching.config import OdbConfig, load_odb_config, read_json_object
 from odb.data.formats import FORMATS
 from odb.data.processing import load_data_config
 from odb.training.config import (
@@ -115,6 +115,8 @@ def _parser(defaults: FileDefaults) -> argparse.ArgumentParser:
 
 
 def _need_file(path: str | Path, what: str, fix: str) -> Path:
+    if not str(path):  # (Path("") is the current folder)
+        raise FileNotFoundError(f"{what}: the path is empty; {fix}")
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{what} {p} does not exist; {fix}")
@@ -122,22 +124,49 @@ def _need_file(path: str | Path, what: str, fix: str) -> Path:
 
 
 def _model(args: argparse.Namespace, defaults: FileDefaults) -> ModelSettings:
-    model = _need_file(args.model, "model", "pass a local HF model folder (with config.json) or a model "
-                       "config JSON such as configs/tiny_model.json")
+    model_fix = ("pass a local HF model folder (with config.json) to --model, or a model config JSON such as "
+                 "configs/tiny_model.json")
+    model = _need_file(args.model, "model", model_fix)
     if model.is_dir() and not (model / "config.json").is_file():
-        raise FileNotFoundError(f"model folder {model} has no config.json; pass a Hugging Face model "
-                                "folder (save_pretrained) or a config JSON")
+        raise FileNotFoundError(f"model folder {model} has no config.json; {model_fix}")
+    if model.is_file():
+        _check_model_config(model, model_fix)
     tokenizer = args.tokenizer
     if tokenizer is None:
         has_own = model.is_dir() and (model / "tokenizer_config.json").is_file()
         tokenizer = str(model) if has_own else str(defaults.tokenizer)
-    _need_file(tokenizer, "tokenizer folder", "pass --tokenizer with a folder from save_pretrained")
+    tokenizer_fix = "pass --tokenizer with a folder from save_pretrained"
+    if not _need_file(tokenizer, "tokenizer folder", tokenizer_fix).is_dir():
+        raise FileNotFoundError(f"tokenizer folder {tokenizer} is not a folder; {tokenizer_fix}")
     lora = None
     if args.lora:
         lora = load_json_config(args.lora, known=lora_keys(), what="LoRA config", fix="pass --lora configs/lora.json")
     return ModelSettings(path=str(model), tokenizer=tokenizer, lora=lora,
                          gradient_checkpointing=args.gradient_checkpointing,
                          loss_chunk_tokens=args.loss_chunk_tokens or None)
+
+
+def _check_model_config(path: Path, fix: str) -> None:
+    """A model config JSON (random init) names a model type transformers knows."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = read_json_object(path, "model config", fix).get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise ValueError(f"model config {path}: \"model_type\" must name a transformers model type such as "
+                         f"\"llama\" or \"qwen2\", got {model_type!r}; {fix}")
+
+
+def _world_size() -> int:
+    """The launcher's WORLD_SIZE (deepspeed, torchrun set it before we start); 1 without one."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    try:
+        world_size = int(value)
+    except ValueError:
+        world_size = 0
+    if world_size < 1:
+        raise ValueError(f"the environment's WORLD_SIZE must be an integer >= 1, got {value!r}; start with "
+                         "deepspeed or torchrun, which set it, or unset it for one process")
+    return world_size
 
 
 def _batching(args: argparse.Namespace) -> OdbConfig:
@@ -163,8 +192,7 @@ def parse_config(argv: list[str] | None = None, *, defaults: FileDefaults) -> Ru
     batching = _batching(args)
     import torch
 
-    # launchers (deepspeed, torchrun) set WORLD_SIZE before we start
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = _world_size()
     deepspeed = resolve_ds_config(load_ds_config(args.deepspeed_config), gas=batching.gas, world_size=world_size,
                                   use_bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
                                   source=args.deepspeed_config)
@@ -172,6 +200,8 @@ def parse_config(argv: list[str] | None = None, *, defaults: FileDefaults) -> Ru
     if args.save_adapter_only and model.lora is None:
         raise ValueError("--save_adapter_only saves a LoRA adapter: train with --lora, or drop the flag")
     data = _data(args)
+    if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
+        raise ValueError(f"--output_dir {args.output_dir} is a file; pass a folder (created if missing)")
     if args.resume and not (Path(args.output_dir) / "checkpoints").is_dir():
         raise FileNotFoundError(f"--resume: no checkpoints in {Path(args.output_dir) / 'checkpoints'}; "
                                 "resume with the --output_dir of the run that saved them")

@@ -13,12 +13,15 @@ The resolved config is saved with each checkpoint (``run_config.json``) and in `
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import math
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from odb.batching.config import OdbConfig, load_json_config
+from odb.batching.config import OdbConfig, check_bool, check_int, check_number, check_str, load_json_config
 from odb.data.processing import DataConfig
 from odb.training.loss import DEFAULT_LOSS_CHUNK_TOKENS
 
@@ -27,6 +30,7 @@ __all__ = ["CheckpointSettings", "DataSettings", "LoggingSettings", "ModelSettin
 
 OPTIMIZERS = ("adamw", "sgd")
 REPORT_TO = ("none", "wandb")
+_MAX_TIMEOUT_S = int(timedelta.max.total_seconds())
 
 
 def field_names(cls) -> list[str]:
@@ -43,6 +47,103 @@ def lora_keys() -> list[str]:
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+def _check_optional_int(name: str, value: Any, minimum: int) -> None:
+    if value is not None:
+        check_int(name, value, minimum)
+
+
+def _check_optional_str(name: str, value: Any) -> None:
+    if value is not None:
+        check_str(name, value)
+
+
+def _is_list_of(value: Any, is_item: Callable[[Any], bool]) -> bool:
+    return isinstance(value, list) and all(is_item(item) for item in value)
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_regex(value: Any) -> bool:
+    """peft matches a string of module names, and a pattern's keys, as a regular expression."""
+    try:
+        re.compile(value)
+    except (re.error, TypeError):
+        return False
+    return True
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+_LORA_BIAS = ("none", "all", "lora_only")
+_MAX_LORA_RANK = 2**16
+_LORA_INITS = ("gaussian", "eva", "olora", "pissa", "corda", "loftq", "orthogonal", "mica")
+_NAMES = ("a module name regex, a list of names or null",
+          lambda v: v is None or _is_str(v) and _is_regex(v) or _is_list_of(v, _is_str))
+_LORA_SHAPES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "target_modules": _NAMES,
+    "exclude_modules": _NAMES,
+    "modules_to_save": ("a list of module names or null", lambda v: v is None or _is_list_of(v, _is_str)),
+    "target_parameters": ("a list of parameter names or null", lambda v: v is None or _is_list_of(v, _is_str)),
+    "layers_to_transform": ("a layer index, a list of them or null",
+                            lambda v: v is None or _is_count(v) or _is_list_of(v, _is_count)),
+    "bias": (f"one of {_LORA_BIAS}", lambda v: v in _LORA_BIAS),
+    "init_lora_weights": (f"true, false or one of {_LORA_INITS} or 'pissa_niter_<N>'",
+                          lambda v: isinstance(v, bool) or v in _LORA_INITS
+                          or _is_str(v) and re.fullmatch(r"pissa_niter_\d+", v) is not None),
+    "rank_pattern": (f"an object of module name regex -> rank in [1, {_MAX_LORA_RANK}]",
+                     lambda v: isinstance(v, dict) and all(_is_regex(k) and _is_count(r) and 1 <= r <= _MAX_LORA_RANK
+                                                           for k, r in v.items())),
+    "alpha_pattern": ("an object of module name regex -> alpha >= 0", lambda v: isinstance(v, dict) and all(
+        _is_regex(k) and _is_number(a) and a >= 0 for k, a in v.items())),
+    **{name: ("true or false", lambda v: isinstance(v, bool))
+       for name in ("fan_in_fan_out", "inference_mode", "use_dora", "use_rslora")},
+}
+"""The shape of each LoRA key a user is likely to type (peft itself checks few of them, and fails
+with a TypeError or AttributeError from inside when the model is built)."""
+
+
+def _check_lora(lora: Any) -> None:
+    """The LoRA settings checked before peft sees them; then peft's own ``LoraConfig`` built once,
+    its refusal naming the key."""
+    _check(isinstance(lora, Mapping), f"--lora must be a JSON object of LoraConfig fields, got {lora!r}")
+    if "r" in lora:
+        check_int("--lora 'r'", lora["r"], 1)
+        _check(lora["r"] <= _MAX_LORA_RANK, f"--lora 'r' must be <= {_MAX_LORA_RANK} (a rank above the model's "
+                                             f"width adds nothing), got {lora['r']}")
+    if "lora_alpha" in lora:
+        check_number("--lora 'lora_alpha'", lora["lora_alpha"], 0)
+    if "lora_dropout" in lora:
+        check_number("--lora 'lora_dropout'", lora["lora_dropout"], 0, 1)
+    for name, (shape, is_ok) in _LORA_SHAPES.items():
+        _check(name not in lora or is_ok(lora[name]), f"--lora '{name}' must be {shape}, got {lora.get(name)!r}")
+    from peft import LoraConfig
+
+    try:
+        LoraConfig(task_type="CAUSAL_LM", **lora)
+    except Exception as err:  # peft raises what it likes: name the keys it refuses on their own
+        refused = [key for key in lora if not _lora_accepts(key, lora[key])] or sorted(lora)
+        shown = ", ".join(f"'{key}'={lora[key]!r}" for key in refused)
+        raise ValueError(f"--lora {shown}: peft's LoraConfig refuses it ({type(err).__name__}: {err})") from err
+
+
+def _lora_accepts(key: str, value: Any) -> bool:
+    from peft import LoraConfig
+
+    try:
+        LoraConfig(task_type="CAUSAL_LM", **{key: value})
+    except Exception:
+        return False
+    return True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +166,14 @@ class ModelSettings:
     full logits, fp32 over the whole micro-batch)."""
 
     def __post_init__(self) -> None:
-        _check(self.loss_chunk_tokens is None or self.loss_chunk_tokens >= 1, "--loss_chunk_tokens must be >= 0")
+        check_str("--model", self.path)
+        check_str("--tokenizer", self.tokenizer)
+        if self.lora is not None:
+            _check_lora(self.lora)
+        check_bool("--gradient_checkpointing", self.gradient_checkpointing)
+        chunk = self.loss_chunk_tokens  # (the command line's 0 is None here)
+        _check(chunk is None or _is_count(chunk) and 1 <= chunk < 2**63,
+               f"--loss_chunk_tokens must be an integer >= 0 (0: the model's full logits), got {chunk!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,9 +189,12 @@ class RunSettings:
     """Timeout of every collective."""
 
     def __post_init__(self) -> None:
-        _check(self.epochs >= 1, "--epochs must be >= 1")
-        _check(self.max_steps is None or self.max_steps >= 1, "--max_steps must be >= 1")
-        _check(self.dist_timeout_s >= 1, "--dist_timeout_s must be >= 1")
+        check_str("--output_dir", self.output_dir)
+        check_int("--epochs", self.epochs, 1)
+        _check_optional_int("--max_steps", self.max_steps, 1)
+        check_int("--dist_timeout_s", self.dist_timeout_s, 1)
+        _check(self.dist_timeout_s <= _MAX_TIMEOUT_S, f"--dist_timeout_s must be <= {_MAX_TIMEOUT_S} (Python's "
+                                                      f"longest timedelta), got {self.dist_timeout_s}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,14 +222,19 @@ class DataSettings:
         return self.eval_path is not None or self.val_ratio > 0
 
     def __post_init__(self) -> None:
-        _check(self.max_samples is None or self.max_samples >= 1, "--max_samples must be >= 1")
-        _check(0.0 <= self.val_ratio < 1.0, "--val_ratio must be within [0, 1)")
+        check_str("--data", self.path)
+        _check(isinstance(self.processing, DataConfig),
+               f"--data_config must give a DataConfig, got {self.processing!r}")
+        _check_optional_int("--max_samples", self.max_samples, 1)
+        _check_optional_str("--eval_data", self.eval_path)
+        check_number("--val_ratio", self.val_ratio, 0)
+        _check(self.val_ratio < 1, f"--val_ratio must be within [0, 1), got {self.val_ratio}")
         _check(not (self.eval_path and self.val_ratio), "pass either --eval_data or --val_ratio, not both")
-        _check(self.eval_steps >= 0, "--eval_steps must be >= 0")
+        check_int("--eval_steps", self.eval_steps, 0)
         _check(self.has_eval or not self.eval_steps, "--eval_steps needs validation data: pass --eval_data FILE "
                                                      "or --val_ratio R")
-        _check(self.num_workers >= 0, "--num_workers must be >= 0")
-        _check(self.prefetch_factor >= 1, "--prefetch_factor must be >= 1")
+        check_int("--num_workers", self.num_workers, 0)
+        check_int("--prefetch_factor", self.prefetch_factor, 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,8 +250,12 @@ class OptimizationSettings:
     """DeepSpeed's JSON, resolved: odb's batch values and "auto" precision filled in."""
 
     def __post_init__(self) -> None:
-        _check(self.optimizer in OPTIMIZERS, f"--optimizer must be one of {OPTIMIZERS}")
-        _check(0.0 <= self.warmup_ratio <= 1.0, "--warmup_ratio must be within [0, 1]")
+        _check(self.optimizer in OPTIMIZERS, f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        check_number("--lr", self.lr, 0)
+        check_number("--warmup_ratio", self.warmup_ratio, 0, 1)
+        check_number("--weight_decay", self.weight_decay, 0)
+        _check(isinstance(self.deepspeed, Mapping),
+               f"--deepspeed_config must give a JSON object, got {self.deepspeed!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,8 +276,12 @@ class CheckpointSettings:
     """With ``--save_hf`` and LoRA: write the PEFT adapter instead of the merged model."""
 
     def __post_init__(self) -> None:
-        _check(self.save_steps >= 0, "--save_steps must be >= 0")
-        _check(self.save_total_limit is None or self.save_total_limit >= 1, "--save_total_limit must be >= 1")
+        check_int("--save_steps", self.save_steps, 0)
+        check_bool("final (--no_final_checkpoint)", self.final)
+        _check_optional_str("--resume", self.resume)
+        _check_optional_int("--save_total_limit", self.save_total_limit, 1)
+        check_bool("--save_hf", self.save_hf)
+        check_bool("--save_adapter_only", self.save_adapter_only)
         _check(self.save_hf or not self.save_adapter_only, "--save_adapter_only needs --save_hf")
 
 
@@ -175,7 +299,12 @@ class LoggingSettings:
     """Write emitted_ids.rank<R>.jsonl: the dataset indices of every micro-batch."""
 
     def __post_init__(self) -> None:
-        _check(self.report_to in REPORT_TO, f"--report_to must be one of {REPORT_TO}")
+        _check(self.report_to in REPORT_TO, f"--report_to must be one of {REPORT_TO}, got {self.report_to!r}")
+        check_str("--wandb_project", self.wandb_project)
+        _check_optional_str("--run_name", self.run_name)
+        _check(isinstance(self.wandb_tags, (list, tuple)) and all(isinstance(t, str) for t in self.wandb_tags),
+               f"--wandb_tags must be a list of strings, got {self.wandb_tags!r}")
+        check_bool("--audit_ids", self.audit_ids)
         object.__setattr__(self, "wandb_tags", tuple(self.wandb_tags))
 
 

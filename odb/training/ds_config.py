@@ -34,15 +34,38 @@ def resolve_ds_config(config: dict[str, Any], *, gas: int, world_size: int, use_
                                "per step, each holding a varying number of samples"}
     for key, value in wanted.items():
         given = out.get(key, "auto")
-        if given != "auto" and given != value:
+        if given != "auto" and (given != value or isinstance(given, bool)):
             raise ValueError(f"{source}: {key}={given!r} cannot hold: {why[key]}; set it to \"auto\"")
         out[key] = value
     if "scheduler" in out:
         raise ValueError(f"{source}: remove \"scheduler\": odb sets the learning rate by progress "
                          "(samples trained over the planned total), since the number of steps is "
                          "not known up front; use --lr and --warmup_ratio")
-    for precision in ("bf16", "fp16"):
+    _check_blocks(out, source)
+    for precision in ("bf16", "bfloat16", "fp16"):
         block = out.get(precision)
-        if isinstance(block, dict) and block.get("enabled") == "auto":
-            block["enabled"] = use_bf16 if precision == "bf16" else False
+        if block is not None and block.get("enabled") == "auto":
+            block["enabled"] = use_bf16 if precision != "fp16" else False
     return out
+
+
+def _check_blocks(config: dict[str, Any], source: str) -> None:
+    """The blocks odb itself reads (precision, ZeRO stage) have the shape it reads them in; DeepSpeed
+    checks the rest of its JSON itself."""
+    for precision in ("bf16", "bfloat16", "fp16"):
+        if precision not in config:
+            continue
+        block = config[precision]
+        if not isinstance(block, dict):
+            raise ValueError(f"{source}: \"{precision}\" must be an object such as {{\"enabled\": \"auto\"}}, "
+                             f"got {block!r}")
+        enabled = block.get("enabled", False)
+        if not (isinstance(enabled, bool) or enabled == "auto"):
+            raise ValueError(f"{source}: \"{precision}\": {{\"enabled\": ...}} must be true, false or \"auto\", "
+                             f"got {enabled!r}")
+    if "zero_optimization" in config:
+        block = config["zero_optimization"]
+        stage = block.get("stage", 0) if isinstance(block, dict) else None
+        if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+            raise ValueError(f"{source}: \"zero_optimization\" must be an object with a \"stage\" of 0, 1, 2 or 3, "
+                             f"got {block!r}")
