@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from odb.training.cli import FileDefaults, parse_config  # noqa: E402
+from odb.training.faults import EXIT_PREEMPTED, Preempted  # noqa: E402
 from odb.training.run import Trainer  # noqa: E402
 
 DEFAULTS = FileDefaults(
@@ -29,6 +30,10 @@ def main() -> None:
         trainer.build()
         trainer.train()
         trainer.finish()
+    except Preempted as stop:  # SIGTERM / SIGUSR1: every rank saved at the same step
+        trainer.shutdown(stop)
+        trainer.log(f"odb: {stop}")
+        sys.exit(EXIT_PREEMPTED)
     except BaseException as error:
         trainer.shutdown(error)  # local: workers, files, W&B (failed), process group
         raise

@@ -103,3 +103,83 @@ def deepspeed_watched(args: list[str], *, nproc: int = 2, timeout: int = 300
         output.seek(0)
         shm_leftovers(port)  # a rank the launcher terminated had no chance to remove its buffer
         return proc.returncode, output.read(), list(seen.values())
+
+
+class Run:
+    """A run started in the background, to be signalled while it trains: under the deepspeed
+    launcher (one node), or ``apart``: each rank its own process with its own environment, no
+    launcher over them (as ranks on separate nodes are, where no launcher sees a peer die)."""
+
+    def __init__(self, args: list[str], *, nproc: int, apart: bool = False, port: int | None = None,
+                 rank_args: dict[int, list[str]] | None = None) -> None:
+        self.port = port or free_port()
+        self.log = tempfile.TemporaryFile("w+")
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+        if not apart:
+            cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(nproc), "--master_port",
+                   str(self.port), str(TRAIN), *args]
+            self.procs = [subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env,
+                                           cwd=ROOT)]
+        else:
+            self.procs = []
+            for rank in range(nproc):
+                rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(nproc),
+                            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.port),
+                            "OMP_NUM_THREADS": "1"}
+                extra = (rank_args or {}).get(rank, [])
+                self.procs.append(subprocess.Popen([sys.executable, str(TRAIN), *args, *extra], stdout=self.log,
+                                                   stderr=subprocess.STDOUT, text=True, env=rank_env, cwd=ROOT))
+        self.apart = apart
+
+    def rank_process(self, rank: int) -> psutil.Process:
+        """The process of ``rank``."""
+        if self.apart:
+            return psutil.Process(self.procs[rank].pid)
+        for child in psutil.Process(self.procs[0].pid).children(recursive=True):
+            if f"--local_rank={rank}" in " ".join(child.cmdline()):
+                return child
+        raise LookupError(f"no rank {rank} under the launcher")
+
+    def wait_for(self, condition, timeout: float = 240) -> None:
+        """Polls ``condition()`` until true; fails if the run ends or the time runs out first."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if any(p.poll() is not None for p in self.procs):
+                raise AssertionError(f"the run ended early:\n{self.output()[-4000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"still waiting after {timeout} s:\n{self.output()[-4000:]}")
+            time.sleep(0.2)
+
+    def wait(self, timeout: float) -> list[int]:
+        """Every process's exit code (each waited for at most ``timeout`` s from now; the rest killed)."""
+        deadline, codes = time.monotonic() + timeout, []
+        for proc in self.procs:
+            try:
+                codes.append(proc.wait(max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise AssertionError(f"still running {timeout} s later:\n{self.output()[-4000:]}") from None
+        shm_leftovers(self.port)
+        return codes
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            try:
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    child.kill()
+            except psutil.Error:
+                pass
+            proc.kill()
+            proc.wait()
+        shm_leftovers(self.port)
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+
+def steps_trained(out: Path, rank: int = 0) -> int:
+    """Steps in ``rank``'s audit file so far (written as each step is trained)."""
+    path = out / f"emitted_ids.rank{rank}.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return len({json.loads(line)["step"] for line in lines if line.endswith("}")})  # the last may be half written

@@ -18,6 +18,7 @@ and counts nothing.
 
 from __future__ import annotations
 
+import signal
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -61,6 +62,14 @@ class _Processed(Dataset):
         return {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in self.dataset[uid].items()}
 
 
+def _ignore_stop_signals(worker_id: int) -> None:
+    """A worker outlives SIGTERM / SIGUSR1 (SLURM and launchers signal every process of a job): its
+    rank stops at a step boundary and saves (odb.training.faults.GracefulStop), which needs the
+    workers until then; they end when the rank shuts the loader down, or with it."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _to_torch(sample: dict[str, Any]) -> dict[str, Any]:
     return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in sample.items()}
 
@@ -82,7 +91,7 @@ class SampleFeed:
         self.loader = DataLoader(_Processed(dataset), sampler=self.sampler, batch_size=None,
                                  collate_fn=_identity, num_workers=num_workers,
                                  prefetch_factor=prefetch_factor if num_workers else None,
-                                 persistent_workers=False)
+                                 persistent_workers=False, worker_init_fn=_ignore_stop_signals)
         self._iter: Iterator | None = None
         self.store: dict[int, dict[str, Any]] = {}
         self.skipped: Counter[str] = Counter()  # skip reason -> records

@@ -31,6 +31,7 @@ from odb.training.attention import has_flash_attn
 from odb.training.config import OptimizationSettings, RunConfig
 from odb.training.engine import BLANK_IMAGE_TOKENS, OdbEngine
 from odb.training.evaluate import Evaluator
+from odb.training.faults import Watchdog, WatchedCommunicator, collective_timeout_s
 from odb.training.model import build_model, load_tokenizer, vision_spec
 from odb.training.mrope import supports_packing
 from odb.training.schedule import ProgressSchedule
@@ -77,7 +78,8 @@ def init_distributed(config: RunConfig) -> tuple[int, int]:
         # CPU ranks share the machine's cores instead of each taking all of them
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    deepspeed.init_distributed(timeout=timedelta(seconds=config.run.dist_timeout_s))
+    # a backstop: the watchdog (odb.training.faults) ends a stalled run first, naming the rank
+    deepspeed.init_distributed(timeout=timedelta(seconds=collective_timeout_s(config.run.dist_timeout_s)))
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -98,12 +100,14 @@ def release_shared_memory() -> None:
 
 
 def build_components(config: RunConfig, *, rank: int, world_size: int, report: Callable[[], np.ndarray],
-                     on_reports: Callable[[np.ndarray], None], log: Callable[[str], None]) -> Components:
+                     on_reports: Callable[[np.ndarray], None], log: Callable[[str], None],
+                     watchdog: Watchdog | None = None) -> Components:
     """Builds the run (collective: every rank, same order).
 
     Args:
         report / on_reports: the batcher's telemetry hooks (called from its first round on).
         log: rank 0's console.
+        watchdog: told when odb's collective waits on the other ranks.
     """
     tokenizer = load_tokenizer(config.model.tokenizer)
     # in DeepSpeed's precision; at ZeRO-3 partitioned as it is built (collective)
@@ -132,11 +136,12 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
                        loss_chunk_tokens=config.model.loss_chunk_tokens)
     feed = SampleFeed(dataset, sample_sizes, num_workers=config.data.num_workers,
                       prefetch_factor=config.data.prefetch_factor)
-    comm = TorchCommunicator(timeout_s=config.run.dist_timeout_s)
+    comm = TorchCommunicator(timeout_s=collective_timeout_s(config.run.dist_timeout_s))
+    watched = comm if watchdog is None else WatchedCommunicator(comm, watchdog)
     evaluator = None if eval_dataset is None else Evaluator(
-        engine, eval_dataset, batching, comm, num_workers=config.data.num_workers,
+        engine, eval_dataset, batching, watched, num_workers=config.data.num_workers,
         prefetch_factor=config.data.prefetch_factor)
-    batcher = OnlineBatcher(batching, comm, dataset_size=len(dataset), feed=feed, num_epochs=config.run.epochs,
+    batcher = OnlineBatcher(batching, watched, dataset_size=len(dataset), feed=feed, num_epochs=config.run.epochs,
                             report=report, on_reports=on_reports)
     planned = batching.quota if batching.mode == "quota" else config.run.epochs * len(dataset)
     schedule = ProgressSchedule(config.optimization.lr, planned, warmup_ratio=config.optimization.warmup_ratio)

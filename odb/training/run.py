@@ -23,6 +23,14 @@ from odb.training.build import Components, build_components, init_distributed, r
 from odb.training.checkpoint import load_checkpoint, save_checkpoint
 from odb.training.config import RunConfig
 from odb.training.export import save_hf
+from odb.training.faults import (
+    EXIT_PREEMPTED,
+    GracefulStop,
+    Preempted,
+    Watchdog,
+    collective_timeout_s,
+    connect_store,
+)
 from odb.training.schedule import planned_to_train
 
 __all__ = ["Trainer"]
@@ -37,18 +45,27 @@ class Trainer:
         self.saved: str | None = None  # the last checkpoint tag written
         self.audit: IO[str] | None = None  # emitted_ids.rank<R>.jsonl while training
         self.evaluated_at: int | None = None  # steps done at the last evaluation
+        self.watchdog: Watchdog | None = None  # from init() on (odb.training.faults)
+        self.stop: GracefulStop | None = None
 
     @classmethod
     def init(cls, config: RunConfig) -> Trainer:
-        """Joins the process group (collective) and makes the output folder."""
+        """Joins the process group (collective), starts the watchdog, handles SIGTERM / SIGUSR1 from
+        now on (:mod:`odb.training.faults`) and makes the output folder."""
         rank, world_size = init_distributed(config)
+        trainer = cls(config, rank=rank, world_size=world_size)
+        timeout = config.run.dist_timeout_s
+        trainer.watchdog = Watchdog(connect_store(timeout), rank=rank, world_size=world_size, timeout_s=timeout,
+                                    on_exit=release_shared_memory).start()
+        trainer.stop = GracefulStop(connect_store(collective_timeout_s(timeout)), rank=rank).install()
         config.output_dir.mkdir(parents=True, exist_ok=True)
-        return cls(config, rank=rank, world_size=world_size)
+        return trainer
 
     def build(self) -> Trainer:
         """Builds every component (collective); resumes from a checkpoint if asked to."""
         self.parts = build_components(self.config, rank=self.rank, world_size=self.world_size,
-                                      report=self._report, on_reports=self._on_reports, log=self.log)
+                                      report=self._report, on_reports=self._on_reports, log=self.log,
+                                      watchdog=self.watchdog)
         if self.config.checkpoints.resume:
             load_checkpoint(self.parts, self.config, self.config.checkpoints.resume, self.log)
         self.log("odb: " + ", ".join(f"{k} {v}" for k, v in self.parts.settings.items()))
@@ -57,21 +74,31 @@ class Trainer:
     # ---- train ------------------------------------------------------------------------------
 
     def train(self) -> Trainer:
-        """The step loop (collective): until the batcher has no more steps, or ``--max_steps``."""
+        """The step loop (collective): until the batcher has no more steps, or ``--max_steps``.
+
+        Raises:
+            Preempted: SIGTERM or SIGUSR1 reached a rank; every rank stopped after the same step
+                and saved a checkpoint (:class:`odb.training.faults.GracefulStop`).
+        """
         parts, config = self._built(), self.config
-        batcher, telemetry = parts.batcher, parts.telemetry
+        batcher, telemetry, watchdog, stop = parts.batcher, parts.telemetry, self.watchdog, self.stop
+        assert watchdog is not None and stop is not None, "call init() first"
+        preempted: str | None = None
         if config.logging.audit_ids:
             self.audit = open(config.output_dir / f"emitted_ids.rank{self.rank}.jsonl", "a")
         progress = self._progress_bar()
         telemetry.start()
         steps_this_run = 0
         plans = iter(batcher)
+        watchdog.arm()
         while True:
             began = time.perf_counter()
             spent = (batcher.fetch_s, batcher.plan_s, batcher.aligner.collective_s)
+            watchdog.progress("fetching samples and planning", step=telemetry.steps_done, round=batcher.round_index)
             plan = next(plans, None)  # a round may run here: fetching, planning, one collective
             if plan is None:
                 break
+            watchdog.progress(f"training ({len(plan.micro_batches)} micro-batches)", step=plan.step)
             samples = [[parts.feed.take(uid) for uid in micro.uids] for micro in plan.micro_batches]
             result = parts.engine.train_step(plan, samples, self._lr())
             times = StepTimes(wait=batcher.fetch_s - spent[0], plan=batcher.plan_s - spent[1],
@@ -86,11 +113,18 @@ class Trainer:
                 self.evaluate()
             if config.checkpoints.save_steps and telemetry.steps_done % config.checkpoints.save_steps == 0:
                 self.save(f"step{telemetry.steps_done}")
+            if stop.should_stop(telemetry.steps_done):  # the same step on every rank
+                preempted = f"step{telemetry.steps_done}"
+                if self.saved != preempted:
+                    self.save(preempted)
+                break
             if config.run.max_steps and steps_this_run >= config.run.max_steps:
                 break
         telemetry.stop()
         if progress is not None:
             progress.close()
+        if preempted is not None:
+            raise Preempted(telemetry.steps_done, preempted)
         return self
 
     def _built(self) -> Components:
@@ -152,6 +186,8 @@ class Trainer:
 
     def save(self, tag: str) -> None:
         """A checkpoint named ``tag`` (collective)."""
+        if self.watchdog is not None:
+            self.watchdog.progress(f"saving checkpoint {tag}")
         save_checkpoint(self._built(), self.config, tag)
         self.saved = tag
 
@@ -162,6 +198,8 @@ class Trainer:
         written to ``metrics.jsonl`` (W&B) after the step it follows."""
         parts = self._built()
         assert parts.evaluator is not None, "no validation data"
+        if self.watchdog is not None:
+            self.watchdog.progress("evaluating")
         result = parts.evaluator.run()
         telemetry = parts.telemetry
         telemetry.record_eval(telemetry.steps_done - 1, loss=result.loss, label_tokens=result.label_tokens,
@@ -180,6 +218,8 @@ class Trainer:
 
         parts, config = self._built(), self.config
         telemetry, batcher = parts.telemetry, parts.batcher
+        if self.watchdog is not None:
+            self.watchdog.progress("finishing")
         if parts.evaluator is not None and self.evaluated_at != telemetry.steps_done:
             self.evaluate()
         final = f"step{telemetry.steps_done}"
@@ -206,6 +246,8 @@ class Trainer:
             self.log(f"done: {json.dumps(summary)}")
             if parts.wandb_run is not None:
                 parts.wandb_run.summary.update(summary)
+        if self.watchdog is not None:
+            self.watchdog.stop()  # peers leave after the barrier (rank 0 takes the store with it)
         dist.barrier()
         return summary
 
@@ -216,6 +258,9 @@ class Trainer:
         DeepSpeed's shared memory. A step that fails is reported and the rest still run."""
         parts = self.parts
         steps: list[tuple[str, Callable[[], Any]]] = []
+        if self.watchdog is not None:  # first: peers waiting on this rank hear of the error now
+            watchdog = self.watchdog
+            steps.append(("stopping the watchdog", lambda: watchdog.stop(error)))
         if parts is not None and error is not None:  # the failed round's gather completes the steps it reported
             reports = parts.batcher.aligner.reports
             steps.append(("completing the failed round's metrics", lambda: parts.telemetry.complete_gathered(reports)))
@@ -227,7 +272,7 @@ class Trainer:
             steps.append(("stopping the DataLoader workers", parts.feed.close))
         if parts is not None and parts.wandb_run is not None:
             run = parts.wandb_run
-            steps.append(("finishing the W&B run", run.finish if error is None else lambda: run.finish(exit_code=1)))
+            steps.append(("finishing the W&B run", lambda: _finish_wandb(run, error)))
         steps.append(("leaving the process group", _leave_process_group))
         steps.append(("removing DeepSpeed's shared-memory buffer", release_shared_memory))
         for what, step in steps:
@@ -247,6 +292,16 @@ def _show(progress, plan: StepPlan, last: dict[str, Any]) -> None:
     if last:
         progress.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}",
                              pad=f"{last['padding_ratio']:.2f}", refresh=False)
+
+
+def _finish_wandb(run, error: BaseException | None) -> None:
+    if error is None:
+        run.finish()
+    elif isinstance(error, Preempted):
+        run.mark_preempting()  # W&B shows the run as preempted, to be resumed
+        run.finish(exit_code=EXIT_PREEMPTED)
+    else:
+        run.finish(exit_code=1)
 
 
 def _peak_memory_mb() -> float:

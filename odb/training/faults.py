@@ -1,0 +1,344 @@
+"""What a run does when a rank dies, freezes or is told to stop: no hang, and nothing lost.
+
+Two mechanisms, both riding on the rendezvous store (the TCP key-value store every launcher
+starts at ``MASTER_ADDR:MASTER_PORT``), never on the model's collectives, so that they work when
+the model's collectives are the thing that hangs and when no launcher can see the failed process
+(a rank on another node):
+
+:class:`Watchdog` (one per rank, two daemon threads). The I/O thread writes this rank's heartbeat
+every ``interval`` (a counter, where the rank is, how long it has made no progress, whether it is
+waiting on its peers), reads the heartbeat of the next rank in a ring, and reads the abort key.
+The judge thread reads only local state, so it runs even when the store does not answer::
+
+    fault                                   seen by                       after
+    a peer's heartbeat stops (SIGKILL,      the rank watching it (ring)   timeout
+      SIGSTOP, a dead node)
+    the store does not answer (its host,    every rank                    timeout
+      rank 0's process, froze or died)
+    this rank makes no progress while it    this rank                     timeout + slack
+      is not waiting on peers (a stuck
+      DataLoader worker, a dead NFS mount)
+    this rank waits on its peers that long  this rank                     timeout + 2 slack
+      (a collective that never completes)
+
+Whoever sees a fault first logs it (which rank, at which step and round, doing what), writes it
+to the abort key and ends its process with :data:`EXIT_STALLED`; every other rank reads the key
+within ``interval`` and does the same. The slacks order the reports so that the most precise
+one comes first (a silent rank before the peers that wait on it). ``timeout`` is
+``--dist_timeout_s``; the process group's own collective timeouts are set longer
+(:func:`collective_timeout_s`), as a backstop.
+
+:class:`GracefulStop` (SIGTERM or SIGUSR1, e.g. SLURM's ``--signal=TERM@120`` or ``scancel``).
+The handler only sets a flag. At its next step boundary the signalled rank proposes "stop once
+``k + 2`` steps are done" (``k``: its steps done) through the store's ``compare_set``, so the
+first proposal wins; every rank reads the key at every step boundary. Why ``k + 2`` reaches every
+rank in time: every step has a collective that needs every rank (ZeRO's reduction at the
+accumulation boundary, at any stage), so no rank can finish step ``k`` (its ``k + 1``-th) before
+the proposer has written the key and joined that step, and every rank then reads the key at a
+boundary before its ``k + 2``-th step is done. All ranks stop after the same step, save a
+checkpoint and exit with :data:`EXIT_PREEMPTED`; ``--resume`` continues exactly. No collective
+is added: one store lookup per step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["EXIT_PREEMPTED", "EXIT_STALLED", "GracefulStop", "Preempted", "WatchedCommunicator", "Watchdog",
+           "collective_timeout_s", "connect_store"]
+
+EXIT_STALLED = 71
+"""Exit code of every rank of a run that a frozen, dead or stuck rank stopped (the watchdog)."""
+EXIT_PREEMPTED = 75
+"""Exit code after SIGTERM / SIGUSR1: a checkpoint was saved; ``--resume`` continues (EX_TEMPFAIL)."""
+
+_PREFIX = "odb/"
+_ABORT = _PREFIX + "abort"
+_STOP = _PREFIX + "stop_after_steps"
+
+
+class Preempted(Exception):  # noqa: N818 - not an error: the run stopped as asked
+    """Raised by the train loop once every rank has stopped at the agreed step and saved."""
+
+    def __init__(self, steps_done: int, tag: str) -> None:
+        super().__init__(f"stopped on request after {steps_done} steps; checkpoint {tag} saved "
+                         f"(exit code {EXIT_PREEMPTED}): continue with --resume")
+        self.steps_done, self.tag = steps_done, tag
+
+
+def intervals(timeout_s: float) -> tuple[float, float]:
+    """``(interval, slack)`` for a timeout: heartbeats every ``interval``; see the module docstring."""
+    interval = min(5.0, max(0.5, timeout_s / 10))
+    return interval, 3 * interval
+
+
+def collective_timeout_s(timeout_s: float) -> float:
+    """The process groups' own timeout: after every watchdog report could have come."""
+    _, slack = intervals(timeout_s)
+    return timeout_s + 3 * slack + 30
+
+
+def connect_store(timeout_s: float):
+    """A client of the launcher's rendezvous store (``MASTER_ADDR``, ``MASTER_PORT``), of its own:
+    a thread blocked on it blocks no other store user."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class Watchdog:
+    """One rank's watchdog (the module docstring has the protocol).
+
+    Args:
+        store: a store client used only by this watchdog's I/O thread (:func:`connect_store`).
+        rank, world_size: this rank, and the ranks of the run.
+        timeout_s: how long a rank may go without a heartbeat, or without progress.
+        on_exit: called just before the process ends (local, quick: e.g. removing shared memory).
+        exit: how the process ends (``os._exit``: the main thread may be stuck in C++).
+    """
+
+    def __init__(self, store, *, rank: int, world_size: int, timeout_s: float,
+                 on_exit: Callable[[], None] = lambda: None, exit: Callable[[int], None] = os._exit) -> None:
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.timeout_s = timeout_s
+        self.interval, self.slack = intervals(timeout_s)
+        self.on_exit, self._exit = on_exit, exit
+        self.where, self.step, self.round = "starting", 0, 0
+        self.is_waiting = False
+        self.is_armed = False  # progress is watched from the first step on (loading a model may take long)
+        self._progress_at = time.monotonic()
+        self._io_at = time.monotonic()  # the last completed I/O cycle
+        self._seq = 0
+        self._peer = (rank + 1) % world_size
+        self._peer_seen: tuple[int, float, dict[str, Any]] | None = None  # seq, when it changed, record
+        self._abort: dict[str, Any] | None = None
+        self._failed = False
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._io_loop, name="odb-watchdog-io", daemon=True),
+                         threading.Thread(target=self._judge_loop, name="odb-watchdog", daemon=True)]
+
+    # ---- the main thread's side ---------------------------------------------------------------
+
+    def start(self) -> Watchdog:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def progress(self, where: str, *, step: int | None = None, round: int | None = None,
+                 waiting: bool = False) -> None:
+        """The rank moved on: it is now doing ``where`` (``waiting``: on its peers)."""
+        self.where, self.is_waiting = where, waiting
+        if step is not None:
+            self.step = step
+        if round is not None:
+            self.round = round
+        self._progress_at = time.monotonic()
+
+    def arm(self) -> None:
+        """Watch progress from now on (the train loop starts)."""
+        self.progress("training", waiting=False)
+        self.is_armed = True
+
+    def stop(self, error: BaseException | None = None) -> None:
+        """Stops watching (local). With ``error``, tells the peers first (best effort, bounded), so
+        that ranks waiting on this one end soon instead of after the timeout."""
+        if error is not None and not isinstance(error, Preempted):
+            reason = f"rank {self.rank} failed at step {self.step}, round {self.round}: " \
+                     f"{type(error).__name__}: {str(error)[:300]}"
+            silent = self._silent_ranks()  # a collective that failed: did a peer die?
+            if silent:
+                _log(f"odb watchdog: rank {self.rank}: {silent} (the likely cause of {type(error).__name__})")
+                reason += f"; {silent}"
+            self._publish({"rank": self.rank, "reason": reason, "hard": False})
+        self._stop.set()
+
+    # ---- the threads ----------------------------------------------------------------------------
+
+    def _record(self) -> dict[str, Any]:
+        return {"seq": self._seq, "where": self.where, "step": self.step, "round": self.round,
+                "waiting": self.is_waiting, "idle_s": round(time.monotonic() - self._progress_at, 1)}
+
+    def _io_loop(self) -> None:
+        peer_key = f"{_PREFIX}heartbeat/{self._peer}"
+        while not self._stop.is_set():
+            try:
+                self._seq += 1
+                self.store.set(f"{_PREFIX}heartbeat/{self.rank}", json.dumps(self._record()))
+                if self.store.check([_ABORT]):
+                    self._abort = json.loads(self.store.get(_ABORT))
+                if self.world_size > 1 and self.store.check([peer_key]):
+                    record = json.loads(self.store.get(peer_key))
+                    if self._peer_seen is None or record["seq"] != self._peer_seen[0]:
+                        self._peer_seen = (record["seq"], time.monotonic(), record)
+                self._io_at = time.monotonic()
+            except Exception:  # noqa: BLE001 - the judge counts the time since the last good cycle
+                pass
+            self._stop.wait(self.interval)
+
+    def _judge_loop(self) -> None:
+        while not self._stop.wait(self.interval / 2):
+            fault = self._fault()
+            if fault is not None and not self._stop.is_set():
+                self._fail(*fault)
+                return
+
+    def _fault(self) -> tuple[str, bool] | None:
+        """``(message, publish)`` for the first fault seen, or None."""
+        now = time.monotonic()
+        if self._abort is not None and self._abort["rank"] != self.rank:
+            grace = 0 if self._abort["hard"] else self.slack  # a failed peer: its error reaches us too
+            if now - self._abort.setdefault("seen_at", now) >= grace:
+                return f"stopping: {self._abort['reason']}", False
+        if now - self._io_at > self.timeout_s:
+            return (f"the rendezvous store at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
+                    f"has not answered for {now - self._io_at:.0f} s: its host (rank 0's process, or the "
+                    "launcher's agent) is frozen or gone"), False
+        if self._peer_seen is not None and now - self._peer_seen[1] > self.timeout_s:
+            last = self._peer_seen[2]
+            return (f"rank {self._peer} stopped answering: no heartbeat for {now - self._peer_seen[1]:.0f} s "
+                    f"(frozen, killed, or its node is down); its last: step {last['step']}, round "
+                    f"{last['round']}, {last['where']!r}"), True
+        idle = now - self._progress_at
+        if self.is_armed and not self.is_waiting and idle > self.timeout_s + self.slack:
+            return (f"rank {self.rank} made no progress for {idle:.0f} s at step {self.step}, round "
+                    f"{self.round}: {self.where!r} (a stuck DataLoader worker, storage that does not "
+                    "answer, or a step slower than --dist_timeout_s)"), True
+        if self.is_armed and self.is_waiting and idle > self.timeout_s + 2 * self.slack:
+            return (f"rank {self.rank} waited {idle:.0f} s on its peers at step {self.step}, round "
+                    f"{self.round}: {self.where!r}; " + self._survey()), True
+        return None
+
+    def _survey(self) -> str:
+        """Every rank's last heartbeat, read once (bounded): who the waiting ranks wait for."""
+        result: list[str] = []
+
+        def read() -> None:
+            keys = [f"{_PREFIX}heartbeat/{r}" for r in range(self.world_size)]
+            records = [json.loads(v) for v in self.store.multi_get(keys)]
+            busy = [f"rank {r} at step {x['step']}, round {x['round']}, {x['where']!r}, idle {x['idle_s']} s"
+                    for r, x in enumerate(records) if not x["waiting"]]
+            result.append("not waiting: " + "; ".join(busy) if busy else "every rank is waiting (a collective "
+                          "that never completes: ranks in different collectives)")
+
+        thread = threading.Thread(target=read, daemon=True)
+        thread.start()
+        thread.join(self.interval * 2)
+        return result[0] if result else "the store did not answer"
+
+    def _silent_ranks(self) -> str:
+        """Which ranks' heartbeats stand still over two intervals ('' if none; bounded in time)."""
+        result: list[str] = []
+
+        def read() -> None:
+            keys = [f"{_PREFIX}heartbeat/{r}" for r in range(self.world_size)]
+            before = [json.loads(v)["seq"] for v in self.store.multi_get(keys)]
+            time.sleep(2 * self.interval)
+            after = [json.loads(v)["seq"] for v in self.store.multi_get(keys)]
+            silent = [r for r in range(self.world_size) if r != self.rank and after[r] == before[r]]
+            result.append(f"rank(s) {silent} stopped answering (no heartbeat)" if silent else "")
+
+        if self.world_size == 1:
+            return ""
+        thread = threading.Thread(target=read, daemon=True)
+        thread.start()
+        thread.join(3 * self.interval + 2)
+        if result:
+            return result[0]
+        return (f"the rendezvous store at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} does not "
+                "answer: its host (rank 0's process, or the launcher's agent) is gone")
+
+    def _publish(self, abort: dict[str, Any]) -> None:
+        """Writes the abort key unless one is there (first report wins), within a bounded time."""
+        def write() -> None:
+            self.store.compare_set(_ABORT, "", json.dumps(abort))
+
+        thread = threading.Thread(target=write, daemon=True)
+        thread.start()
+        thread.join(min(5.0, self.interval * 2))
+
+    def _fail(self, message: str, publish: bool) -> None:
+        if self._failed:
+            return
+        self._failed = True
+        _log(f"odb watchdog: rank {self.rank} (step {self.step}, round {self.round}): {message}; "
+             f"ending this rank with exit code {EXIT_STALLED}. Resume from the last checkpoint with --resume")
+        if publish:
+            self._publish({"rank": self.rank, "reason": message, "hard": True})
+            time.sleep(2 * self.interval)  # the peers read it (rank 0's process takes the store with it)
+        try:
+            self.on_exit()
+        finally:
+            self._exit(EXIT_STALLED)
+
+
+class GracefulStop:
+    """SIGTERM / SIGUSR1 -> every rank stops after the same step (the module docstring has why).
+
+    Args:
+        store: a store client used only by the main thread (:func:`connect_store`).
+        rank: this rank.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, store, *, rank: int) -> None:
+        self.store, self.rank = store, rank
+        self.signal: str | None = None  # the signal received, if any
+        self.stop_after: int | None = None  # the agreed number of steps, once known
+        self._proposed = False
+
+    def install(self) -> GracefulStop:
+        """Handles SIGTERM and SIGUSR1 in this process from now on (call from the main thread)."""
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signal is None:
+            _log(f"odb: rank {self.rank} received {name}: every rank stops at a step boundary soon, saves a "
+                 f"checkpoint and exits with code {EXIT_PREEMPTED}")
+        self.signal = self.signal or name
+
+    def should_stop(self, steps_done: int) -> bool:
+        """Called by every rank after each step (``steps_done``: steps completed): whether to stop now."""
+        if self.signal is not None and not self._proposed:
+            agreed = self.store.compare_set(_STOP, "", str(steps_done + 2))
+            self.stop_after, self._proposed = int(agreed), True
+        elif self.stop_after is None and self.store.check([_STOP]):
+            self.stop_after = int(self.store.get(_STOP))
+        return self.stop_after is not None and steps_done >= self.stop_after
+
+
+class WatchedCommunicator:
+    """A :class:`~odb.batching.align.Communicator` that tells the watchdog when the rank waits on
+    its peers (inside odb's all_gather), so that a rank stuck there is told apart from one stuck
+    in its own work."""
+
+    def __init__(self, comm, watchdog: Watchdog) -> None:
+        self.comm, self.watchdog = comm, watchdog
+        self.rank, self.world_size = comm.rank, comm.world_size
+
+    @property
+    def num_collectives(self) -> int:
+        return self.comm.num_collectives
+
+    def all_gather(self, values):
+        self.watchdog.progress("waiting on the other ranks in odb's all_gather", waiting=True)
+        try:
+            return self.comm.all_gather(values)
+        finally:
+            self.watchdog.progress("planning the round's steps")
