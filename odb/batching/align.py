@@ -218,14 +218,21 @@ class Aligner:
         Every rank must pass the same keys (in any order); values are compared by fingerprint.
         """
         keys = sorted(settings)
-        mine = np.array([_fingerprint([k, settings[k]]) for k in keys], dtype=np.int64)
+        mine = np.array([_fingerprint([len(keys)] + keys)] + [_fingerprint([k, settings[k]]) for k in keys],
+                        dtype=np.int64)
         gathered = self.comm.all_gather(mine)
-        differing = [k for i, k in enumerate(keys) if len(set(gathered[:, i].tolist())) > 1]
+        if len(set(gathered[:, 0].tolist())) > 1:
+            raise SettingsMismatch("ranks run different odb versions or builds (they check different settings); "
+                                   "install the same odb on every node")
+        differing = {k: np.flatnonzero(gathered[:, i + 1] != gathered[0, i + 1]).tolist()
+                     for i, k in enumerate(keys)}
+        differing = {k: ranks for k, ranks in differing.items() if ranks}
         if differing:
             raise SettingsMismatch(
-                f"ranks were started with different settings: {differing} "
-                f"(rank {self.rank} has " + ", ".join(f"{k}={settings[k]!r}" for k in differing)
-                + "); start every rank with the same config files and flags")
+                "ranks were started with different settings: "
+                + "; ".join(f"{k!r}: rank(s) {ranks} differ from rank 0" for k, ranks in differing.items())
+                + f" (rank {self.rank} has " + ", ".join(f"{k}={settings[k]!r}" for k in differing)
+                + "); start every rank with the same config files, flags, data, model and odb version")
 
     def gather_reports(self, values: np.ndarray) -> np.ndarray:
         """Every rank's run report ``[world, len]``: the one collective after the last round."""

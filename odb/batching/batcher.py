@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -63,12 +63,15 @@ class OnlineBatcher:
         shards: optional explicit per-rank lists of dataset indices (static sharding only).
         report / on_reports: this rank's telemetry vector for the next round (same length on every
             rank) and, after the round, every rank's (``[world, len]``); see :mod:`odb.telemetry`.
+        settings: further settings every rank must share (e.g. the run's precision, the data's
+            fingerprint), checked with the batcher's own in the same one collective.
     """
 
     def __init__(self, config: OdbConfig, comm: Communicator, *, dataset_size: int, feed: Feed,
                  num_epochs: int = 1, shards: list[list[int]] | None = None,
                  report: Callable[[], np.ndarray] | None = None,
-                 on_reports: Callable[[np.ndarray], None] | None = None) -> None:
+                 on_reports: Callable[[np.ndarray], None] | None = None,
+                 settings: dict[str, Any] | None = None) -> None:
         if dataset_size < 0 or num_epochs < 1:
             raise ValueError(f"need dataset_size >= 0 and num_epochs >= 1, got {dataset_size}, {num_epochs}")
         self.config, self.feed = config, feed
@@ -81,7 +84,7 @@ class OnlineBatcher:
         self.cost_model = CostModel.from_config(config)
         self.packer = make_packer(config, self.cost_model)
         self.capacity = dataset_size if self.packer.is_offline else config.window + config.lookahead
-        self.aligner.check_settings({**config.to_dict(), "world_size": self.world_size,
+        self.aligner.check_settings({**(settings or {}), **config.to_dict(), "world_size": self.world_size,
                                      "dataset_size": dataset_size, "num_epochs": num_epochs,
                                      "explicit_shards": shards is not None})
         if config.mode == "quota" and self.stream.total_size == 0:

@@ -24,6 +24,8 @@ not fit, or under 'tokens', it is cut at ``truncate_to`` tokens, unless that wou
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -153,6 +155,11 @@ class SampleDataset(Dataset):
 
     def __len__(self) -> int:
         return self.size
+
+    def fingerprint(self) -> str:
+        """A short hash of which records this dataset holds (its source's and its indices)."""
+        chosen = self.indices[:self.size] if self.indices is not None else self.size
+        return hashlib.sha256(json.dumps([self.source.fingerprint(), chosen]).encode()).hexdigest()[:16]
 
     def __getitem__(self, uid: int) -> dict[str, Any]:
         index = uid % self.size

@@ -8,6 +8,7 @@ not a failed epoch. JSON arrays are parsed at start; Parquet is read with Huggin
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,16 @@ class Source:
 
     def __len__(self) -> int:
         return self.starts[-1]
+
+    def fingerprint(self) -> str:
+        """A short hash of what the records are: each file's name (not its folder: nodes mount data
+        at different paths), size in bytes and record count, and a JSONL file's line offsets."""
+        digest = hashlib.sha256()
+        for file, reader, count in self.parts:
+            digest.update(f"{file.name}:{file.stat().st_size}:{count};".encode())
+            if isinstance(reader, _JsonLines):
+                digest.update(json.dumps(reader.offsets).encode())
+        return digest.hexdigest()[:16]
 
     def get(self, index: int) -> RawRecord:
         part = next(i for i in range(len(self.parts)) if index < self.starts[i + 1])

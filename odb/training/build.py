@@ -142,7 +142,8 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
         engine, eval_dataset, batching, watched, num_workers=config.data.num_workers,
         prefetch_factor=config.data.prefetch_factor)
     batcher = OnlineBatcher(batching, watched, dataset_size=len(dataset), feed=feed, num_epochs=config.run.epochs,
-                            report=report, on_reports=on_reports)
+                            report=report, on_reports=on_reports,
+                            settings=shared_settings(config, model.config, dataset, eval_dataset))
     planned = batching.quota if batching.mode == "quota" else config.run.epochs * len(dataset)
     schedule = ProgressSchedule(config.optimization.lr, planned, warmup_ratio=config.optimization.warmup_ratio)
     settings = _settings(config, batching, world_size=world_size, packed=packed, dataset_size=len(dataset),
@@ -155,6 +156,41 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
     return Components(rank=rank, world_size=world_size, batching=batching, tokenizer=tokenizer, engine=engine,
                       dataset=dataset, feed=feed, comm=comm, batcher=batcher, schedule=schedule,
                       telemetry=telemetry, settings=settings, wandb_run=wandb_run, evaluator=evaluator)
+
+
+def shared_settings(config: RunConfig, model_config, dataset: SampleDataset,
+                    eval_dataset: SampleDataset | None) -> dict[str, Any]:
+    """What every rank must share besides odb's batching settings, checked in the batcher's first
+    collective: a rank started with other flags, files, data, model or odb fails at start, naming
+    the keys, instead of hanging or training something else later."""
+    import odb
+
+    ds = config.optimization.deepspeed
+    zero = ds.get("zero_optimization", {})
+    model = {k: v for k, v in model_config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    return {
+        "odb_version": odb.__version__,
+        "deepspeed.gradient_accumulation_steps": ds.get("gradient_accumulation_steps"),
+        "deepspeed.train_micro_batch_size_per_gpu": ds.get("train_micro_batch_size_per_gpu"),
+        "deepspeed.zero_stage": zero.get("stage", 0),
+        "deepspeed.offload": [zero.get(f"offload_{what}", {}).get("device") for what in ("optimizer", "param")],
+        "deepspeed.precision": {k: ds.get(k, {}).get("enabled", False) for k in ("bf16", "fp16")},
+        "deepspeed.gradient_clipping": ds.get("gradient_clipping"),
+        "deepspeed.optimizer": ds.get("optimizer"),
+        "optimizer": {k: v for k, v in dataclasses.asdict(config.optimization).items() if k != "deepspeed"},
+        "model.config": model,
+        "model.lora": config.model.lora,
+        "model.gradient_checkpointing": config.model.gradient_checkpointing,
+        "model.loss_chunk_tokens": config.model.loss_chunk_tokens,
+        "data.fingerprint": dataset.fingerprint(),
+        "data.processing": dataclasses.asdict(config.data.processing),
+        "data.eval_fingerprint": eval_dataset.fingerprint() if eval_dataset is not None else None,
+        "data.eval_steps": config.data.eval_steps,
+        "run": {"epochs": config.run.epochs, "max_steps": config.run.max_steps,
+                "dist_timeout_s": config.run.dist_timeout_s},
+        "checkpoints": {"save_steps": config.checkpoints.save_steps, "resume": config.checkpoints.resume,
+                        "final": config.checkpoints.final, "save_hf": config.checkpoints.save_hf},
+    }
 
 
 def _datasets(config: RunConfig, tokenizer, vision, *, truncate_to: int | None

@@ -69,4 +69,4 @@ def test_mismatched_settings_fail_on_every_rank_naming_the_keys(tmp_path):
     results = launch(tmp_path, 2, {"config": {"max_tokens": 128, "window": 8}, "lengths": [5] * 10,
                                    "per_rank": {"1": {"max_tokens": 256}}})
     for result in results:
-        assert "SettingsMismatch" in result["error"] and "['max_tokens']" in result["error"]
+        assert "SettingsMismatch" in result["error"] and "'max_tokens': rank(s) [1] differ" in result["error"]

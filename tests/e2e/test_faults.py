@@ -128,3 +128,18 @@ def test_a_stuck_dataloader_worker_ends_every_rank(tmp_path):
     assert elapsed < TIMEOUT_S + MARGIN_S
     assert codes[0] != 0
     assert "rank 1 made no progress" in output and "fetching samples" in output, output[-3000:]
+
+
+def test_ranks_started_with_different_settings_stop_at_start_naming_keys_and_ranks(tmp_path):
+    """Two ranks apart (as on two nodes), rank 1 started with other data and another learning rate:
+    both stop at start, before any step, naming the keys and the rank that differs."""
+    out = tmp_path / "out"
+    run = Run(args(tmp_path, out, "--max_samples", "100"), nproc=2, apart=True,
+              rank_args={1: ["--max_samples", "90", "--lr", "0.002"]})
+    codes = run.wait(300)
+    output = run.output()
+    assert codes[0] != 0 and codes[1] != 0, output[-3000:]
+    assert "SettingsMismatch: ranks were started with different settings" in output, output[-3000:]
+    for key in ("'data.fingerprint': rank(s) [1]", "'dataset_size': rank(s) [1]", "'optimizer': rank(s) [1]"):
+        assert key in output, output[-3000:]
+    assert steps_trained(out) == 0

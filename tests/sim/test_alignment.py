@@ -150,7 +150,9 @@ def test_mismatched_settings_fail_at_start_on_every_rank_naming_the_keys():
 
     run_ranks(3, fn)
     assert len(errors) == 3
-    assert all("['gas', 'max_tokens']" in e and "start every rank with the same" in e for e in errors)
+    # gas differs on rank 1 (1 + 1 % 2 = 2), max_tokens on ranks 1 and 2
+    assert all("'gas': rank(s) [1] differ" in e and "'max_tokens': rank(s) [1, 2] differ" in e
+               and "start every rank with the same" in e for e in errors)
 
 
 def test_a_sample_over_the_cap_under_error_policy_stops_with_its_id():
