@@ -152,8 +152,10 @@ class OnlineBatcher:
         self.stream.top_up()
         self._deal()
         want = self.config.window - self.packer.num_samples
-        if self.packer.is_offline or self.stream.is_tail():
-            want = len(self.stream.pending)  # the whole shard; or the stream's tail, to observe it all
+        if self.packer.is_offline:
+            want = len(self.stream.pending)  # the whole shard
+        elif self.stream.is_tail():  # the stream's tail, to observe it all (within the round vector's room)
+            want = min(len(self.stream.pending), self.capacity - self.packer.num_samples)
         uids = self.stream.take(max(0, want))
         if not uids:
             return
