@@ -375,6 +375,23 @@ class Telemetry:
         self.first_losses = list(state["first_losses"])
         self.fetched, self.lost = state["fetched_lost"]
 
+    @staticmethod
+    def redeal_states(states: list[Mapping[str, Any]], world_size: int) -> list[dict[str, Any]]:
+        """Every old rank's :meth:`state_dict` as ``world_size`` new ranks' (a resume on another number
+        of ranks): what each rank counted for itself (its totals, skipped and truncated records) is
+        summed on new rank 0, so the run's sums stay; the train-loop time is the old ranks' mean on
+        every new rank, so its mean stays; the run's progress is every rank's alike."""
+        totals = {k: sum(s["totals"][k] for s in states) for k in states[0]["totals"]}
+        wall_us = totals["wall_us"] // len(states)
+        out = []
+        for r in range(world_size):
+            mine = totals if r == 0 else dict.fromkeys(totals, 0)
+            out.append({**states[0], "totals": {**mine, "wall_us": wall_us},
+                        "skipped": dict(sum((Counter(s["skipped"]) for s in states), Counter())) if r == 0 else {},
+                        "truncated": dict(sum((Counter(s.get("truncated", {})) for s in states), Counter()))
+                        if r == 0 else {}})
+        return out
+
     def close(self) -> None:
         """Flushes and closes ``metrics.jsonl`` (local; safe to call twice)."""
         if self.file is not None:

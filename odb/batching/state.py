@@ -90,7 +90,8 @@ def check_state(state: dict[str, Any], *, world_size: int, rank: int, config: di
                          f"(version {STATE_VERSION}); resume with the odb release that wrote it")
     if state["world_size"] != world_size:
         raise ValueError(f"state was taken with world_size={state['world_size']}, this run has "
-                         f"{world_size}; resume with the same number of ranks")
+                         f"{world_size}; deal every rank's state to this world size first with "
+                         "odb.batching.redeal.redeal_states (launch/train.py --resume does)")
     if state["rank"] != rank:
         raise ValueError(f"state of rank {state['rank']} loaded on rank {rank}; load each rank's own file")
     if state["dataset_size"] != dataset_size:

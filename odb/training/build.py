@@ -101,13 +101,15 @@ def release_shared_memory() -> None:
 
 def build_components(config: RunConfig, *, rank: int, world_size: int, report: Callable[[], np.ndarray],
                      on_reports: Callable[[np.ndarray], None], log: Callable[[str], None],
-                     watchdog: Watchdog | None = None) -> Components:
+                     watchdog: Watchdog | None = None, ds_config: dict[str, Any] | None = None) -> Components:
     """Builds the run (collective: every rank, same order).
 
     Args:
         report / on_reports: the batcher's telemetry hooks (called from its first round on).
         log: rank 0's console.
         watchdog: told when odb's collective waits on the other ranks.
+        ds_config: DeepSpeed's config to initialize with instead of the run's (a resume that loads a
+            universal checkpoint: :func:`odb.training.reshard.prepare_load`).
     """
     tokenizer = load_tokenizer(config.model.tokenizer)
     # in DeepSpeed's precision; at ZeRO-3 partitioned as it is built (collective)
@@ -131,7 +133,9 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
             f"rows x longest <= {batching.max_tokens} tokens")
         if batching.policy == "odb":
             batching = dataclasses.replace(batching, pad_rows=True)
-    engine = OdbEngine(initialize_deepspeed(config.optimization, model), world_size=world_size,
+    optimization = config.optimization if ds_config is None else dataclasses.replace(config.optimization,
+                                                                                      deepspeed=ds_config)
+    engine = OdbEngine(initialize_deepspeed(optimization, model), world_size=world_size,
                        max_tokens=batching.max_tokens, pad_token_id=tokenizer.pad_token_id, packed=packed,
                        loss_chunk_tokens=config.model.loss_chunk_tokens)
     feed = SampleFeed(dataset, sample_sizes, num_workers=config.data.num_workers,

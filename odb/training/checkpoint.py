@@ -20,10 +20,13 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from odb.batching.redeal import redeal_states
+from odb.telemetry import Telemetry
 from odb.training.build import Components
 from odb.training.config import RunConfig
+from odb.training.reshard import LoadPlan
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+__all__ = ["checkpoint_states", "load_checkpoint", "resolve_tag", "save_checkpoint"]
 
 
 def _folder(config: RunConfig) -> Path:
@@ -58,24 +61,87 @@ def _step_tags(folder: Path) -> list[str]:
     return sorted(tags, key=lambda name: int(name[4:]))
 
 
-def load_checkpoint(parts: Components, config: RunConfig, tag: str, log: Callable[[str], None]) -> None:
-    """Continues the run from ``tag`` ('latest': the last saved) (collective); ``log``: rank 0's console.
+def resolve_tag(config: RunConfig, tag: str) -> str:
+    """``--resume``'s tag: 'latest' is the last one saved. Raises ``FileNotFoundError`` naming the
+    tags there are when there is no such checkpoint."""
+    folder = _folder(config)
+    if tag == "latest":
+        latest = folder / "latest"
+        if not latest.is_file():
+            raise FileNotFoundError(f"--resume: {folder} has no 'latest' file (no checkpoint finished saving); "
+                                    f"pass --resume TAG with one of {_tags(folder)}")
+        tag = latest.read_text().strip()
+    if not (folder / tag).is_dir():
+        raise FileNotFoundError(f"--resume: no checkpoint {folder / tag}; the tags there are {_tags(folder)}")
+    return tag
+
+
+def _tags(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+
+
+def _read_json(path: Path, what: str) -> dict:
+    """A JSON object odb wrote into a checkpoint, or an error that says what is wrong with it."""
+    fix = f"resume from another tag of {path.parent.parent} (--resume TAG), or start a new --output_dir"
+    if not path.is_file():
+        raise FileNotFoundError(f"--resume: {path} is missing: the checkpoint was not written completely (a run "
+                                f"stopped while saving?) or is not odb's; {fix}")
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"--resume: {path} is truncated or not JSON ({err}); {fix}") from err
+    if not isinstance(value, dict) or "version" not in value and what == "batcher state":
+        raise ValueError(f"--resume: {path} is not an odb {what}; {fix}")
+    return value
+
+
+def checkpoint_states(folder: Path, *, rank: int, world_size: int) -> tuple[dict, dict, int]:
+    """This rank's batcher state and run state from checkpoint ``folder``, and the world size that
+    saved it; from a checkpoint of another world size, re-dealt to this one
+    (:func:`odb.batching.redeal.redeal_states`)."""
+    saved = _read_json(folder / "odb_state.rank0.json", "batcher state").get("world_size")
+    if not isinstance(saved, int) or saved < 1:
+        raise ValueError(f"--resume: {folder / 'odb_state.rank0.json'} has no valid world_size: not odb's")
+    if saved == world_size:
+        return (_read_json(folder / f"odb_state.rank{rank}.json", "batcher state"),
+                _read_json(folder / f"run_state.rank{rank}.json", "run state"), saved)
+    states = [_read_json(folder / f"odb_state.rank{r}.json", "batcher state") for r in range(saved)]
+    runs = [_read_json(folder / f"run_state.rank{r}.json", "run state") for r in range(saved)]
+    return redeal_states(states, world_size)[rank], Telemetry.redeal_states(runs, world_size)[rank], saved
+
+
+def load_checkpoint(parts: Components, config: RunConfig, tag: str, plan: LoadPlan, log: Callable[[str], None]
+                    ) -> None:
+    """Continues the run from checkpoint ``tag`` (:func:`resolve_tag`'s), whose model and optimizer
+    ``plan`` loads (:func:`odb.training.reshard.prepare_load`: the engine was built for it)
+    (collective); ``log``: rank 0's console. A checkpoint of another
+    number of ranks is re-dealt to this one: odb's states here, the model's by DeepSpeed's universal
+    checkpoint.
 
     Raises:
-        FileNotFoundError: no such checkpoint.
-        ValueError: the checkpoint's run already trained every epoch of ``--epochs``.
+        FileNotFoundError: no such checkpoint, or one that was not written completely.
+        ValueError: the checkpoint's run already trained every epoch of ``--epochs``; a file of it is
+            truncated or not odb's; DeepSpeed could not load it.
     """
     folder = _folder(config)
-    tag = (folder / "latest").read_text().strip() if tag == "latest" else tag
-    parts.engine.load(folder, tag)
-    state = json.loads((folder / tag / f"odb_state.rank{parts.rank}.json").read_text())
+    state, run_state, saved_world = checkpoint_states(folder / tag, rank=parts.rank, world_size=parts.world_size)
     epochs = config.run.epochs
     if state["is_done"] and state["config"]["mode"] == "join" and state["epoch"] >= epochs:
         raise ValueError(f"--resume: the run in {config.output_dir} already trained all {state['epoch']} "
                          f"epoch(s); pass --epochs > {state['epoch']} to train more, or start a new "
                          "--output_dir")
+    try:
+        parts.engine.load(plan.folder, plan.tag)
+    except (FileNotFoundError, ValueError):
+        raise
+    except Exception as err:  # noqa: BLE001 - DeepSpeed's own errors come from deep inside: say what to do
+        raise ValueError(f"--resume: DeepSpeed could not load {folder / tag} ({type(err).__name__}: {err}); the "
+                         "checkpoint is incomplete, or was saved with another model, LoRA or ZeRO config; "
+                         f"resume from another tag ({_tags(folder)}) with the settings that saved it") from err
     parts.batcher.load_state_dict(state)
     parts.feed.restore(parts.batcher.held_uids())
-    parts.telemetry.load_state_dict(json.loads((folder / tag / f"run_state.rank{parts.rank}.json").read_text()))
+    parts.telemetry.load_state_dict(run_state)
     extended = f" (extended to --epochs {epochs})" if state["is_done"] else ""
-    log(f"resumed from {folder / tag}: {parts.telemetry.samples_done} samples done{extended}")
+    moved = f", saved by {saved_world} ranks, its untrained samples dealt to {parts.world_size}" \
+        if saved_world != parts.world_size else ""
+    log(f"resumed from {folder / tag}: {parts.telemetry.samples_done} samples done{extended}{moved}")

@@ -109,7 +109,9 @@ def _parser(defaults: FileDefaults) -> argparse.ArgumentParser:
     p.add_argument("--wandb_project", default="odb")
     p.add_argument("--run_name", default=None, help="W&B run name (default: the output_dir's name)")
     p.add_argument("--wandb_tags", default="", help="comma-separated W&B tags")
-    p.add_argument("--dist_timeout_s", type=int, default=600, help="timeout of every collective")
+    p.add_argument("--dist_timeout_s", type=int, default=600,
+                   help="every rank stops (exit 71) when any rank has had no heartbeat or no progress this long "
+                        "(frozen, killed, stuck loading data); longer than your slowest step or checkpoint save")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by launchers
     return p
 

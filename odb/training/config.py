@@ -186,7 +186,9 @@ class RunSettings:
     max_steps: int | None = None
     """Stop after this many optimizer steps in this process."""
     dist_timeout_s: int = 600
-    """Timeout of every collective."""
+    """How long a rank may go without a heartbeat or without progress before every rank stops
+    (``odb.training.faults``); longer than the slowest step, evaluation or checkpoint save. The
+    collectives' own timeouts are a little longer, as a backstop."""
 
     def __post_init__(self) -> None:
         check_str("--output_dir", self.output_dir)

@@ -20,7 +20,7 @@ import numpy as np
 from odb.batching.plan import StepPlan
 from odb.telemetry import StepTimes
 from odb.training.build import Components, build_components, init_distributed, release_shared_memory
-from odb.training.checkpoint import load_checkpoint, save_checkpoint
+from odb.training.checkpoint import load_checkpoint, resolve_tag, save_checkpoint
 from odb.training.config import RunConfig
 from odb.training.export import save_hf
 from odb.training.faults import (
@@ -31,6 +31,7 @@ from odb.training.faults import (
     collective_timeout_s,
     connect_store,
 )
+from odb.training.reshard import prepare_load
 from odb.training.schedule import planned_to_train
 
 __all__ = ["Trainer"]
@@ -62,12 +63,18 @@ class Trainer:
         return trainer
 
     def build(self) -> Trainer:
-        """Builds every component (collective); resumes from a checkpoint if asked to."""
-        self.parts = build_components(self.config, rank=self.rank, world_size=self.world_size,
+        """Builds every component (collective); resumes from a checkpoint if asked to, also one that
+        another number of ranks saved (DeepSpeed's universal checkpoint: odb.training.reshard)."""
+        config, plan = self.config, None
+        if config.checkpoints.resume:
+            tag = resolve_tag(config, config.checkpoints.resume)
+            plan = prepare_load(config.output_dir / "checkpoints", tag, rank=self.rank, world_size=self.world_size,
+                                ds_config=config.optimization.deepspeed)
+        self.parts = build_components(config, rank=self.rank, world_size=self.world_size,
                                       report=self._report, on_reports=self._on_reports, log=self.log,
-                                      watchdog=self.watchdog)
-        if self.config.checkpoints.resume:
-            load_checkpoint(self.parts, self.config, self.config.checkpoints.resume, self.log)
+                                      watchdog=self.watchdog, ds_config=plan.ds_config if plan else None)
+        if plan is not None:
+            load_checkpoint(self.parts, config, tag, plan, self.log)
         self.log("odb: " + ", ".join(f"{k} {v}" for k, v in self.parts.settings.items()))
         return self
 
@@ -124,6 +131,7 @@ class Trainer:
         if progress is not None:
             progress.close()
         if preempted is not None:
+            self._gather_totals()  # every rank is here: the last round's steps get their metrics rows
             raise Preempted(telemetry.steps_done, preempted)
         return self
 
@@ -231,8 +239,7 @@ class Trainer:
             save_hf(parts.engine.engine, model_path=config.model.path, lora=lora, tokenizer=parts.tokenizer, out=out,
                     adapter_only=config.checkpoints.save_adapter_only, vision=parts.dataset.vision)
             self.log(f"saved a Hugging Face model to {out}")
-        vector = telemetry.final_report(parts.feed.skipped, **self._record_counts(), dropped=batcher.counts["dropped"])
-        totals = telemetry.on_final_reports(batcher.aligner.gather_reports(vector))
+        totals = self._gather_totals()
         if parts.feed.examples:
             print(f"rank {self.rank} skipped records, e.g.: " + "; ".join(parts.feed.examples), flush=True)
         summary = telemetry.summary(totals, world_size=self.world_size,
@@ -250,6 +257,13 @@ class Trainer:
             self.watchdog.stop()  # peers leave after the barrier (rank 0 takes the store with it)
         dist.barrier()
         return summary
+
+    def _gather_totals(self) -> dict[str, int]:
+        """The one gather of run totals (collective), which also completes the last round's metrics."""
+        parts = self._built()
+        vector = parts.telemetry.final_report(parts.feed.skipped, **self._record_counts(),
+                                              dropped=parts.batcher.counts["dropped"])
+        return parts.telemetry.on_final_reports(parts.batcher.aligner.gather_reports(vector))
 
     def shutdown(self, error: BaseException | None = None) -> None:
         """Local and safe after any error (``error``: what stopped the run, if anything): writes the

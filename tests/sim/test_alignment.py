@@ -127,7 +127,7 @@ def test_state_from_another_world_size_or_version_is_refused():
             OnlineBatcher(config, comm, dataset_size=10, feed=SimulatedFeed(samples)).load_state_dict(state)
         return fn
 
-    with pytest.raises(ValueError, match="world_size=2, this run has 3; resume with the same number of ranks"):
+    with pytest.raises(ValueError, match="world_size=2, this run has 3; deal every rank's state to this world"):
         run_ranks(3, load(states[0]))
     with pytest.raises(ValueError, match="version 99"):
         run_ranks(1, load({**states[0], "version": 99}))
