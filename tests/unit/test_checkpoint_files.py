@@ -1,0 +1,76 @@
+"""A checkpoint that is truncated, incomplete, foreign or of another odb version gives an error
+that says what is wrong and what to do (odb.training.checkpoint), never a KeyError from inside."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from odb.batching.batcher import OnlineBatcher
+from odb.batching.config import OdbConfig
+from odb.batching.simulate import SimulatedFeed, run_ranks
+from odb.telemetry import Telemetry
+from odb.training.checkpoint import checkpoint_states, resolve_tag
+
+
+def saved(tmp_path, world=2):
+    """A checkpoint folder with real batcher and run states of ``world`` ranks."""
+    samples = [(5 + i % 7, 0) for i in range(40)]
+    config = OdbConfig(max_tokens=32, window=8)
+
+    def rank_state(comm):
+        batcher = OnlineBatcher(config, comm, dataset_size=len(samples), feed=SimulatedFeed(samples))
+        next(iter(batcher))
+        return batcher.state_dict()
+
+    tag = tmp_path / "checkpoints" / "step1"
+    tag.mkdir(parents=True)
+    for r, state in enumerate(run_ranks(world, rank_state)):
+        (tag / f"odb_state.rank{r}.json").write_text(json.dumps(state))
+        telemetry = Telemetry(rank=1, max_steps_per_round=4, max_tokens=32, dataset_size=40, output_dir=tmp_path)
+        (tag / f"run_state.rank{r}.json").write_text(json.dumps(telemetry.state_dict({}, {})))
+    (tmp_path / "checkpoints" / "latest").write_text("step1")
+    return tag
+
+
+def test_a_good_checkpoint_loads_on_its_world_size_and_on_another(tmp_path):
+    tag = saved(tmp_path)
+    state, run_state, world = checkpoint_states(tag, rank=1, world_size=2)
+    assert (state["rank"], world) == (1, 2)
+    state, run_state, world = checkpoint_states(tag, rank=2, world_size=3)
+    assert (state["rank"], state["world_size"], world) == (2, 3, 2)
+
+
+def test_truncated_missing_foreign_and_other_version_files_name_the_file_and_the_fix(tmp_path):
+    tag = saved(tmp_path)
+    good = (tag / "odb_state.rank1.json").read_text()
+    (tag / "odb_state.rank1.json").write_text(good[: len(good) // 2])
+    with pytest.raises(ValueError, match=r"odb_state.rank1.json is truncated or not JSON .*--resume TAG"):
+        checkpoint_states(tag, rank=1, world_size=2)
+    with pytest.raises(ValueError, match="truncated or not JSON"):  # another world size reads every rank's
+        checkpoint_states(tag, rank=0, world_size=3)
+    (tag / "odb_state.rank1.json").unlink()
+    with pytest.raises(FileNotFoundError, match="odb_state.rank1.json is missing: the checkpoint was not written"):
+        checkpoint_states(tag, rank=1, world_size=2)
+    (tag / "odb_state.rank1.json").write_text(json.dumps({"weights": [1, 2]}))
+    with pytest.raises(ValueError, match="is not an odb batcher state"):
+        checkpoint_states(tag, rank=1, world_size=2)
+    (tag / "odb_state.rank1.json").write_text(json.dumps({**json.loads(good), "version": 99}))
+    with pytest.raises(ValueError, match="disagree on 'version': not one run's checkpoint"):
+        checkpoint_states(tag, rank=0, world_size=3)
+    for r in range(2):
+        path = tag / f"odb_state.rank{r}.json"
+        path.write_text(json.dumps({**json.loads(good), "rank": r, "version": 99}))
+    with pytest.raises(ValueError, match="version 99 cannot be re-dealt by this odb"):
+        checkpoint_states(tag, rank=0, world_size=3)
+
+
+def test_resume_tags_that_do_not_exist_name_the_tags_there_are(tmp_path):
+    saved(tmp_path)
+    config = SimpleNamespace(output_dir=tmp_path)
+    assert resolve_tag(config, "latest") == "step1"
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint .*step9; the tags there are \['step1'\]"):
+        resolve_tag(config, "step9")
+    (tmp_path / "checkpoints" / "latest").unlink()
+    with pytest.raises(FileNotFoundError, match="no 'latest' file"):
+        resolve_tag(config, "latest")
