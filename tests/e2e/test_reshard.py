@@ -29,7 +29,8 @@ CASES = [(0, "full", "fp32", 2, 3), (1, "lora", "fp32", 3, 2), (2, "full", "fp32
          (3, "full", "fp32", 3, 2), (3, "lora", "fp32", 2, 3), (2, "full", "bf16", 3, 2)]
 # fp32, lr 1e-3: the third step's weights from gradients reduced over 2 vs 3 ranks (measured <= 1.2e-7).
 # In bf16 the gradients' rounding differs with the world size and Adam scales a tiny difference up to
-# a whole update (measured up to 1.1e-3): only the restored state is checked there.
+# a whole update (measured up to 1.1e-3; a universal load at the saving world size gives the same next
+# step exactly): only the restored state is checked there.
 NEXT_STEP_TOLERANCE = 1e-6
 
 
