@@ -124,7 +124,7 @@ class Watchdog:
         self._seq = 0
         self._peer = (rank + 1) % world_size
         self._peer_seen: tuple[int, float, dict[str, Any]] | None = None  # seq, when it changed, record
-        self._abort: dict[str, Any] | None = None
+        self._abort: dict[str, Any] | None = None  # the first abort read, and when (``seen_at``)
         self._failed = False
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._io_loop, name="odb-watchdog-io", daemon=True),
@@ -177,8 +177,8 @@ class Watchdog:
             try:
                 self._seq += 1
                 self.store.set(f"{_PREFIX}heartbeat/{self.rank}", json.dumps(self._record()))
-                if self.store.check([_ABORT]):
-                    self._abort = json.loads(self.store.get(_ABORT))
+                if self._abort is None and self.store.check([_ABORT]):
+                    self._abort = {**json.loads(self.store.get(_ABORT)), "seen_at": time.monotonic()}
                 if self.world_size > 1 and self.store.check([peer_key]):
                     record = json.loads(self.store.get(peer_key))
                     if self._peer_seen is None or record["seq"] != self._peer_seen[0]:
@@ -200,7 +200,7 @@ class Watchdog:
         now = time.monotonic()
         if self._abort is not None and self._abort["rank"] != self.rank:
             grace = 0 if self._abort["hard"] else self.slack  # a failed peer: its error reaches us too
-            if now - self._abort.setdefault("seen_at", now) >= grace:
+            if now - self._abort["seen_at"] >= grace:
                 return f"stopping: {self._abort['reason']}", False
         if now - self._io_at > self.timeout_s:
             return (f"the rendezvous store at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "

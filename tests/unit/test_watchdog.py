@@ -103,6 +103,22 @@ def test_a_store_that_stops_answering_ends_the_rank_naming_it(capfd):
     assert "the rendezvous store at" in capfd.readouterr().err
 
 
+def test_a_rank_that_fails_tells_its_peers_which_end_after_a_grace(watchdogs, capfd):
+    """A rank that raised (its shutdown stops its watchdog with the error): peers stuck in a
+    collective that will never complete end one slack later, naming it."""
+    exits = Exits()
+    dogs = [d.start() for d in watchdogs(exits)]
+    for d in dogs:
+        d.arm()
+    time.sleep(1.0)
+    failed_at = time.monotonic()
+    dogs[0].stop(RuntimeError("boom"))
+    exits.wait([1, 2])
+    assert set(exits.codes) == {1, 2}
+    assert dogs[1].slack <= min(t for _, t in exits.codes.values()) - failed_at < 2 * TIMEOUT_S
+    assert "stopping: rank 0 failed at step 0, round 0: RuntimeError: boom" in capfd.readouterr().err
+
+
 def test_a_stopped_watchdog_reports_nothing(watchdogs):
     exits = Exits()
     dogs = [d.start() for d in watchdogs(exits, world=2)]
