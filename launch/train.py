@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from odb.training.cli import FileDefaults, parse_config  # noqa: E402
+from odb.training.environment import check_network, rank_environment  # noqa: E402
 from odb.training.faults import EXIT_PREEMPTED, Preempted  # noqa: E402
 from odb.training.run import Trainer  # noqa: E402
 
@@ -24,6 +25,8 @@ DEFAULTS = FileDefaults(
 
 
 def main() -> None:
+    rank_environment()  # under srun (launch/slurm.sbatch): RANK, WORLD_SIZE, ... from SLURM's variables
+    check_network()
     config = parse_config(defaults=DEFAULTS)  # every input checked here, before any process group
     trainer = Trainer.init(config)
     try:

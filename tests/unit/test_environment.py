@@ -1,0 +1,52 @@
+"""Rank variables from SLURM's (odb.training.environment), and the loopback-hostname check."""
+
+import socket
+
+import pytest
+
+from odb.training.environment import check_network, rank_environment, tasks_on_node
+
+
+def test_tasks_per_node_in_slurms_format():
+    assert [tasks_on_node("8(x2),4", n) for n in range(3)] == [8, 8, 4]
+    assert tasks_on_node("1", 0) == 1
+    with pytest.raises(ValueError, match="not SLURM's format"):
+        tasks_on_node("8x2", 0)
+    with pytest.raises(ValueError, match="SLURM_NODEID=3 is outside"):
+        tasks_on_node("2(x2)", 3)
+
+
+def srun_task(procid, localid, node, **extra):
+    return {"SLURM_PROCID": str(procid), "SLURM_LOCALID": str(localid), "SLURM_NODEID": str(node),
+            "SLURM_STEP_NUM_TASKS": "6", "SLURM_STEP_TASKS_PER_NODE": "4,2", "SLURM_NTASKS": "6",
+            "MASTER_ADDR": "node1", "MASTER_PORT": "15001", **extra}
+
+
+def test_an_srun_task_becomes_its_rank():
+    env = srun_task(5, 1, 1)
+    assert rank_environment(env) == "slurm"
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("5", "6", "1", "2")
+
+
+def test_a_launchers_variables_and_a_batch_script_are_left_alone():
+    launched = srun_task(0, 0, 0, RANK="3", WORLD_SIZE="8")
+    assert rank_environment(launched) is None and launched["RANK"] == "3"
+    batch = {"SLURM_PROCID": "0", "SLURM_NTASKS": "16"}  # python launch/train.py straight in a batch script
+    assert rank_environment(batch) is None and "RANK" not in batch
+
+
+def test_several_tasks_without_a_rendezvous_name_the_fix():
+    env = srun_task(0, 0, 0)
+    del env["MASTER_ADDR"]
+    with pytest.raises(ValueError, match="needs MASTER_ADDR and MASTER_PORT .* launch/slurm.sbatch"):
+        rank_environment(env)
+
+
+def test_a_hostname_on_loopback_across_nodes_names_gloo_socket_ifname(monkeypatch):
+    monkeypatch.setattr(socket, "gethostbyname", lambda host: "127.0.1.1")
+    with pytest.raises(ValueError, match="resolves to 127.0.1.1, a loopback address.*GLOO_SOCKET_IFNAME"):
+        check_network({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"})
+    check_network({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "eth0"})  # told which
+    check_network({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})  # one node: loopback is right
+    monkeypatch.setattr(socket, "gethostbyname", lambda host: "10.0.0.5")
+    check_network({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"})
