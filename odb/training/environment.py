@@ -62,10 +62,11 @@ def rank_environment(env: MutableMapping[str, str] = os.environ) -> str | None:
 
 def check_network(env: MutableMapping[str, str] = os.environ) -> None:
     """Raises ``ValueError`` naming ``GLOO_SOCKET_IFNAME`` when ranks span nodes and this node's
-    hostname resolves to a loopback address (no other node could reach this rank's gloo)."""
+    hostname resolves to a loopback address (no other node could reach this rank's gloo). A
+    rendezvous (``MASTER_ADDR``) on loopback means every rank is on this host: nothing to check."""
     world, local = int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
-    if world <= local or env.get("GLOO_SOCKET_IFNAME"):
-        return
+    if world <= local or env.get("GLOO_SOCKET_IFNAME") or _is_loopback(env.get("MASTER_ADDR", "")):
+        return  # one node; told which interface; or a rendezvous on loopback: every rank is on this host
     host = socket.gethostname()
     try:
         address = socket.gethostbyname(host)
@@ -78,6 +79,13 @@ def check_network(env: MutableMapping[str, str] = os.environ) -> None:
             f"ranks span nodes ({world} ranks, {local} here) but this node's hostname {host!r} resolves to {address}, "
             "a loopback address: gloo would tell the other nodes to reach this rank there. Set GLOO_SOCKET_IFNAME "
             f"(and NCCL_SOCKET_IFNAME on GPUs) to the interface that reaches the other nodes; here: {_interfaces()}")
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return bool(host) and ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except OSError:
+        return False
 
 
 def _interfaces() -> str:

@@ -43,10 +43,11 @@ def test_several_tasks_without_a_rendezvous_name_the_fix():
 
 
 def test_a_hostname_on_loopback_across_nodes_names_gloo_socket_ifname(monkeypatch):
-    monkeypatch.setattr(socket, "gethostbyname", lambda host: "127.0.1.1")
+    monkeypatch.setattr(socket, "gethostbyname", lambda host: "10.0.0.1" if host == "node1" else "127.0.1.1")
     with pytest.raises(ValueError, match="resolves to 127.0.1.1, a loopback address.*GLOO_SOCKET_IFNAME"):
-        check_network({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"})
+        check_network({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node1"})
     check_network({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "eth0"})  # told which
     check_network({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})  # one node: loopback is right
+    check_network({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "localhost"})  # "nodes" on one host
     monkeypatch.setattr(socket, "gethostbyname", lambda host: "10.0.0.5")
-    check_network({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"})
+    check_network({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node1"})

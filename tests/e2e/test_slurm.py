@@ -1,0 +1,105 @@
+"""``sbatch launch/slurm.sbatch`` on a real two-node SLURM cluster on this machine
+(tests/slurm_cluster.py): the default run on 2 nodes x 1 CPU rank, over localhost and over two
+network namespaces (each node its own address and hostname, so address mistakes fail), and a
+rank killed on one node ending the job on both."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import psutil
+import pytest
+
+from launch import ROOT, audit, ds_config, odb_config, steps_trained
+from slurm_cluster import SlurmCluster, require_cluster
+
+SCRIPT = ROOT / "launch" / "slurm.sbatch"
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def slurm_installed():
+    require_cluster()
+SAMPLES = 240
+
+
+def job_args(tmp_path):
+    return ["--deepspeed_config", str(ds_config(tmp_path, 2)), "--audit_ids", "--max_samples", str(SAMPLES),
+            "--odb_config", str(odb_config(tmp_path, max_tokens=1024, window=32, lookahead=16)),
+            "--dist_timeout_s", "20"]
+
+
+def job_env(out):
+    return {"ODB_PYTHON": sys.executable, "ODB_OUTPUT_DIR": str(out), "DS_ACCELERATOR": "cpu",
+            "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", "")}
+
+
+def env_without_empty(env):
+    return {k: v for k, v in env.items() if v}
+
+
+@pytest.mark.parametrize("mode", ["localhost", "netns"])
+def test_sbatch_trains_on_two_nodes_aligned_every_sample_once_one_summary(tmp_path, mode):
+    out = tmp_path / "out"
+    with SlurmCluster(mode) as cluster:
+        code, job = cluster.submit(SCRIPT, job_args(tmp_path), env=env_without_empty(job_env(out)), timeout=400,
+                                   sbatch_args=["--nodes=2", "--ntasks-per-node=1"], cwd=ROOT)
+        output = cluster.output(job)
+    assert code == 0, output[-4000:]
+    assert "2 node(s), 2 task(s)" in output, output[-2000:]
+    rows = audit(out, 2)
+    steps = [[row["step"] for row in rank_rows] for rank_rows in rows]
+    assert steps[0] == steps[1] and steps[0], "both nodes trained the same steps and micro-batches"
+    assert Counter(i for rank_rows in rows for row in rank_rows for i in row["ids"]) == Counter(range(SAMPLES))
+    summary = json.loads((out / "summary.json").read_text())  # one summary, one metrics stream (rank 0)
+    assert summary["world_size"] == 2 and summary["samples_emitted"] == SAMPLES
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in metrics if "loss" in r] == sorted(set(steps[0]))
+
+
+def rank_process(rank: int) -> psutil.Process | None:
+    """The SLURM task of odb's ``rank`` (its environment says SLURM_PROCID)."""
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if any("launch/train.py" in part for part in proc.info["cmdline"] or []) and \
+                    proc.environ().get("SLURM_PROCID") == str(rank) and proc.environ().get("RANK") is None:
+                return proc
+        except psutil.Error:
+            continue
+    return None
+
+
+def test_a_rank_killed_on_one_node_ends_the_job_on_both(tmp_path):
+    out = tmp_path / "out"
+    with SlurmCluster("localhost") as cluster:
+        cmd = cluster.client("sbatch", "--wait", "--parsable", f"--output={cluster.work}/job-%j.out",
+                             "--nodes=2", "--ntasks-per-node=1", str(SCRIPT), *job_args(tmp_path),
+                             "--max_samples", "2000")
+        env = {**cluster._env(env_without_empty(job_env(out)))}
+        sbatch = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        try:
+            deadline = time.monotonic() + 300
+            while steps_trained(out) < 3:
+                assert sbatch.poll() is None and time.monotonic() < deadline, "the job ended before it trained"
+                time.sleep(0.5)
+            victim = rank_process(1)
+            assert victim is not None, "rank 1's task"
+            victim.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            sbatch.wait(timeout=20 + 60)
+            elapsed = time.monotonic() - killed
+        finally:
+            if sbatch.poll() is None:
+                sbatch.kill()
+        job = sbatch.stdout.read().strip().split(";")[0]
+        output = cluster.output(job)
+    print(f"SLURM: rank 1 killed, the job ended on both nodes {elapsed:.1f} s later (exit {sbatch.returncode})")
+    assert sbatch.returncode != 0, output[-3000:]
+    assert elapsed < 20 + 60
+    assert rank_process(0) is None, "rank 0's task on node1 ended too"
