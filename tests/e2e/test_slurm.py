@@ -103,3 +103,19 @@ def test_a_rank_killed_on_one_node_ends_the_job_on_both(tmp_path):
     assert sbatch.returncode != 0, output[-3000:]
     assert elapsed < 20 + 60
     assert rank_process(0) is None, "rank 0's task on node1 ended too"
+
+
+def test_a_node_whose_hostname_is_on_loopback_stops_the_job_at_once_naming_gloo_socket_ifname(tmp_path):
+    """Debian's /etc/hosts maps a node's own name to 127.0.1.1: gloo would advertise that address
+    to the other node. odb refuses before any rank waits; SLURM ends the job on both nodes."""
+    out = tmp_path / "out"
+    with SlurmCluster("netns", loopback_hostname=True) as cluster:
+        began = time.monotonic()
+        code, job = cluster.submit(SCRIPT, job_args(tmp_path), env=env_without_empty(job_env(out)), timeout=120,
+                                   sbatch_args=["--nodes=2", "--ntasks-per-node=1"], cwd=ROOT)
+        elapsed = time.monotonic() - began
+        output = cluster.output(job)
+    assert code != 0
+    assert "hostname 'node2' resolves to 127.0.1.1, a loopback address" in output, output[-3000:]
+    assert "Set GLOO_SOCKET_IFNAME" in output and "odb0 10.210.0.2" in output
+    assert elapsed < 60, "no rank waits for the timeout"
