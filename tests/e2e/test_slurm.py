@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import psutil
 import pytest
@@ -119,3 +120,31 @@ def test_a_node_whose_hostname_is_on_loopback_stops_the_job_at_once_naming_gloo_
     assert "hostname 'node2' resolves to 127.0.1.1, a loopback address" in output, output[-3000:]
     assert "Set GLOO_SOCKET_IFNAME" in output and "odb0 10.210.0.2" in output
     assert elapsed < 60, "no rank waits for the timeout"
+
+
+def test_a_deepspeed_hostfile_without_ssh_trains_across_two_network_hosts(tmp_path):
+    """The path for clusters without SLURM, on the same two network hosts (SLURM idle): the same
+    ``deepspeed --hostfile H --no_ssh --node_rank R`` command on each node."""
+    out, hostfile, port = tmp_path / "out", tmp_path / "hostfile", 29611
+    hostfile.write_text("node1 slots=1\nnode2 slots=1\n")
+    launcher = Path(sys.executable).with_name("deepspeed")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "odb0",
+           "PYTHONUNBUFFERED": "1"}
+    with SlurmCluster("netns") as cluster:
+        nodes = []
+        for rank, node in enumerate(cluster.nodes):
+            command = (f"hostname {node.name}; exec {launcher} --hostfile {hostfile} --no_ssh --node_rank {rank} "
+                       f"--master_addr {cluster.nodes[0].address} --master_port {port} {ROOT / 'launch' / 'train.py'} "
+                       + " ".join(job_args(tmp_path)) + f" --output_dir {out} --no_final_checkpoint")
+            nodes.append(subprocess.Popen(["nsenter", f"--net=/run/netns/{node.netns}", "unshare", "-u", "sh", "-c",
+                                           command], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+        try:
+            outputs = [node.communicate(timeout=300)[0] for node in nodes]
+        finally:
+            for node in nodes:
+                node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    rows = audit(out, 2)
+    assert Counter(i for rank_rows in rows for row in rank_rows for i in row["ids"]) == Counter(range(SAMPLES))
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 2
