@@ -148,3 +148,39 @@ def test_a_deepspeed_hostfile_without_ssh_trains_across_two_network_hosts(tmp_pa
     rows = audit(out, 2)
     assert Counter(i for rank_rows in rows for row in rank_rows for i in row["ids"]) == Counter(range(SAMPLES))
     assert json.loads((out / "summary.json").read_text())["world_size"] == 2
+
+
+def test_sigterm_from_slurm_saves_exits_75_and_the_next_job_resumes_exactly(tmp_path):
+    """What ``--signal=TERM@120`` (or ``scancel --signal=TERM``) does to a job: every rank stops after
+    the same step and saves, the job exits 75; the next job with the same ODB_OUTPUT_DIR resumes by
+    itself, and over both jobs every sample trains exactly once."""
+    out = tmp_path / "out"
+    with SlurmCluster("localhost") as cluster:
+        cmd = cluster.client("sbatch", "--wait", f"--output={cluster.work}/job-%j.out", "--nodes=2",
+                             "--ntasks-per-node=1", str(SCRIPT), *job_args(tmp_path))
+        sbatch = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=cluster._env(env_without_empty(job_env(out))), cwd=ROOT)
+        try:
+            deadline = time.monotonic() + 300
+            while steps_trained(out) < 3:
+                assert sbatch.poll() is None and time.monotonic() < deadline, "the job ended before it trained"
+                time.sleep(0.5)
+            [job] = cluster.command("squeue", "-h", "-o", "%i").stdout.split()
+            cluster.command("scancel", "--signal=TERM", job)  # the job steps' tasks get SIGTERM, as at TERM@120
+            signalled = time.monotonic()
+            sbatch.wait(timeout=120)
+            elapsed = time.monotonic() - signalled
+        finally:
+            if sbatch.poll() is None:
+                sbatch.kill()
+        first = cluster.output(job)
+        assert sbatch.returncode == 75, first[-3000:]
+        assert "stopped on request (exit 75)" in first
+        code, second_job = cluster.submit(SCRIPT, job_args(tmp_path), env=env_without_empty(job_env(out)),
+                                          timeout=400, sbatch_args=["--nodes=2", "--ntasks-per-node=1"], cwd=ROOT)
+        second = cluster.output(second_job)
+    print(f"SLURM SIGTERM: exit 75 {elapsed:.1f} s after the signal; the next job resumed")
+    assert code == 0, second[-3000:]
+    assert "resumed from" in second
+    rows = audit(out, 2)
+    assert Counter(i for rank_rows in rows for row in rank_rows for i in row["ids"]) == Counter(range(SAMPLES))
