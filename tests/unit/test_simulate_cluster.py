@@ -9,6 +9,9 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
+from odb.batching import align, stream
+from odb.batching import plan as plan_module
+from odb.batching.config import OdbConfig
 from odb.batching.simulate import simulate
 
 TRACE = ROOT.parent / "shared" / "traces" / "sharegpt4o_like.txt"  # has vision patches and long samples
@@ -66,8 +69,6 @@ def test_micro_batch_counts_equal_odb_simulate(report, trace_slice):
     sim = tool()
     trace = sim.read_trace(trace_slice)
     base = report["settings"]["odb"]
-    from odb.batching.config import OdbConfig
-
     configs = sim.policy_configs(OdbConfig(**base), [sim.fixed_batch_for(trace, base["max_tokens"]), 8])
     for row in report["results"]:
         lengths = sim.workload(trace, row["samples"], base["seed"])
@@ -79,6 +80,23 @@ def test_micro_batch_counts_equal_odb_simulate(report, trace_slice):
             assert got["dummy_micro_batches"] == sum(m.is_dummy for m in micro)
             assert got["steps"] == len(result.steps[0])
             assert got["samples"] == row["samples"]  # join mode: every sample exactly once
+
+
+def test_streamed_plan_with_shared_decisions_equals_simulate(trace_slice):
+    """plan() reduces each step as it comes, shares one decision per round among the simulated
+    ranks and shrinks gmt's round vector: the per-rank figures of every micro-batch are still
+    those of odb.batching.simulate."""
+    sim = tool()
+    lengths = sim.workload(sim.read_trace(trace_slice), 8 * 90, 3)
+    base = OdbConfig(max_tokens=4096, window=32, gas=2, seed=3)
+    for key, config in sim.policy_configs(base, [1, 8]).items():
+        streamed = sim.plan(config, lengths, 8)
+        direct = sim.plan_arrays(simulate(config, lengths, 8))
+        for name in ("tokens", "area", "patches", "gas"):
+            assert np.array_equal(streamed[name], direct[name]), (key, name)
+        assert all(streamed[k] == direct[k] for k in ("real", "materialized", "samples", "dummies")), key
+        assert streamed["samples"] == len(lengths)
+    assert align.decide is plan_module.decide and stream.epoch_order.__module__ == "odb.batching.stream"  # restored
 
 
 def test_speedups_are_positive_and_are_the_samples_per_s_ratios(report):
