@@ -77,7 +77,7 @@ def require_cluster() -> None:
     import pytest
 
     if missing() is not None and os.geteuid() == 0 and shutil.which("apt-get"):
-        quiet = {"capture_output": True, "timeout": 600}
+        quiet = {"capture_output": True, "timeout": 600, "env": {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}}
         subprocess.run(["apt-get", "update", "-qq"], **quiet)
         subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "slurm-wlm", "munge"], **quiet)
     reason = missing()
