@@ -99,6 +99,20 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _store_address() -> str:
+    return f"the rendezvous store at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+
+
+def _within(seconds: float, read: Callable[[], str]) -> str | None:
+    """``read()`` in a daemon thread, given ``seconds``: its result, or None if it did not return
+    (a store call to a frozen host blocks past its own timeout)."""
+    result: list[str] = []
+    thread = threading.Thread(target=lambda: result.append(read()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return result[0] if result else None
+
+
 class Watchdog:
     """One rank's watchdog (the module docstring has the protocol).
 
@@ -203,9 +217,8 @@ class Watchdog:
             if now - self._abort["seen_at"] >= grace:
                 return f"stopping: {self._abort['reason']}", False
         if now - self._io_at > self.timeout_s:
-            return (f"the rendezvous store at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
-                    f"has not answered for {now - self._io_at:.0f} s: its host (rank 0's process, or the "
-                    "launcher's agent) is frozen or gone"), False
+            return (f"{_store_address()} has not answered for {now - self._io_at:.0f} s: its host (rank 0's "
+                    "process, or the launcher's agent) is frozen or gone"), False
         if self._peer_seen is not None and now - self._peer_seen[1] > self.timeout_s:
             last = self._peer_seen[2]
             return (f"rank {self._peer} stopped answering: no heartbeat for {now - self._peer_seen[1]:.0f} s "
@@ -221,53 +234,39 @@ class Watchdog:
                     f"{self.round}: {self.where!r}; " + self._survey()), True
         return None
 
+    def _heartbeats(self) -> list[dict[str, Any]]:
+        keys = [f"{_PREFIX}heartbeat/{r}" for r in range(self.world_size)]
+        return [json.loads(v) for v in self.store.multi_get(keys)]
+
     def _survey(self) -> str:
         """Every rank's last heartbeat, read once (bounded): who the waiting ranks wait for."""
-        result: list[str] = []
-
-        def read() -> None:
-            keys = [f"{_PREFIX}heartbeat/{r}" for r in range(self.world_size)]
-            records = [json.loads(v) for v in self.store.multi_get(keys)]
+        def read() -> str:
             busy = [f"rank {r} at step {x['step']}, round {x['round']}, {x['where']!r}, idle {x['idle_s']} s"
-                    for r, x in enumerate(records) if not x["waiting"]]
-            result.append("not waiting: " + "; ".join(busy) if busy else "every rank is waiting (a collective "
-                          "that never completes: ranks in different collectives)")
+                    for r, x in enumerate(self._heartbeats()) if not x["waiting"]]
+            return "not waiting: " + "; ".join(busy) if busy else "every rank is waiting (a collective " \
+                "that never completes: ranks in different collectives)"
 
-        thread = threading.Thread(target=read, daemon=True)
-        thread.start()
-        thread.join(self.interval * 2)
-        return result[0] if result else "the store did not answer"
+        return _within(self.interval * 2, read) or "the store did not answer"
 
     def _silent_ranks(self) -> str:
         """Which ranks' heartbeats stand still over two intervals ('' if none; bounded in time)."""
-        result: list[str] = []
-
-        def read() -> None:
-            keys = [f"{_PREFIX}heartbeat/{r}" for r in range(self.world_size)]
-            before = [json.loads(v)["seq"] for v in self.store.multi_get(keys)]
+        def read() -> str:
+            before = [x["seq"] for x in self._heartbeats()]
             time.sleep(2 * self.interval)
-            after = [json.loads(v)["seq"] for v in self.store.multi_get(keys)]
+            after = [x["seq"] for x in self._heartbeats()]
             silent = [r for r in range(self.world_size) if r != self.rank and after[r] == before[r]]
-            result.append(f"rank(s) {silent} stopped answering (no heartbeat)" if silent else "")
+            return f"rank(s) {silent} stopped answering (no heartbeat)" if silent else ""
 
         if self.world_size == 1:
             return ""
-        thread = threading.Thread(target=read, daemon=True)
-        thread.start()
-        thread.join(3 * self.interval + 2)
-        if result:
-            return result[0]
-        return (f"the rendezvous store at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} does not "
-                "answer: its host (rank 0's process, or the launcher's agent) is gone")
+        found = _within(3 * self.interval + 2, read)
+        if found is not None:
+            return found
+        return f"{_store_address()} does not answer: its host (rank 0's process, or the launcher's agent) is gone"
 
     def _publish(self, abort: dict[str, Any]) -> None:
         """Writes the abort key unless one is there (first report wins), within a bounded time."""
-        def write() -> None:
-            self.store.compare_set(_ABORT, "", json.dumps(abort))
-
-        thread = threading.Thread(target=write, daemon=True)
-        thread.start()
-        thread.join(min(5.0, self.interval * 2))
+        _within(min(5.0, self.interval * 2), lambda: self.store.compare_set(_ABORT, "", json.dumps(abort)))
 
     def _fail(self, message: str, publish: bool) -> None:
         if self._failed:
