@@ -88,8 +88,8 @@ class Trainer:
                 and saved a checkpoint (:class:`odb.training.faults.GracefulStop`).
         """
         parts, config = self._built(), self.config
-        batcher, telemetry, watchdog, stop = parts.batcher, parts.telemetry, self.watchdog, self.stop
-        assert watchdog is not None and stop is not None, "call init() first"
+        batcher, telemetry, watchdog, stop = parts.batcher, parts.telemetry, self._watched(), self.stop
+        assert stop is not None, "call init() first"
         preempted: str | None = None
         if config.logging.audit_ids:
             self.audit = open(config.output_dir / f"emitted_ids.rank{self.rank}.jsonl", "a")
@@ -134,6 +134,10 @@ class Trainer:
             self._gather_totals()  # every rank is here: the last round's steps get their metrics rows
             raise Preempted(telemetry.steps_done, preempted)
         return self
+
+    def _watched(self) -> Watchdog:
+        assert self.watchdog is not None, "call init() first"
+        return self.watchdog
 
     def _built(self) -> Components:
         assert self.parts is not None, "call build() first"
@@ -194,8 +198,7 @@ class Trainer:
 
     def save(self, tag: str) -> None:
         """A checkpoint named ``tag`` (collective)."""
-        if self.watchdog is not None:
-            self.watchdog.progress(f"saving checkpoint {tag}")
+        self._watched().progress(f"saving checkpoint {tag}")
         save_checkpoint(self._built(), self.config, tag)
         self.saved = tag
 
@@ -206,8 +209,7 @@ class Trainer:
         written to ``metrics.jsonl`` (W&B) after the step it follows."""
         parts = self._built()
         assert parts.evaluator is not None, "no validation data"
-        if self.watchdog is not None:
-            self.watchdog.progress("evaluating")
+        self._watched().progress("evaluating")
         result = parts.evaluator.run()
         telemetry = parts.telemetry
         telemetry.record_eval(telemetry.steps_done - 1, loss=result.loss, label_tokens=result.label_tokens,
@@ -226,8 +228,7 @@ class Trainer:
 
         parts, config = self._built(), self.config
         telemetry, batcher = parts.telemetry, parts.batcher
-        if self.watchdog is not None:
-            self.watchdog.progress("finishing")
+        self._watched().progress("finishing")
         if parts.evaluator is not None and self.evaluated_at != telemetry.steps_done:
             self.evaluate()
         final = f"step{telemetry.steps_done}"
@@ -253,8 +254,7 @@ class Trainer:
             self.log(f"done: {json.dumps(summary)}")
             if parts.wandb_run is not None:
                 parts.wandb_run.summary.update(summary)
-        if self.watchdog is not None:
-            self.watchdog.stop()  # peers leave after the barrier (rank 0 takes the store with it)
+        self._watched().stop()  # peers leave after the barrier (rank 0 takes the store with it)
         dist.barrier()
         return summary
 
