@@ -312,6 +312,16 @@ class GracefulStop:
                  f"checkpoint and exits with code {EXIT_PREEMPTED}")
         self.signal = self.signal or name
 
+    def ignore_further_signals(self) -> None:
+        """Called once every rank has agreed to stop: from now on SIGTERM and SIGUSR1 are ignored, up to
+        the process's very end. Under ``srun --kill-on-bad-exit`` the first rank to exit 75 makes SLURM
+        send SIGTERM to the others while they finish their own exit; with a Python handler that
+        SIGTERM still kills a rank during interpreter shutdown (Python restores the default handler
+        there) and the job reports 143 instead of 75. ``SIG_IGN`` survives that; SIGKILL after
+        SLURM's KillWait still bounds the exit."""
+        for sig in self.SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
     def should_stop(self, steps_done: int) -> bool:
         """Called by every rank after each step (``steps_done``: steps completed): whether to stop now."""
         if self.signal is not None and not self._proposed:
