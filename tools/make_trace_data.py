@@ -28,6 +28,29 @@ def one_token_words(tokenizer) -> list[str]:
     return [w for w in words if len(tokenizer.encode(" " + w, add_special_tokens=False)) == 1]
 
 
+def read_lengths(trace: Path, samples: int | None = None, *, scale: int = 1) -> list[int]:
+    """The first ``samples`` token lengths of a trace (``tokens [patches]`` per line), divided by ``scale``."""
+    lengths = [int(line.split()[0]) for line in trace.read_text().splitlines() if line.strip()]
+    return [max(1, n // scale) for n in lengths[:samples]]
+
+
+def write_records(lengths: list[int], out: Path, *, seed: int = 0, max_tokens: int | None = None) -> None:
+    """One chat record per length (see the module docstring), seeded."""
+    tokenizer = AutoTokenizer.from_pretrained(str(REPO / "data" / "tokenizer"))
+    words = one_token_words(tokenizer)
+    rng = random.Random(seed)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w") as f:
+        for tokens in lengths:
+            tokens = min(tokens, max_tokens) if max_tokens else tokens
+            body = max(2, tokens - 8)  # the template's own tokens
+            user = max(1, body // 4)
+            record = {"messages": [
+                {"role": "user", "content": " ".join(rng.choices(words, k=user))},
+                {"role": "assistant", "content": " ".join(rng.choices(words, k=max(1, body - user)))}]}
+            f.write(json.dumps(record) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=Path, required=True)
@@ -36,20 +59,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    tokenizer = AutoTokenizer.from_pretrained(str(REPO / "data" / "tokenizer"))
-    words = one_token_words(tokenizer)
-    rng = random.Random(args.seed)
-    lengths = [int(line.split()[0]) for line in args.trace.read_text().splitlines() if line.strip()][:args.samples]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w") as out:
-        for tokens in lengths:
-            tokens = min(tokens, args.max_tokens) if args.max_tokens else tokens
-            body = max(2, tokens - 8)  # the template's own tokens
-            user = max(1, body // 4)
-            record = {"messages": [
-                {"role": "user", "content": " ".join(rng.choices(words, k=user))},
-                {"role": "assistant", "content": " ".join(rng.choices(words, k=max(1, body - user)))}]}
-            out.write(json.dumps(record) + "\n")
+    lengths = read_lengths(args.trace, args.samples)
+    write_records(lengths, args.out, seed=args.seed, max_tokens=args.max_tokens)
     print(f"wrote {len(lengths)} records to {args.out} (mean {sum(lengths) / max(1, len(lengths)):.0f} tokens)")
 
 
