@@ -86,9 +86,9 @@ def prepare(args: argparse.Namespace, work: Path) -> dict:
         if "skip" not in sample:
             samples.append({"id": i, "input_ids": sample["input_ids"], "labels": sample["labels"]})
     torch.save(samples, work / "samples.pt")
-    lengths = [len(s["input_ids"]) for s in samples]
+    lengths = {s["id"]: len(s["input_ids"]) for s in samples}
     return {"data": data, "model": model_dir, "samples_file": work / "samples.pt", "dataset_size": len(dataset),
-            "lengths": lengths, "safe_batch": max(1, args.max_tokens // max(lengths))}
+            "lengths": lengths, "safe_batch": max(1, args.max_tokens // max(lengths.values()))}
 
 
 # ---- running one system ----------------------------------------------------------------------
@@ -180,26 +180,39 @@ def run_paper(args: argparse.Namespace, shared: dict, work: Path) -> Path:
 
 # ---- figures ---------------------------------------------------------------------------------
 
-def coverage(out: Path, dataset_size: int) -> dict:
-    """From the runs' emitted-id files: how many samples trained once, twice or more, or never."""
-    seen = Counter()
-    for path in out.glob("emitted_ids.rank*.jsonl"):
-        for line in path.read_text().splitlines():
-            seen.update(json.loads(line)["ids"])
+def micro_batches(out: Path) -> list[list[int]]:
+    """The sample ids of every micro-batch every rank trained (the runs' emitted-id files)."""
+    return [json.loads(line)["ids"] for path in sorted(out.glob("emitted_ids.rank*.jsonl"))
+            for line in path.read_text().splitlines()]
+
+
+def coverage(batches: list[list[int]], dataset_size: int) -> dict:
+    """How many samples trained once, more than once, or never."""
+    seen = Counter(i for ids in batches for i in ids)
     times = Counter(seen[i] for i in range(dataset_size))
     return {"once": times[1], "never": times[0], "more_than_once": dataset_size - times[1] - times[0]}
 
 
+def attention_area(batches: list[list[int]], lengths: dict[int, int], *, packed: bool) -> int:
+    """The causal attention's work over the run, in query x key tokens: each packed sample attends
+    to itself only (the sum of its length squared); a padded batch computes every row to its
+    longest sample (rows x longest squared)."""
+    if packed:
+        return sum(lengths[i] ** 2 for ids in batches for i in ids)
+    return sum(len(ids) * max(lengths[i] for i in ids) ** 2 for ids in batches if ids)
+
+
 def figures(system: str, out: Path, shared: dict) -> dict:
     summary = json.loads((out / "summary.json").read_text())
-    wall = summary["wall_s"]
+    wall, batches = summary["wall_s"], micro_batches(out)
     row = {
         "samples_per_s": summary["samples_per_s"], "real_tokens_per_s": summary["tokens_per_s"],
         "materialized_tokens_per_s": round(summary["materialized_tokens"] / max(1e-9, wall), 1),
         "padding_ratio": summary["padding_ratio"], "steps": summary["steps"],
         "micro_batches": summary["micro_batches"], "dummy_micro_batches": summary["dummy_micro_batches"],
         "final_loss": summary["loss_last"], "first_loss": summary["loss_first"], "wall_s": wall,
-        "samples": summary["samples_emitted"], "coverage": coverage(out, shared["dataset_size"]),
+        "samples": summary["samples_emitted"], "coverage": coverage(batches, shared["dataset_size"]),
+        "attention_area": attention_area(batches, shared["lengths"], packed=system == "odb"),
     }
     metrics = out / "metrics.jsonl"
     if metrics.exists():  # the project's runs: per-step times of the data wait and of odb's own work
@@ -221,14 +234,15 @@ def markdown(result: dict) -> str:
     systems = result["systems"]
     base = systems.get("odb", {}).get("samples_per_s")
     lines = ["| system | samples/s | odb is | real tok/s | materialized tok/s | padding | steps | micro-batches "
-             "| data wait | planning | final loss | trained once |", "|" + "---|" * 12]
+             "| attention work | data wait | planning | final loss | trained once |", "|" + "---|" * 13]
     for name, r in systems.items():
         label = f"fixed (batch {r['batch_size']})" if name == "fixed" else name
         speed = f"{base / r['samples_per_s']:.2f}x" if base and r["samples_per_s"] else "-"
         planning = f"{r['planning_share']:.1%}" if r["planning_share"] is not None else "-"
         lines.append(f"| {label} | {r['samples_per_s']:.2f} | {speed} | {r['real_tokens_per_s']:.0f} | "
                      f"{r['materialized_tokens_per_s']:.0f} | {r['padding_ratio']:.3f} | {r['steps']} | "
-                     f"{r['micro_batches']} | {r['data_wait_share']:.1%} | {planning} | {r['final_loss']:.3f} | "
+                     f"{r['micro_batches']} | {r['attention_area'] / 1e6:.1f}M | {r['data_wait_share']:.1%} | "
+                     f"{planning} | {r['final_loss']:.3f} | "
                      f"{r['coverage']['once']}/{result['samples']} |")
     return "\n".join(lines)
 

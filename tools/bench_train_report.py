@@ -102,8 +102,9 @@ def main() -> None:
                 if any(r["trace"] == name and r["world_size"] == world for r in results):
                     continue
                 print(f"bench_train_report: {name}, {world} rank(s)", file=sys.stderr, flush=True)
+                keep = args.out / f"{name.removesuffix('.txt').removesuffix('.jsonl')}-w{world}"
                 result = bench_train.main([*source, "--samples", str(args.samples), "--max_tokens",
-                                           str(args.max_tokens), "--world_size", str(world)])
+                                           str(args.max_tokens), "--world_size", str(world), "--keep", str(keep)])
                 results.append(result)
                 with open(store, "a") as f:
                     f.write(json.dumps(result) + "\n")
