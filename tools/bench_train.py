@@ -17,8 +17,9 @@ Systems (``--systems``, in this order by default):
 
 Every system trains the same initial weights (a model folder written once from
 configs/tiny_model.json), the same processed samples, one epoch, ZeRO-2, AdamW with the same
-learning-rate schedule by samples, one rank per process under the deepspeed launcher, with the
-machine's cores split evenly over the ranks. Data: ``--trace FILE`` (one ``tokens [patches]``
+learning-rate schedule by samples, one rank per process under the deepspeed launcher; on CPU the
+machine's cores are split evenly over the ranks. (With CUDA it runs one rank per GPU, bf16 by the
+DeepSpeed config's "auto"; that path has not yet been run on a GPU.) Data: ``--trace FILE`` (one ``tokens [patches]``
 line per sample: chat records of those token lengths, through the real processing pipeline; vision
 patches are not modelled: the tiny model is text-only) or ``--data FILE`` (chat records).
 ``--length_scale K`` divides a trace's lengths by K (CPU runs: attention over long samples dominates
@@ -44,6 +45,8 @@ import venv
 from collections import Counter
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
@@ -59,7 +62,6 @@ BASE_DS_CONFIG = ROOT / "configs" / "ds_zero2.json"
 def prepare(args: argparse.Namespace, work: Path) -> dict:
     """Writes the chat records, the initial model folder and the processed samples (for paper_pkg);
     returns what the runs share."""
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from odb.data.processing import SampleDataset
@@ -111,9 +113,9 @@ def _launch(python: str, script: Path, script_args: list[str], args: argparse.Na
     port = _free_port()
     cmd = [python, "-c", "from deepspeed.launcher.runner import main; main()", "--num_gpus", str(args.world_size),
            "--master_port", str(port), str(script), *script_args]
-    threads = max(1, (os.cpu_count() or 1) // args.world_size)
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads),
-           "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if not torch.cuda.is_available():  # CPU ranks: DeepSpeed's CPU accelerator, the cores split over the ranks
+        env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.world_size)))
     try:
         with open(log, "w") as out:
             done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=args.timeout_s)

@@ -113,7 +113,7 @@ def main() -> None:
     model.config.use_cache = False
     ds_config = json.loads(args.deepspeed_config.read_text())
     ds_config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, train_batch_size=world)
-    ds_config.setdefault("bf16", {})["enabled"] = False
+    ds_config.setdefault("bf16", {})["enabled"] = torch.cuda.is_available()  # as the other systems' "auto"
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
 
@@ -129,7 +129,9 @@ def main() -> None:
                             "label_tokens"), 0)
     loss_sums, label_counts, ids, waited = [], [], [], 0.0
     samples_done = 0
-    dummy = {"input_ids": torch.zeros((1, 1), dtype=torch.long), "attention_mask": torch.ones((1, 1), dtype=torch.long)}
+    device = engine.device
+    dummy = {"input_ids": torch.zeros((1, 1), dtype=torch.long, device=device),
+             "attention_mask": torch.ones((1, 1), dtype=torch.long, device=device)}
     engine.train()
     started = time.perf_counter()
     batches = iter(loader)
@@ -141,7 +143,7 @@ def main() -> None:
         waited += time.perf_counter() - t0
         info = odb.pop_step_info(batch, loss_scaling="exact") if batch is not None else None
         # the uneven-input guard: does any rank still have a batch, and how many samples this step
-        flags = torch.tensor([int(batch is not None), info.all_samples_this_step if info else 0])
+        flags = torch.tensor([int(batch is not None), info.all_samples_this_step if info else 0], device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if not int(flags[0]):
             break
@@ -155,6 +157,7 @@ def main() -> None:
             label_counts.append(0)
         else:
             ids.append(batch.pop(IDS_KEY))
+            batch = {k: v.to(device) for k, v in batch.items()}
             out = engine(**batch)
             labelled = int((batch["labels"][:, 1:] != -100).sum())
             loss_sums.append(float(out.loss.detach()) * labelled)
