@@ -68,10 +68,12 @@ def prepare(args: argparse.Namespace, work: Path) -> dict:
     from odb.training.model import load_tokenizer
 
     if args.trace is not None:
-        from make_trace_data import read_lengths, write_records
+        from bench_batching import read_lengths
+        from make_trace_data import write_records
 
         data = work / "records.jsonl"
-        write_records(read_lengths(args.trace, args.samples, scale=args.length_scale), data, seed=args.seed)
+        lengths = [max(1, tokens // args.length_scale) for tokens, _ in read_lengths(str(args.trace))[:args.samples]]
+        write_records(lengths, data, seed=args.seed)
     else:
         data = args.data
     tokenizer = load_tokenizer(ROOT / "data" / "tokenizer")

@@ -17,6 +17,7 @@ import json
 import random
 from pathlib import Path
 
+from bench_batching import read_lengths
 from transformers import AutoTokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,12 +27,6 @@ def one_token_words(tokenizer) -> list[str]:
     """Words the tokenizer encodes, after a space, as exactly one token."""
     words = sorted({token[1:] for token in tokenizer.get_vocab() if token.startswith("Ġ") and token[1:].isalpha()})
     return [w for w in words if len(tokenizer.encode(" " + w, add_special_tokens=False)) == 1]
-
-
-def read_lengths(trace: Path, samples: int | None = None, *, scale: int = 1) -> list[int]:
-    """The first ``samples`` token lengths of a trace (``tokens [patches]`` per line), divided by ``scale``."""
-    lengths = [int(line.split()[0]) for line in trace.read_text().splitlines() if line.strip()]
-    return [max(1, n // scale) for n in lengths[:samples]]
 
 
 def write_records(lengths: list[int], out: Path, *, seed: int = 0, max_tokens: int | None = None) -> None:
@@ -59,7 +54,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    lengths = read_lengths(args.trace, args.samples)
+    lengths = [tokens for tokens, _ in read_lengths(str(args.trace))[:args.samples]]
     write_records(lengths, args.out, seed=args.seed, max_tokens=args.max_tokens)
     print(f"wrote {len(lengths)} records to {args.out} (mean {sum(lengths) / max(1, len(lengths)):.0f} tokens)")
 

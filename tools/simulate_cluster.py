@@ -83,6 +83,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+from bench_batching import read_lengths  # noqa: E402
 
 from odb.batching import align, stream  # noqa: E402
 from odb.batching.batcher import OnlineBatcher  # noqa: E402
@@ -189,18 +192,11 @@ class Cluster:
 
 
 def read_trace(path: str | Path) -> list[tuple[int, int]]:
-    """One sample per line: ``tokens [vision_patches]``."""
-    out = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        parts = line.split()
-        if parts:
-            try:
-                out.append((int(parts[0]), int(parts[1]) if len(parts) > 1 else 0))
-            except ValueError:
-                raise SystemExit(f"{path}:{number}: expected 'tokens [vision_patches]', got {line!r}")
-    if not out:
+    """One sample per line: ``tokens [vision_patches]`` (tools/bench_batching.py's reader), at least one."""
+    trace = read_lengths(str(path))
+    if not trace:
         raise SystemExit(f"{path} holds no sample")
-    return out
+    return trace
 
 
 def workload(trace: list[tuple[int, int]], num_samples: int, seed: int) -> list[tuple[int, int]]:
