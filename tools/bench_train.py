@@ -90,9 +90,11 @@ def prepare(args: argparse.Namespace, work: Path) -> dict:
         if "skip" not in sample:
             samples.append({"id": i, "input_ids": sample["input_ids"], "labels": sample["labels"]})
     torch.save(samples, work / "samples.pt")
+    from simulate_cluster import fixed_batch_for
+
     lengths = {s["id"]: len(s["input_ids"]) for s in samples}
     return {"data": data, "model": model_dir, "samples_file": work / "samples.pt", "dataset_size": len(dataset),
-            "lengths": lengths, "safe_batch": max(1, args.max_tokens // max(lengths.values()))}
+            "lengths": lengths, "safe_batch": fixed_batch_for([(n, 0) for n in lengths.values()], args.max_tokens)}
 
 
 # ---- running one system ----------------------------------------------------------------------
