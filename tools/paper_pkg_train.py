@@ -18,7 +18,8 @@ different steps, "DDP Join or an equivalent guard": here one all_reduce per step
 still has a batch, and a zero-weight pass on a rank that has none while another has one (what DDP
 Join does for DDP; DeepSpeed has no Join).
 
-This file must not import the project's own ``odb``: ``import odb`` here is the paper's package.
+This file must not import the project's own ``odb``: ``import odb`` here is the paper's package (the
+learning-rate schedule is the project's, loaded from its file).
 The samples come already tokenized (``--samples``, written by bench_train.py with the project's
 processing), so this side does no tokenization of its own.
 """
@@ -26,8 +27,8 @@ processing), so this side does no tokenization of its own.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import math
 import time
 from pathlib import Path
 
@@ -80,13 +81,14 @@ class PadCollate:
         return batch
 
 
-def learning_rate(args: argparse.Namespace, samples_done: int, total: int) -> float:
-    """Linear warmup, then cosine to a tenth, over the planned samples (the other systems' schedule)."""
-    progress = min(1.0, samples_done / max(1, total))
-    if progress < args.warmup_ratio:
-        return args.lr * max(progress / args.warmup_ratio, 1e-3)
-    cosine = 0.5 * (1 + math.cos(math.pi * (progress - args.warmup_ratio) / max(1e-12, 1 - args.warmup_ratio)))
-    return args.lr * (0.1 + 0.9 * cosine)
+def project_schedule():
+    """odb.training.schedule.ProgressSchedule, the other systems' learning-rate schedule, loaded from
+    its file: ``import odb`` here is the paper's package, and the module needs nothing but ``math``."""
+    spec = importlib.util.spec_from_file_location("project_schedule", Path(__file__).resolve().parent.parent
+                                                  / "odb" / "training" / "schedule.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ProgressSchedule
 
 
 def main() -> None:
@@ -123,11 +125,10 @@ def main() -> None:
         dataset, token_budget=args.token_budget, batch_size=1, sampler=sampler, num_workers=args.num_workers,
         prefetch_factor=max(1, args.buffer // args.num_workers), collate_fn=PadCollate(model.config.pad_token_id or 0),
         loss_scaling="exact", join=True)
-    planned = len(sampler) * world
+    schedule = project_schedule()(args.lr, len(sampler) * world, warmup_ratio=args.warmup_ratio)
 
-    counts = dict.fromkeys(("steps", "batches", "dummy_passes", "samples", "real_tokens", "materialized_tokens",
-                            "label_tokens"), 0)
-    loss_sums, label_counts, ids, waited = [], [], [], 0.0
+    counts = dict.fromkeys(("batches", "dummy_passes", "samples", "real_tokens", "materialized_tokens"), 0)
+    loss_sums, label_counts, ids, waited = [], [], [], 0.0  # per step: loss sums stay tensors (no per-step sync)
     samples_done = 0
     device = engine.device
     dummy = {"input_ids": torch.zeros((1, 1), dtype=torch.long, device=device),
@@ -148,33 +149,29 @@ def main() -> None:
         if not int(flags[0]):
             break
         for group in engine.optimizer.param_groups:
-            group["lr"] = learning_rate(args, samples_done, planned)
+            group["lr"] = schedule(samples_done)
         samples_done += int(flags[1])
         if batch is None:  # this rank is out of batches while another is not: a zero-weight pass
             loss = engine(**dummy).logits.sum() * 0.0
             counts["dummy_passes"] += 1
-            loss_sums.append(0.0)
+            loss_sums.append(torch.zeros(()))
             label_counts.append(0)
         else:
-            ids.append(batch.pop(IDS_KEY))
-            batch = {k: v.to(device) for k, v in batch.items()}
-            out = engine(**batch)
-            labelled = int((batch["labels"][:, 1:] != -100).sum())
-            loss_sums.append(float(out.loss.detach()) * labelled)
-            label_counts.append(labelled)
-            loss = out.loss * info.loss_scale
+            ids.append(batch.pop(IDS_KEY))  # the counts from the batch on the host, before it moves
+            label_counts.append(int((batch["labels"][:, 1:] != -100).sum()))
             counts["batches"] += 1
             counts["samples"] += len(ids[-1])
             counts["real_tokens"] += int(batch["attention_mask"].sum())
             counts["materialized_tokens"] += batch["input_ids"].numel()
-            counts["label_tokens"] += labelled
+            out = engine(**{k: v.to(device) for k, v in batch.items()})
+            loss_sums.append(out.loss.detach() * label_counts[-1])
+            loss = out.loss * info.loss_scale
         engine.backward(loss)
         engine.step()
-        counts["steps"] += 1
     wall_s = time.perf_counter() - started
 
-    mine = {**counts, "wall_s": wall_s, "wait_s": waited, "loss_sums": loss_sums, "label_counts": label_counts,
-            "ids": ids}
+    mine = {**counts, "wall_s": wall_s, "wait_s": waited, "loss_sums": [float(x) for x in loss_sums],
+            "label_counts": label_counts, "ids": ids}
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:
@@ -189,9 +186,10 @@ def write_summary(out: Path, ranks: list[dict], *, dataset_size: int) -> None:
     emitted ids (emitted_ids.rank<R>.jsonl, one row per batch)."""
     out.mkdir(parents=True, exist_ok=True)
     total = {k: sum(r[k] for r in ranks) for k in ("batches", "dummy_passes", "samples", "real_tokens",
-                                                    "materialized_tokens", "label_tokens")}
+                                                    "materialized_tokens")}
+    total["label_tokens"] = sum(sum(r["label_counts"]) for r in ranks)
     wall_s = sum(r["wall_s"] for r in ranks) / len(ranks)
-    steps = ranks[0]["steps"]
+    steps = len(ranks[0]["label_counts"])  # one entry per step, dummy passes included
     losses = [sum(r["loss_sums"][s] for r in ranks) / n
               for s in range(steps) if (n := sum(r["label_counts"][s] for r in ranks))]
     summary = {
