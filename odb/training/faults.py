@@ -313,7 +313,7 @@ class GracefulStop:
         self.signal = self.signal or name
 
     def ignore_further_signals(self) -> None:
-        """Called once every rank has agreed to stop: from now on SIGTERM and SIGUSR1 are ignored, up to
+        """Once this rank stops (``should_stop`` said so): from now on SIGTERM and SIGUSR1 are ignored, up to
         the process's very end. Under ``srun --kill-on-bad-exit`` the first rank to exit 75 makes SLURM
         send SIGTERM to the others while they finish their own exit; with a Python handler that
         SIGTERM still kills a rank during interpreter shutdown (Python restores the default handler
@@ -329,7 +329,10 @@ class GracefulStop:
             self.stop_after, self._proposed = int(agreed), True
         elif self.stop_after is None and self.store.check([_STOP]):
             self.stop_after = int(self.store.get(_STOP))
-        return self.stop_after is not None and steps_done >= self.stop_after
+        stopping = self.stop_after is not None and steps_done >= self.stop_after
+        if stopping:
+            self.ignore_further_signals()  # a rank that is already stopping must not die of a later signal
+        return stopping
 
 
 class WatchedCommunicator:

@@ -122,7 +122,6 @@ class Trainer:
                 self.save(f"step{telemetry.steps_done}")
             if stop.should_stop(telemetry.steps_done):  # the same step on every rank
                 preempted = f"step{telemetry.steps_done}"
-                stop.ignore_further_signals()  # a rank that is already stopping must not die of a later one
                 if self.saved != preempted:
                     self.save(preempted)
                 break

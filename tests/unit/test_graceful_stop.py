@@ -22,7 +22,7 @@ def test_every_rank_stops_after_the_step_the_signalled_rank_proposed():
     server = dist.TCPStore("127.0.0.1", port, 3, True, timedelta(seconds=10), wait_for_workers=False)
     ranks = [GracefulStop(dist.TCPStore("127.0.0.1", port, 3, False, timedelta(seconds=10)), rank=r)
              for r in range(3)]
-    previous = signal.getsignal(signal.SIGUSR1)
+    previous = {sig: signal.getsignal(sig) for sig in GracefulStop.SIGNALS}
     try:
         ranks[1].install()
         os.kill(os.getpid(), signal.SIGUSR1)  # a real signal to this process: rank 1's handler runs
@@ -36,7 +36,8 @@ def test_every_rank_stops_after_the_step_the_signalled_rank_proposed():
         assert [r.stop_after for r in ranks] == [6, 6, 6]
         assert [r.should_stop(6) for r in ranks] == [True] * 3
     finally:
-        signal.signal(signal.SIGUSR1, previous)
+        for sig, handler in previous.items():  # install() and the agreed stop (SIG_IGN) changed them
+            signal.signal(sig, handler)
         del server
 
 
