@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Fine-tune with odb under DeepSpeed.
+"""Fine-tune with odb under DeepSpeed (the default) or FSDP2.
 
     deepspeed --num_gpus 2 launch/train.py --deepspeed_config configs/ds_zero2.json
+    torchrun --nproc_per_node 2 launch/train.py --backend fsdp2 --fsdp_config configs/fsdp2.json
 
 With no flags: the bundled tiny model on the bundled chat data, one epoch (CPU ranks on gloo
 where there is no GPU). ``python launch/train.py --help`` lists the flags.
@@ -21,7 +22,8 @@ from odb.training.run import Trainer  # noqa: E402
 DEFAULTS = FileDefaults(
     deepspeed_config=REPO / "configs" / "ds_zero2.json", odb_config=REPO / "configs" / "odb.json",
     model=REPO / "configs" / "tiny_model.json", data=REPO / "data" / "chat.jsonl",
-    tokenizer=REPO / "data" / "tokenizer", lora=REPO / "configs" / "lora.json")
+    tokenizer=REPO / "data" / "tokenizer", lora=REPO / "configs" / "lora.json",
+    fsdp_config=REPO / "configs" / "fsdp2.json")
 
 
 def main() -> None:

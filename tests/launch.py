@@ -66,6 +66,17 @@ def deepspeed(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Pa
     return proc
 
 
+def torchrun(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Path = TRAIN
+             ) -> subprocess.CompletedProcess:
+    """``script`` on ``nproc`` CPU ranks under torchrun (the FSDP2 backend's launcher); it must succeed."""
+    launcher = Path(sys.executable).with_name("torchrun")
+    cmd = [str(launcher), "--nproc_per_node", str(nproc), "--master_port", str(free_port()), str(script), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    return proc
+
+
 def plain(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     """One process, no launcher (the bad-input tests: they must fail before any process group)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

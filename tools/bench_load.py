@@ -92,8 +92,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from odb.training.build import initialize_deepspeed, release_shared_memory
+    from odb.training.build import release_shared_memory
     from odb.training.config import OptimizationSettings
+    from odb.training.deepspeed_backend import initialize_deepspeed
     from odb.training.model import build_model
 
     out = Path(args.worker)

@@ -14,7 +14,6 @@ import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +27,17 @@ from odb.data.feed import SampleFeed
 from odb.data.processing import SampleDataset, sample_sizes
 from odb.telemetry import Telemetry
 from odb.training.attention import has_flash_attn
-from odb.training.config import OptimizationSettings, RunConfig
-from odb.training.engine import BLANK_IMAGE_TOKENS, OdbEngine
+from odb.training.config import RunConfig
+from odb.training.deepspeed_backend import DeepSpeedBackend, init_deepspeed_distributed, initialize_deepspeed
+from odb.training.engine import BLANK_IMAGE_TOKENS, Backend, OdbEngine
 from odb.training.evaluate import Evaluator
 from odb.training.faults import Watchdog, WatchedCommunicator, collective_timeout_s
+from odb.training.fsdp2 import build_fsdp2, init_fsdp2_distributed
 from odb.training.model import build_model, load_tokenizer, vision_spec
 from odb.training.mrope import supports_packing
 from odb.training.schedule import ProgressSchedule
 
-__all__ = ["Components", "build_components", "init_distributed", "initialize_deepspeed", "release_shared_memory"]
+__all__ = ["Components", "build_backend", "build_components", "init_distributed", "release_shared_memory"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,8 +65,7 @@ class Components:
 
 
 def init_distributed(config: RunConfig) -> tuple[int, int]:
-    """Joins the process group; returns ``(rank, world_size)``."""
-    import deepspeed
+    """Joins the process group (as the backend does); returns ``(rank, world_size)``."""
     import torch.distributed as dist
 
     if "RANK" not in os.environ:  # ``python launch/train.py`` without a launcher: one rank here
@@ -79,7 +79,11 @@ def init_distributed(config: RunConfig) -> tuple[int, int]:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     # a backstop: the watchdog (odb.training.faults) ends a stalled run first, naming the rank
-    deepspeed.init_distributed(timeout=timedelta(seconds=collective_timeout_s(config.run.dist_timeout_s)))
+    timeout_s = collective_timeout_s(config.run.dist_timeout_s)
+    if config.optimization.backend == "fsdp2":
+        init_fsdp2_distributed(timeout_s)
+    else:
+        init_deepspeed_distributed(timeout_s)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -112,11 +116,8 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
             universal checkpoint: :func:`odb.training.reshard.prepare_load`).
     """
     tokenizer = load_tokenizer(config.model.tokenizer)
-    # in DeepSpeed's precision; at ZeRO-3 partitioned as it is built (collective)
-    model = build_model(config.model.path, seed=config.seed, vocab_size=len(tokenizer),
-                        lora=dict(config.model.lora) if config.model.lora is not None else None,
-                        ds_config=config.optimization.deepspeed,
-                        gradient_checkpointing=config.model.gradient_checkpointing)
+    backend = build_backend(config, rank=rank, vocab_size=len(tokenizer), ds_config=ds_config)
+    model = backend.module.get_base_model() if hasattr(backend.module, "get_base_model") else backend.module
     batching = config.batching
     vision = vision_spec(model, config.data.processing)
     if vision is not None:
@@ -133,9 +134,7 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
             f"rows x longest <= {batching.max_tokens} tokens")
         if batching.policy == "odb":
             batching = dataclasses.replace(batching, pad_rows=True)
-    optimization = config.optimization if ds_config is None else dataclasses.replace(config.optimization,
-                                                                                      deepspeed=ds_config)
-    engine = OdbEngine(initialize_deepspeed(optimization, model), world_size=world_size,
+    engine = OdbEngine(backend, world_size=world_size,
                        max_tokens=batching.max_tokens, pad_token_id=tokenizer.pad_token_id, packed=packed,
                        loss_chunk_tokens=config.model.loss_chunk_tokens)
     feed = SampleFeed(dataset, sample_sizes, num_workers=config.data.num_workers,
@@ -162,6 +161,26 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
                       telemetry=telemetry, settings=settings, wandb_run=wandb_run, evaluator=evaluator)
 
 
+def build_backend(config: RunConfig, *, rank: int, vocab_size: int, ds_config: dict[str, Any] | None = None
+                  ) -> Backend:
+    """The model, its optimizer and its collectives under the run's backend (collective).
+
+    DeepSpeed: the model built in DeepSpeed's precision (at ZeRO-3 partitioned as it is built),
+    then ``deepspeed.initialize`` (``ds_config`` replaces the run's: a universal-checkpoint resume).
+    FSDP2: :func:`odb.training.fsdp2.build_fsdp2`.
+    """
+    model_settings = config.model
+    if config.optimization.backend == "fsdp2":
+        return build_fsdp2(model_settings, config.optimization, seed=config.seed, vocab_size=vocab_size, rank=rank)
+    optimization = config.optimization if ds_config is None else dataclasses.replace(config.optimization,
+                                                                                      deepspeed=ds_config)
+    model = build_model(model_settings.path, seed=config.seed, vocab_size=vocab_size,
+                        lora=dict(model_settings.lora) if model_settings.lora is not None else None,
+                        ds_config=optimization.deepspeed,
+                        gradient_checkpointing=model_settings.gradient_checkpointing)
+    return DeepSpeedBackend(initialize_deepspeed(optimization, model))
+
+
 def shared_settings(config: RunConfig, model_config, dataset: SampleDataset,
                     eval_dataset: SampleDataset | None) -> dict[str, Any]:
     """What every rank must share besides odb's batching settings, checked in the batcher's first
@@ -174,6 +193,7 @@ def shared_settings(config: RunConfig, model_config, dataset: SampleDataset,
     model = {k: v for k, v in model_config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
     return {
         "odb_version": odb.__version__,
+        "backend": config.optimization.backend,
         "deepspeed.gradient_accumulation_steps": ds.get("gradient_accumulation_steps"),
         "deepspeed.train_micro_batch_size_per_gpu": ds.get("train_micro_batch_size_per_gpu"),
         "deepspeed.zero_stage": zero.get("stage", 0),
@@ -221,25 +241,9 @@ def _datasets(config: RunConfig, tokenizer, vision, *, truncate_to: int | None
             SampleDataset(data.path, tokenizer, plain, indices=val, **common))
 
 
-def initialize_deepspeed(opt: OptimizationSettings, model):
-    """``deepspeed.initialize`` (collective) with a torch optimizer, unless DeepSpeed's JSON declares one."""
-    import deepspeed
-
-    ds_config = dict(opt.deepspeed)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = None
-    if "optimizer" not in ds_config:  # a torch optimizer: no DeepSpeed op to compile
-        optimizer = (torch.optim.AdamW(params, lr=opt.lr, weight_decay=opt.weight_decay)
-                     if opt.optimizer == "adamw" else torch.optim.SGD(params, lr=opt.lr))
-        if opt.optimizer == "sgd":
-            ds_config.setdefault("zero_allow_untested_optimizer", True)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer, config=ds_config)
-    return engine
-
-
 def _settings(config: RunConfig, batching: OdbConfig, *, world_size: int, packed: bool, dataset_size: int,
               planned: int) -> dict[str, Any]:
-    ds_config = config.optimization.deepspeed
+    ds_config, fsdp2 = config.optimization.deepspeed, config.optimization.fsdp2
     if not packed:
         attention = "padded (sdpa)"
     elif torch.cuda.is_available():
@@ -247,10 +251,11 @@ def _settings(config: RunConfig, batching: OdbConfig, *, world_size: int, packed
                      "odb_varlen: torch varlen_attn (attention dropout, softcap or fp32: per-group SDPA)")
     else:
         attention = "odb_varlen: SDPA per group of similar-length samples (CPU)"
+    backend = {"backend": "deepspeed", "zero_stage": ds_config.get("zero_optimization", {}).get("stage", 0),
+               "bf16": ds_config.get("bf16", {}).get("enabled", False)} if fsdp2 is None else \
+        {"backend": "fsdp2", "bf16": fsdp2.mixed_precision == "bf16", "cpu_offload": fsdp2.cpu_offload}
     return {"world_size": world_size, "max_tokens": batching.max_tokens, "window": batching.window,
-            "gas": batching.gas, "mode": batching.mode, "policy": batching.policy,
-            "zero_stage": ds_config.get("zero_optimization", {}).get("stage", 0),
-            "bf16": ds_config.get("bf16", {}).get("enabled", False), "attention": attention,
+            "gas": batching.gas, "mode": batching.mode, "policy": batching.policy, **backend, "attention": attention,
             "model": config.model.path, "lora": bool(config.model.lora),
             "gradient_checkpointing": config.model.gradient_checkpointing,
             "loss_chunk_tokens": config.model.loss_chunk_tokens, "data": config.data.path,
@@ -264,4 +269,6 @@ def _wandb(config: RunConfig, settings: dict[str, Any], batching: OdbConfig):
     log = config.logging
     return wandb.init(project=log.wandb_project, name=log.run_name or config.output_dir.name,
                       tags=list(log.wandb_tags), dir=str(config.output_dir),
-                      config={**settings, "odb": batching.to_dict(), "deepspeed": dict(config.optimization.deepspeed)})
+                      config={**settings, "odb": batching.to_dict(), "deepspeed": dict(config.optimization.deepspeed),
+                              "fsdp2": dataclasses.asdict(config.optimization.fsdp2) if config.optimization.fsdp2
+                              else None})

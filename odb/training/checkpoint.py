@@ -1,7 +1,8 @@
-"""Checkpoints: DeepSpeed's (model, optimizer) plus odb's own files, one tag folder per save.
+"""Checkpoints: the backend's (model, optimizer) plus odb's own files, one tag folder per save.
 
-``OUTPUT_DIR/checkpoints/<tag>/`` holds, besides DeepSpeed's files (through
-:meth:`odb.training.engine.OdbEngine.save`):
+``OUTPUT_DIR/checkpoints/<tag>/`` holds, besides the backend's files (through
+:meth:`odb.training.engine.OdbEngine.save`: DeepSpeed's own, or FSDP2's
+``torch.distributed.checkpoint`` folder ``fsdp2/``):
 
 * ``odb_state.rank<R>.json``: the rank's batcher state (its window, planned steps, stream
   position), from which a fresh batcher reproduces the rest of the plan exactly;
@@ -9,7 +10,8 @@
   (:meth:`odb.telemetry.Telemetry.state_dict`), so that a resumed run's summary covers the run;
 * ``run_config.json``: the resolved config of the run that saved it (rank 0).
 
-Saving and loading are collective (DeepSpeed's part is): every rank, the same tag.
+Saving and loading are collective (the backend's part is): every rank, the same tag. A checkpoint
+resumes under the backend that saved it.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from odb.batching.redeal import redeal_states
 from odb.telemetry import Telemetry
 from odb.training.build import Components
 from odb.training.config import RunConfig
-from odb.training.reshard import LoadPlan
+from odb.training.reshard import LoadPlan, prepare_load
 
-__all__ = ["checkpoint_states", "load_checkpoint", "resolve_tag", "save_checkpoint"]
+__all__ = ["checkpoint_states", "load_checkpoint", "load_plan", "resolve_tag", "save_checkpoint"]
 
 
 def _folder(config: RunConfig) -> Path:
@@ -74,6 +76,24 @@ def resolve_tag(config: RunConfig, tag: str) -> str:
     if not (folder / tag).is_dir():
         raise FileNotFoundError(f"--resume: no checkpoint {folder / tag}; the tags there are {_tags(folder)}")
     return tag
+
+
+def load_plan(config: RunConfig, tag: str, *, rank: int, world_size: int) -> LoadPlan:
+    """How the backend loads checkpoint ``tag`` (:func:`resolve_tag`'s) on ``world_size`` ranks, before
+    the engine is built (collective under DeepSpeed: a universal conversion when the world size
+    changed, :func:`odb.training.reshard.prepare_load`; FSDP2's checkpoint loads on any number of
+    ranks as it is). Raises ``ValueError`` for a checkpoint of the other backend."""
+    folder = _folder(config)
+    backend = config.optimization.backend
+    saved_config = folder / tag / "run_config.json"
+    saved = _read_json(saved_config, "run config").get("optimization", {}).get("backend", "deepspeed") \
+        if saved_config.is_file() else backend
+    if saved != backend:
+        raise ValueError(f"--resume: {folder / tag} was saved by --backend {saved}, this run is --backend {backend}; "
+                         f"resume it with --backend {saved}, or start a new --output_dir")
+    if backend == "fsdp2":
+        return LoadPlan(folder=folder, tag=tag, ds_config={}, is_universal=False)
+    return prepare_load(folder, tag, rank=rank, world_size=world_size, ds_config=config.optimization.deepspeed)
 
 
 def _tags(folder: Path) -> list[str]:
@@ -134,9 +154,9 @@ def load_checkpoint(parts: Components, config: RunConfig, tag: str, plan: LoadPl
         parts.engine.load(plan.folder, plan.tag)
     except (FileNotFoundError, ValueError):
         raise
-    except Exception as err:  # noqa: BLE001 - DeepSpeed's own errors come from deep inside: say what to do
-        raise ValueError(f"--resume: DeepSpeed could not load {folder / tag} ({type(err).__name__}: {err}); the "
-                         "checkpoint is incomplete, or was saved with another model, LoRA or ZeRO config; "
+    except Exception as err:  # noqa: BLE001 - the backend's own errors come from deep inside: say what to do
+        raise ValueError(f"--resume: {parts.engine.backend.name} could not load {folder / tag} ({type(err).__name__}: "
+                         f"{err}); the checkpoint is incomplete, or was saved with another model, LoRA or ZeRO config; "
                          f"resume from another tag ({_tags(folder)}) with the settings that saved it") from err
     parts.batcher.load_state_dict(state)
     parts.feed.restore(parts.batcher.held_uids())

@@ -19,6 +19,7 @@ from odb.batching.config import OdbConfig, load_odb_config, read_json_object
 from odb.data.formats import FORMATS
 from odb.data.processing import load_data_config
 from odb.training.config import (
+    BACKENDS,
     OPTIMIZERS,
     REPORT_TO,
     CheckpointSettings,
@@ -28,6 +29,7 @@ from odb.training.config import (
     OptimizationSettings,
     RunConfig,
     RunSettings,
+    load_fsdp2_config,
     load_json_config,
     lora_keys,
 )
@@ -49,13 +51,24 @@ class FileDefaults:
     """Used when the model folder has no tokenizer of its own."""
     lora: Path
     """What a bare ``--lora`` reads."""
+    fsdp_config: Path | None = None
+    """FSDP2's settings under ``--backend fsdp2`` (None: the built-in defaults)."""
 
 
 def _parser(defaults: FileDefaults) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Fine-tune a causal LM with odb's online dynamic batching "
-                                            "under DeepSpeed (deepspeed --num_gpus N launch/train.py ...)")
-    p.add_argument("--deepspeed_config", default=str(defaults.deepspeed_config),
-                   help="DeepSpeed JSON; batch keys may be \"auto\" (odb fills them in)")
+                                            "under DeepSpeed (deepspeed --num_gpus N launch/train.py ...) or FSDP2 "
+                                            "(torchrun --nproc_per_node N launch/train.py --backend fsdp2 ...)")
+    p.add_argument("--backend", choices=BACKENDS, default="deepspeed",
+                   help="deepspeed (ZeRO 0-3, launch with deepspeed) or fsdp2 (PyTorch fully_shard, launch with "
+                        "torchrun)")
+    p.add_argument("--deepspeed_config", default=None,
+                   help=f"DeepSpeed JSON (--backend deepspeed; default {defaults.deepspeed_config}); batch keys "
+                        "may be \"auto\" (odb fills them in)")
+    p.add_argument("--fsdp_config", default=None,
+                   help="FSDP2 settings JSON (--backend fsdp2; default "
+                        f"{defaults.fsdp_config or 'built in'}): mixed_precision, reduce_dtype, "
+                        "reshard_after_forward, cpu_offload, gradient_clipping")
     p.add_argument("--odb_config", default=str(defaults.odb_config),
                    help="odb settings JSON (max_tokens, window, gas, mode, quota, over_cap, ...)")
     p.add_argument("--model", default=str(defaults.model),
@@ -195,9 +208,20 @@ def parse_config(argv: list[str] | None = None, *, defaults: FileDefaults) -> Ru
     import torch
 
     world_size = _world_size()
-    deepspeed = resolve_ds_config(load_ds_config(args.deepspeed_config), gas=batching.gas, world_size=world_size,
-                                  use_bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
-                                  source=args.deepspeed_config)
+    use_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    deepspeed, fsdp2 = {}, None
+    if args.backend == "deepspeed":
+        if args.fsdp_config is not None:
+            raise ValueError("--fsdp_config configures --backend fsdp2; pass --backend fsdp2 (under torchrun), "
+                             "or drop --fsdp_config and configure DeepSpeed with --deepspeed_config")
+        source = args.deepspeed_config or str(defaults.deepspeed_config)
+        deepspeed = resolve_ds_config(load_ds_config(source), gas=batching.gas, world_size=world_size,
+                                      use_bf16=use_bf16, source=source)
+    else:
+        if args.deepspeed_config is not None:
+            raise ValueError("--deepspeed_config configures --backend deepspeed; under --backend fsdp2 pass "
+                             "--fsdp_config configs/fsdp2.json (precision, offload, clipping) instead")
+        fsdp2 = load_fsdp2_config(args.fsdp_config or defaults.fsdp_config, use_bf16=use_bf16)
     model = _model(args, defaults)
     if args.save_adapter_only and model.lora is None:
         raise ValueError("--save_adapter_only saves a LoRA adapter: train with --lora, or drop the flag")
@@ -210,7 +234,8 @@ def parse_config(argv: list[str] | None = None, *, defaults: FileDefaults) -> Ru
     return RunConfig(
         model=model, data=data, batching=batching, run=run,
         optimization=OptimizationSettings(optimizer=args.optimizer, lr=args.lr, warmup_ratio=args.warmup_ratio,
-                                          weight_decay=args.weight_decay, deepspeed=deepspeed),
+                                          weight_decay=args.weight_decay, backend=args.backend,
+                                          deepspeed=deepspeed, fsdp2=fsdp2),
         checkpoints=CheckpointSettings(save_steps=args.save_steps, final=not args.no_final_checkpoint,
                                        resume=args.resume, save_total_limit=args.save_total_limit,
                                        save_hf=args.save_hf, save_adapter_only=args.save_adapter_only),

@@ -25,10 +25,11 @@ from odb.batching.config import OdbConfig, check_bool, check_int, check_number, 
 from odb.data.processing import DataConfig
 from odb.training.loss import DEFAULT_LOSS_CHUNK_TOKENS
 
-__all__ = ["CheckpointSettings", "DataSettings", "LoggingSettings", "ModelSettings", "OptimizationSettings",
-           "RunConfig", "RunSettings", "load_json_config", "lora_keys"]
+__all__ = ["BACKENDS", "CheckpointSettings", "DataSettings", "Fsdp2Settings", "LoggingSettings", "ModelSettings",
+           "OptimizationSettings", "RunConfig", "RunSettings", "load_fsdp2_config", "load_json_config", "lora_keys"]
 
 OPTIMIZERS = ("adamw", "sgd")
+BACKENDS = ("deepspeed", "fsdp2")
 REPORT_TO = ("none", "wandb")
 _MAX_TIMEOUT_S = int(timedelta.max.total_seconds())
 
@@ -240,18 +241,70 @@ class DataSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Fsdp2Settings:
+    """FSDP2's settings (``--fsdp_config``, e.g. ``configs/fsdp2.json``; :mod:`odb.training.fsdp2`)."""
+
+    mixed_precision: str = "auto"
+    """'bf16': forward and backward in bf16 over fp32 sharded parameters (the optimizer's); 'fp32';
+    'auto' (resolved at start): bf16 on a GPU that has it, else fp32."""
+    reduce_dtype: str = "fp32"
+    """The precision gradients are reduce-scattered in: 'fp32' or 'bf16'."""
+    reshard_after_forward: bool = True
+    """Free each layer's gathered parameters after its forward (gathered again for its backward):
+    less memory, one more all-gather per layer and micro-batch."""
+    cpu_offload: bool = False
+    """Keep the parameter shards, gradients and optimizer state in CPU memory (GPU runs; the
+    optimizer steps on the CPU)."""
+    gradient_clipping: float = 1.0
+    """Clip the gradients' global norm to this before each step (0: no clipping)."""
+
+    def __post_init__(self) -> None:
+        _check(self.mixed_precision in ("auto", "bf16", "fp32"),
+               f"--fsdp_config 'mixed_precision' must be 'auto', 'bf16' or 'fp32', got {self.mixed_precision!r}")
+        _check(self.reduce_dtype in ("fp32", "bf16"),
+               f"--fsdp_config 'reduce_dtype' must be 'fp32' or 'bf16', got {self.reduce_dtype!r}")
+        check_bool("--fsdp_config 'reshard_after_forward'", self.reshard_after_forward)
+        check_bool("--fsdp_config 'cpu_offload'", self.cpu_offload)
+        check_number("--fsdp_config 'gradient_clipping'", self.gradient_clipping, 0)
+
+
+def load_fsdp2_config(path: str | Path | None, *, use_bf16: bool) -> Fsdp2Settings:
+    """FSDP2's settings from the JSON file ``path``, strictly (None: the defaults), with
+    ``mixed_precision: "auto"`` resolved (``use_bf16``: the GPU here has bf16)."""
+    fix = "pass --fsdp_config configs/fsdp2.json"
+    if path is not None and not str(path):
+        raise FileNotFoundError(f"FSDP2 config: the path is empty; {fix}")
+    values = {} if path is None else load_json_config(path, known=field_names(Fsdp2Settings), what="FSDP2 config",
+                                                      fix=fix)
+    settings = Fsdp2Settings(**values)
+    if settings.mixed_precision == "auto":
+        settings = dataclasses.replace(settings, mixed_precision="bf16" if use_bf16 else "fp32")
+    return settings
+
+
+@dataclass(frozen=True, kw_only=True)
 class OptimizationSettings:
-    """The optimizer, its learning rate by progress, and DeepSpeed's own settings."""
+    """The optimizer, its learning rate by progress, and the backend's own settings."""
 
     optimizer: str = "adamw"
     """'adamw' or 'sgd' (a torch optimizer, unless DeepSpeed's JSON declares one)."""
     lr: float = 1e-3
     warmup_ratio: float = 0.03
     weight_decay: float = 0.0
+    backend: str = "deepspeed"
+    """'deepspeed' (``deepspeed launch/train.py``) or 'fsdp2' (``torchrun ... --backend fsdp2``)."""
     deepspeed: Mapping[str, Any] = field(default_factory=dict)
-    """DeepSpeed's JSON, resolved: odb's batch values and "auto" precision filled in."""
+    """DeepSpeed's JSON, resolved: odb's batch values and "auto" precision filled in (empty under FSDP2)."""
+    fsdp2: Fsdp2Settings | None = None
+    """FSDP2's settings, resolved (None under DeepSpeed)."""
 
     def __post_init__(self) -> None:
+        _check(self.backend in BACKENDS, f"--backend must be one of {BACKENDS}, got {self.backend!r}")
+        _check(self.fsdp2 is None or isinstance(self.fsdp2, Fsdp2Settings),
+               f"--fsdp_config must give Fsdp2Settings, got {self.fsdp2!r}")
+        _check((self.fsdp2 is not None) == (self.backend == "fsdp2"),
+               f"--fsdp_config (FSDP2's settings) goes with --backend fsdp2, and --backend fsdp2 needs them; "
+               f"got --backend {self.backend} with {self.fsdp2!r}")
         _check(self.optimizer in OPTIMIZERS, f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         check_number("--lr", self.lr, 0)
         check_number("--warmup_ratio", self.warmup_ratio, 0, 1)

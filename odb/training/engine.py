@@ -1,26 +1,30 @@
-"""Drives a DeepSpeed engine over odb's step plans.
+"""Drives a training backend (DeepSpeed or FSDP2) over odb's step plans.
 
 Per optimizer step every rank runs exactly the plan's GAS micro-batches (dummies included), so
-every rank enters the same ZeRO collectives (I1). The loss math (I4), with W ranks, step s,
-micro-batches m on rank r and token losses l:
+every rank enters the same collectives (I1): ZeRO's or FSDP2's parameter gathers in each forward,
+their gradient reductions. The loss math (I4), with W ranks, step s, micro-batches m on rank r and
+token losses l:
 
     wanted gradient   g = grad( sum_{r,m,t} l_{r,m,t} / N_s )     N_s = label tokens of the step,
                                                                   over all ranks (plan.num_label_tokens)
-    DeepSpeed averages gradients over the W ranks, and (scale_wrt_gas=False) does not divide
-    by GAS; so each micro-batch backs
+    Both backends average gradients over the W ranks (DeepSpeed's all-reduce / reduce-scatter,
+    FSDP2's reduce-scatter) and neither divides by GAS (DeepSpeed: scale_wrt_gas=False); so each
+    micro-batch backs
                       loss_{r,m} = sum_t l_{r,m,t} * W / N_s
     and  mean_r sum_m grad(loss_{r,m}) = g  exactly. A dummy micro-batch backs 0 * (its output):
-    a real forward and backward (ZeRO-3 gathers, ZeRO-2 reduces) that adds nothing.
+    a real forward and backward (parameters gathered, gradients reduced) that adds nothing.
 
 The token losses come from :mod:`odb.training.loss` (by default): the LM head applied to chunks of
 the final hidden states, never the row's full fp32 logits; ``loss_chunk_tokens=None`` keeps the
 full-logits loss (:func:`token_loss_sum`), the oracle both are tested against.
 
-Accumulation boundaries are the caller's: ``engine.set_gradient_accumulation_boundary(True)``
-before the last backward of a step (False before the others), then one ``engine.step()``.
-DESIGN.md records why (DeepSpeed 0.19.8): uneven micro-batch counts deadlock at every stage, and
-``managed_gradient_accumulation: false`` aborts at ZeRO-2 and hangs at ZeRO-3, while equal counts
-with explicit boundaries match a single-process reference to ~1e-8 at every stage.
+Gradients are reduced across ranks only in the last backward of a step (``backend.backward(loss,
+sync=m == last)``), then one ``backend.step()``. DESIGN.md records why for DeepSpeed 0.19.8:
+uneven micro-batch counts deadlock at every stage, and ``managed_gradient_accumulation: false``
+aborts at ZeRO-2 and hangs at ZeRO-3, while equal counts with explicit boundaries match a
+single-process reference to ~1e-8 at every stage. What a backend must provide is :class:`Backend`;
+the two are :class:`odb.training.deepspeed_backend.DeepSpeedBackend` and
+:class:`odb.training.fsdp2.Fsdp2Backend`.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +42,7 @@ from odb.data.collate import collate_packed, collate_padded
 from odb.training.loss import DEFAULT_LOSS_CHUNK_TOKENS, HeadLoss, final_logit_softcap, num_loss_chunks
 from odb.training.mrope import packed_position_ids
 
-__all__ = ["OdbEngine", "StepResult", "token_loss_sum", "BLANK_IMAGE_TOKENS"]
+__all__ = ["Backend", "OdbEngine", "StepResult", "token_loss_sum", "BLANK_IMAGE_TOKENS"]
 
 BLANK_IMAGE_TOKENS = 3  # vision start, one image pad (a 2x2-merged 4-patch image), vision end
 
@@ -57,11 +61,52 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            ignore_index=-100, reduction="sum")
 
 
+class Backend(Protocol):
+    """What odb's step loop, evaluation and checkpoints use of a training backend; nothing else
+    knows which backend runs. Every method that talks to the other ranks is collective: every
+    rank calls it, in the same order."""
+
+    name: str
+    """'deepspeed' or 'fsdp2'."""
+    module: torch.nn.Module
+    """The model as trained (a PEFT model under LoRA), for its config, its head and its mode."""
+    device: torch.device
+
+    def __call__(self, **batch: Any) -> Any:
+        """The model's forward through the backend (collective: parameter gathers)."""
+
+    def set_lr(self, lr: float) -> None: ...
+
+    def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
+        """Accumulates ``grad(loss)``; ``sync``: this is the step's last backward, whose gradients
+        are reduced over the ranks (collective)."""
+
+    def step(self) -> None:
+        """One optimizer step on the accumulated gradients (clipped as configured), which it then
+        clears (collective)."""
+
+    def train(self, mode: bool = True) -> None: ...
+
+    def release_cache(self) -> None:
+        """Frees what forwards without a backward (evaluation) left gathered."""
+
+    def save(self, folder: Path, tag: str) -> None:
+        """The model's and optimizer's state in ``folder / tag``, and ``folder / 'latest'`` naming
+        ``tag`` (collective)."""
+
+    def load(self, folder: Path, tag: str) -> None:
+        """Loads :meth:`save`'s state (collective); ``FileNotFoundError`` if there is none."""
+
+    def full_state_dict(self, *, dtype: torch.dtype | None, trainable_only: bool) -> dict[str, torch.Tensor] | None:
+        """The model's full weights as CPU tensors on rank 0, None elsewhere (collective), named as
+        ``module.state_dict()`` names them; ``dtype`` None: the training precision."""
+
+
 class OdbEngine:
-    """One DeepSpeed engine, fed step plans.
+    """One training backend, fed step plans.
 
     Args:
-        engine: what ``deepspeed.initialize`` returned.
+        backend: the model, its optimizer and its collectives (:class:`Backend`).
         world_size: data-parallel ranks.
         max_tokens: per-sample truncation (the over-cap policy 'truncate').
         pad_token_id: for padded baselines and dummy rows.
@@ -73,15 +118,15 @@ class OdbEngine:
             (:func:`odb.training.loss.liger_loss`: importable, CUDA, no ZeRO-3, plain head).
     """
 
-    def __init__(self, engine, *, world_size: int, max_tokens: int, pad_token_id: int, packed: bool = True,
+    def __init__(self, backend: Backend, *, world_size: int, max_tokens: int, pad_token_id: int, packed: bool = True,
                  loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS, fused_loss: bool = True) -> None:
-        self.engine = engine
+        self.backend = backend
         self.world_size = world_size
         self.max_tokens = max_tokens
         self.pad_token_id = pad_token_id
         self.packed = packed
-        self.device = engine.device
-        model = engine.module
+        self.device = backend.device
+        model = backend.module
         self.model = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
         self.vision = getattr(getattr(self.model, "model", None), "visual", None)
         self._blank: dict[str, torch.Tensor] | None = None
@@ -106,16 +151,16 @@ class OdbEngine:
         return self._loss(batch, labels)
 
     def _loss(self, batch: dict[str, Any], labels: torch.Tensor) -> torch.Tensor:
-        """The summed token loss of one model call (through the DeepSpeed engine either way)."""
+        """The summed token loss of one model call (through the backend either way)."""
         if self.head_loss is None:
-            return token_loss_sum(self.engine(**batch, use_cache=False).logits, labels)
-        return self.head_loss.forward_loss(lambda: self.engine(**batch, use_cache=False), labels)
+            return token_loss_sum(self.backend(**batch, use_cache=False).logits, labels)
+        return self.head_loss.forward_loss(lambda: self.backend(**batch, use_cache=False), labels)
 
     def _with_image(self, samples: Sequence[dict[str, Any]]) -> Sequence[dict[str, Any]]:
         """A micro-batch without images gets one tiny blank image as a sample of its own (its
         labels all -100, its attention its own): every rank then runs the model's modules in the
-        same order in every micro-batch (embeddings, vision tower, language model), which ZeRO-3's
-        per-module parameter gathers need, and every rank has vision gradients to reduce."""
+        same order in every micro-batch (embeddings, vision tower, language model), which ZeRO-3's and
+        FSDP2's per-module parameter gathers need, and every rank has vision gradients to reduce."""
         if self.vision is None or any(s.get("pixel_values") is not None for s in samples):
             return samples
         if self._blank is None:
@@ -134,29 +179,25 @@ class OdbEngine:
         ids = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=self.device)
         batch = {"input_ids": ids, "position_ids": torch.zeros_like(ids)}
         if self.head_loss is None:
-            return self.engine(**batch, use_cache=False).logits.float().sum() * 0.0
+            return self.backend(**batch, use_cache=False).logits.float().sum() * 0.0
         return self._loss(batch, torch.full_like(ids, -100)) * 0.0  # the head runs as often as in a real one
 
     def save(self, folder: Path, tag: str) -> None:
-        """DeepSpeed's checkpoint of the model and optimizer in ``folder / tag`` (collective)."""
-        self.engine.save_checkpoint(str(folder), tag=tag)
+        """The backend's checkpoint of the model and optimizer in ``folder / tag`` (collective)."""
+        self.backend.save(folder, tag)
 
     def load(self, folder: Path, tag: str) -> None:
         """Loads :meth:`save`'s checkpoint (collective); raises ``FileNotFoundError`` if none."""
-        path, _ = self.engine.load_checkpoint(str(folder), tag=tag)
-        if path is None:
-            raise FileNotFoundError(f"--resume: no DeepSpeed checkpoint {folder / tag}")
+        self.backend.load(folder, tag)
 
     def train_step(self, plan: StepPlan, samples: Sequence[Sequence[dict[str, Any]]], lr: float) -> StepResult:
         """Runs the plan's micro-batches (``samples[m]``: the processed samples of micro-batch m,
         empty for a dummy) and one optimizer step at learning rate ``lr``."""
-        for group in self.engine.optimizer.param_groups:
-            group["lr"] = lr
+        self.backend.set_lr(lr)
         scale = self.world_size / plan.num_label_tokens if plan.num_label_tokens else 0.0
         loss_sum, label_tokens = torch.zeros((), device=self.device), 0  # one host sync per step
         last = len(plan.micro_batches) - 1
         for m, (micro, micro_samples) in enumerate(zip(plan.micro_batches, samples, strict=True)):
-            self.engine.set_gradient_accumulation_boundary(m == last)
             if micro.is_dummy:
                 loss = self._dummy_loss()
             else:
@@ -164,14 +205,14 @@ class OdbEngine:
                 loss_sum += summed.detach()
                 label_tokens += micro.label_tokens
                 loss = summed * scale
-            self.engine.backward(loss, scale_wrt_gas=False)
-        self.engine.step()
+            self.backend.backward(loss, sync=m == last)
+        self.backend.step()
         return StepResult(loss_sum=float(loss_sum), label_tokens=label_tokens, lr=lr)
 
     @torch.no_grad()
     def eval_step(self, plan: StepPlan, samples: Sequence[Sequence[dict[str, Any]]]) -> tuple[float, int]:
         """Forwards only, no gradients: the plan's micro-batches as :meth:`train_step` runs them
-        (dummies too, so every rank enters ZeRO-3's parameter gathers alike), no backward, no step.
+        (dummies too, so every rank enters ZeRO-3's or FSDP2's parameter gathers alike), no backward, no step.
 
         Returns:
             ``(loss_sum, label_tokens)`` of this rank's real micro-batches: the summed next-token

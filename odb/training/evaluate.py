@@ -79,7 +79,7 @@ class Evaluator:
     """Exact eval loss over ``dataset`` (see the module docstring).
 
     Args:
-        engine: the training engine (its DeepSpeed engine runs the forwards).
+        engine: the training engine (its backend runs the forwards).
         dataset: the eval samples, processed as for training (e.g. truncated to ``max_tokens``).
         batching: the training batcher's settings (:func:`eval_batching` adapts them).
         comm: the training batcher's communicator (or any over the same ranks).
@@ -101,13 +101,13 @@ class Evaluator:
         """
         start = time.perf_counter()
         # The mode it found (odb trains in train mode; a caller may evaluate a model in eval mode)
-        was_training = self.engine.engine.module.training
+        was_training = self.engine.backend.module.training
         feed = SampleFeed(self.dataset, sample_sizes, num_workers=self.num_workers,
                           prefetch_factor=self.prefetch_factor)
         loss_sum, label_tokens, samples = 0.0, 0, 0  # this rank's
         try:
             batcher = OnlineBatcher(self.batching, self.comm, dataset_size=len(self.dataset), feed=feed)
-            self.engine.engine.eval()
+            self.engine.backend.train(False)
             for plan in batcher:
                 taken = [[feed.take(uid) for uid in micro.uids] for micro in plan.micro_batches]
                 step_loss, step_tokens = self.engine.eval_step(plan, taken)
@@ -117,10 +117,9 @@ class Evaluator:
             skipped = Counter(feed.skipped)
             skipped["over_cap"] += batcher.counts["dropped"]
         finally:
-            self.engine.engine.train(was_training)
-            # ZeRO-3 keeps parameters a forward gathered for reuse (up to stage3_max_live_parameters)
-            # until a backward releases them; evaluation has none, so release them here
-            self.engine.engine.empty_partition_cache()
+            self.engine.backend.train(was_training)
+            # forwards without a backward leave parameters gathered (ZeRO-3's cache, FSDP2's root)
+            self.engine.backend.release_cache()
             feed.close()
         return _combine(batcher.aligner, loss_sum, label_tokens, samples, skipped, time.perf_counter() - start)
 

@@ -2,8 +2,8 @@
 
 Two doors, one writer:
 
-* :func:`save_hf` (collective) gathers the live DeepSpeed engine's weights on rank 0, at any ZeRO
-  stage, in the training precision;
+* :func:`save_hf` (collective) gathers the live model's weights on rank 0 through its training
+  backend (DeepSpeed at any ZeRO stage, or FSDP2), in the training precision;
 * :func:`export_checkpoint` (one process, no process group) rebuilds the fp32 weights from a saved
   checkpoint (``OUTPUT_DIR/checkpoints/<tag>``) with DeepSpeed's ``zero_to_fp32``;
 * both hand a full state dict (keys as ``engine.module.state_dict()`` names them) to one writer,
@@ -106,23 +106,24 @@ def _cpu_copy(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.detach().to("cpu", dtype=dtype if tensor.is_floating_point() else tensor.dtype, copy=True)
 
 
-def save_hf(engine, *, model_path: str | Path, lora: dict[str, Any] | None, tokenizer: Any, out: str | Path,
+def save_hf(backend, *, model_path: str | Path, lora: dict[str, Any] | None, tokenizer: Any, out: str | Path,
             adapter_only: bool = False, dtype: torch.dtype | str | None = None,
             vision: VisionSpec | None = None) -> None:
     """Saves the live model as a Hugging Face folder ``out`` (collective: every rank calls it).
 
-    Rank 0 gathers the weights (:func:`gather_state_dict`; with ``adapter_only`` only the trainable
-    ones) and writes ``out`` (:func:`write_hf`); every rank returns once it has, and raises if rank 0
-    failed. The live model and its training continue unchanged.
+    Rank 0 gathers the weights (the backend's ``full_state_dict``: :func:`gather_state_dict` under
+    DeepSpeed, the sharded parameters gathered under FSDP2; with ``adapter_only`` only the
+    trainable ones) and writes ``out`` (:func:`write_hf`); every rank returns once it has, and
+    raises if rank 0 failed. The live model and its training continue unchanged.
 
     Args:
-        engine: what ``deepspeed.initialize`` returned (``OdbEngine.engine``).
+        backend: the run's :class:`odb.training.engine.Backend` (``OdbEngine.backend``).
         model_path: the run's ``--model`` (a config JSON or an HF folder): the config to save.
         lora: the run's LoRA settings, or None for full fine-tuning.
         tokenizer: the training tokenizer, or its folder.
         out: the folder to write.
         adapter_only: LoRA: save the adapter instead of the merged model.
-        dtype: of the saved weights (default: the training precision, the dtype of the parameters).
+        dtype: of the saved weights (default: the training precision).
         vision: the image geometry of the run (:func:`odb.training.model.vision_spec`) for a
             vision-language model; default: its config's patches and odb's default pixel range.
     """
@@ -130,25 +131,18 @@ def save_hf(engine, *, model_path: str | Path, lora: dict[str, Any] | None, toke
     from peft import PeftModel
 
     _check_adapter(adapter_only, lora)
-    module = engine.module
+    module = backend.module
     if isinstance(module, PeftModel) != (lora is not None):
         raise ValueError("save_hf: pass lora=config.model.lora, the run's LoRA settings (None: full fine-tuning); "
                          f"the engine's model is {'' if isinstance(module, PeftModel) else 'not '}a PEFT model")
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
-    dtype = _as_dtype(dtype) or next(module.parameters()).dtype
-    optimizer = getattr(engine, "optimizer", None)
-    if hasattr(optimizer, "checkpoint_event_prologue"):  # ZeRO-3: every parameter partitioned first
-        optimizer.checkpoint_event_prologue()
-    keep = (lambda _, p: p.requires_grad) if adapter_only else None
-    state_dict = gather_state_dict(module, dtype=dtype, rank=rank, keep=keep)
-    if hasattr(optimizer, "checkpoint_event_epilogue"):
-        optimizer.checkpoint_event_epilogue()
+    state_dict = backend.full_state_dict(dtype=_as_dtype(dtype), trainable_only=adapter_only)
     error = None
     if rank == 0:
         try:
             write_hf(state_dict, model_path=model_path, lora=lora, tokenizer=tokenizer, out=out,
-                     adapter_only=adapter_only, dtype=dtype, vision=vision)
+                     adapter_only=adapter_only, vision=vision)
         except Exception as exc:  # told to every rank below, then raised here
             error = exc
     if distributed:  # the barrier: every rank learns whether rank 0 wrote ``out``

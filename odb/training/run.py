@@ -20,7 +20,7 @@ import numpy as np
 from odb.batching.plan import StepPlan
 from odb.telemetry import StepTimes
 from odb.training.build import Components, build_components, init_distributed, release_shared_memory
-from odb.training.checkpoint import load_checkpoint, resolve_tag, save_checkpoint
+from odb.training.checkpoint import load_checkpoint, load_plan, resolve_tag, save_checkpoint
 from odb.training.config import RunConfig
 from odb.training.export import save_hf
 from odb.training.faults import (
@@ -31,7 +31,6 @@ from odb.training.faults import (
     collective_timeout_s,
     connect_store,
 )
-from odb.training.reshard import prepare_load
 from odb.training.schedule import planned_to_train
 
 __all__ = ["Trainer"]
@@ -68,8 +67,7 @@ class Trainer:
         config, plan = self.config, None
         if config.checkpoints.resume:
             tag = resolve_tag(config, config.checkpoints.resume)
-            plan = prepare_load(config.output_dir / "checkpoints", tag, rank=self.rank, world_size=self.world_size,
-                                ds_config=config.optimization.deepspeed)
+            plan = load_plan(config, tag, rank=self.rank, world_size=self.world_size)
         self.parts = build_components(config, rank=self.rank, world_size=self.world_size,
                                       report=self._report, on_reports=self._on_reports, log=self.log,
                                       watchdog=self.watchdog, ds_config=plan.ds_config if plan else None)
@@ -237,7 +235,7 @@ class Trainer:
         if config.checkpoints.save_hf:
             out = config.output_dir / "hf"
             lora = dict(config.model.lora) if config.model.lora is not None else None
-            save_hf(parts.engine.engine, model_path=config.model.path, lora=lora, tokenizer=parts.tokenizer, out=out,
+            save_hf(parts.engine.backend, model_path=config.model.path, lora=lora, tokenizer=parts.tokenizer, out=out,
                     adapter_only=config.checkpoints.save_adapter_only, vision=parts.dataset.vision)
             self.log(f"saved a Hugging Face model to {out}")
         totals = self._gather_totals()

@@ -33,6 +33,7 @@ from odb.batching.config import OdbConfig  # noqa: E402
 from odb.data.feed import SampleFeed  # noqa: E402
 from odb.data.processing import DataConfig, SampleDataset, sample_sizes  # noqa: E402
 from odb.training.build import release_shared_memory  # noqa: E402
+from odb.training.deepspeed_backend import DeepSpeedBackend  # noqa: E402
 from odb.training.engine import BLANK_IMAGE_TOKENS, OdbEngine  # noqa: E402
 from odb.training.evaluate import Evaluator  # noqa: E402
 from odb.training.model import build_model, load_tokenizer, vision_spec  # noqa: E402
@@ -50,7 +51,7 @@ class RecordingEngine(OdbEngine):
 
     def eval_step(self, plan, samples):
         forwards: list[tuple[bool, bool]] = []
-        hook = self.engine.module.register_forward_pre_hook(
+        hook = self.backend.module.register_forward_pre_hook(
             lambda module, args: forwards.append((module.training, torch.is_grad_enabled())))
         try:
             result = super().eval_step(plan, samples)
@@ -93,7 +94,7 @@ def run(scenario: dict, rank: int, world: int) -> dict:
 
     def evaluate(spec: dict) -> dict:
         batching = settings(spec["batching"])
-        recording = RecordingEngine(engine, world_size=world, max_tokens=batching.max_tokens,
+        recording = RecordingEngine(DeepSpeedBackend(engine), world_size=world, max_tokens=batching.max_tokens,
                                     pad_token_id=tokenizer.pad_token_id)
         result = Evaluator(recording, dataset(batching), batching, comm, num_workers=spec.get("num_workers", 0)).run()
         return {"name": spec["name"], "num_workers": spec.get("num_workers", 0),
@@ -107,7 +108,7 @@ def run(scenario: dict, rank: int, world: int) -> dict:
     batcher = OnlineBatcher(train_batching, comm, dataset_size=len(train_feed.dataset), feed=train_feed)
     out: dict = {"rank": rank, "world": world, "evals": [evaluate(spec) for spec in scenario["evals"]]}
     if scenario.get("train_lr"):
-        trainer = OdbEngine(engine, world_size=world, max_tokens=train_batching.max_tokens,
+        trainer = OdbEngine(DeepSpeedBackend(engine), world_size=world, max_tokens=train_batching.max_tokens,
                             pad_token_id=tokenizer.pad_token_id)
         plan = next(iter(batcher))
         trainer.train_step(plan, [[train_feed.take(u) for u in m.uids] for m in plan.micro_batches],

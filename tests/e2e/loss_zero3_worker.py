@@ -33,6 +33,7 @@ from odb.batching.cost import SampleCost, count_label_tokens  # noqa: E402
 from odb.batching.plan import MicroBatch, StepPlan  # noqa: E402
 from odb.training.attention import register  # noqa: E402
 from odb.training.build import release_shared_memory  # noqa: E402
+from odb.training.deepspeed_backend import DeepSpeedBackend  # noqa: E402
 from odb.training.engine import OdbEngine  # noqa: E402
 
 TEXT = {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -104,7 +105,8 @@ def run(name: str, rank: int, world: int) -> dict:
     plan, samples = plan_and_samples(rank)
     losses = {}
     for mode, chunk in (("full", None), ("chunked", CHUNK_TOKENS)):
-        trainer = OdbEngine(engine, world_size=world, max_tokens=MAX_TOKENS, pad_token_id=0, loss_chunk_tokens=chunk)
+        trainer = OdbEngine(DeepSpeedBackend(engine), world_size=world, max_tokens=MAX_TOKENS, pad_token_id=0,
+                            loss_chunk_tokens=chunk)
         losses[mode] = trainer.train_step(plan, samples, lr=0.0).loss_sum
     full, chunked = grads
     worst = max(((float((chunked[n] - g).abs().max()) / max(float(g.abs().max()), 1e-12),

@@ -47,8 +47,9 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # this checkout's odb, installed or not
 
-from odb.training.build import initialize_deepspeed, release_shared_memory  # noqa: E402
+from odb.training.build import release_shared_memory  # noqa: E402
 from odb.training.config import OptimizationSettings  # noqa: E402
+from odb.training.deepspeed_backend import initialize_deepspeed  # noqa: E402
 from odb.training.ds_config import load_ds_config, resolve_ds_config  # noqa: E402
 from odb.training.engine import token_loss_sum  # noqa: E402
 from odb.training.model import build_model, load_tokenizer  # noqa: E402

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
 from odb.training.build import release_shared_memory  # noqa: E402
+from odb.training.deepspeed_backend import DeepSpeedBackend  # noqa: E402
 from odb.training.engine import token_loss_sum  # noqa: E402
 from odb.training.export import save_hf  # noqa: E402
 from odb.training.model import build_model, load_tokenizer  # noqa: E402
@@ -77,7 +78,7 @@ def main(out: Path) -> None:
         expected = logits(engine, held)  # (leaves the parameters gathered: save_hf partitions them first)
         for adapter_only in (False, True) if settings else (False,):
             folder = out / (name + ("_adapter" if adapter_only else ""))
-            save_hf(engine, model_path=TINY, lora=settings, tokenizer=tokenizer, out=folder,
+            save_hf(DeepSpeedBackend(engine), model_path=TINY, lora=settings, tokenizer=tokenizer, out=folder,
                     adapter_only=adapter_only)
             written = folder / ("adapter_model.safetensors" if adapter_only else "model.safetensors")
             report[f"{folder.name}_written_on_rank{rank}"] = written.is_file()  # rank 0 wrote before any returned

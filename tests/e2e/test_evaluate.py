@@ -85,13 +85,10 @@ class LocalEngine:
         self.forwards.append((self.module.training, torch.is_grad_enabled(), rows))
         return self.module(**batch)
 
-    def eval(self) -> None:
-        self.module.train(False)
-
     def train(self, mode: bool = True) -> None:
         self.module.train(mode)
 
-    def empty_partition_cache(self) -> None:  # DeepSpeed's: releases ZeRO-3's gathered parameters
+    def release_cache(self) -> None:  # DeepSpeed's releases ZeRO-3's gathered parameters
         pass
 
 

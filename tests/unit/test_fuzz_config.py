@@ -16,6 +16,7 @@ import dataclasses
 import io
 import json
 import math
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +30,13 @@ from odb.training.cli import FileDefaults, parse_config
 from odb.training.config import (
     CheckpointSettings,
     DataSettings,
+    Fsdp2Settings,
     LoggingSettings,
     ModelSettings,
     OptimizationSettings,
     RunConfig,
     RunSettings,
+    load_fsdp2_config,
     lora_keys,
 )
 from odb.training.ds_config import load_ds_config, resolve_ds_config
@@ -42,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
 DEFAULTS = FileDefaults(  # as launch/train.py names them
     deepspeed_config=CONFIGS / "ds_zero2.json", odb_config=CONFIGS / "odb.json", model=CONFIGS / "tiny_model.json",
-    data=ROOT / "data" / "chat.jsonl", tokenizer=ROOT / "data" / "tokenizer", lora=CONFIGS / "lora.json")
+    data=ROOT / "data" / "chat.jsonl", tokenizer=ROOT / "data" / "tokenizer", lora=CONFIGS / "lora.json",
+    fsdp_config=CONFIGS / "fsdp2.json")
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 _SCALARS = st.one_of(
@@ -109,6 +113,8 @@ LOADERS = {  # name -> (load a path, its flag, the valid file to start from, its
              [f.name for f in dataclasses.fields(DataConfig)]),
     "lora": (_lora, "--lora", CONFIGS / "lora.json", None),  # (peft's keys, read when first needed)
     "deepspeed": (_ds, "--deepspeed_config", CONFIGS / "ds_zero2.json", None),
+    "fsdp2": (partial(load_fsdp2_config, use_bf16=True), "--fsdp_config", CONFIGS / "fsdp2.json",
+              [f.name for f in dataclasses.fields(Fsdp2Settings)]),
 }
 
 
@@ -305,7 +311,8 @@ GROUPS = {  # group -> (required fields, {field: the flag an error must name})
                     {"path": "--model", "tokenizer": "--tokenizer", "lora": "--lora"}),
     RunSettings: ({}, {}),
     DataSettings: ({"path": "d"}, {"path": "--data", "processing": "--data_config", "eval_path": "--eval_data"}),
-    OptimizationSettings: ({}, {"deepspeed": "--deepspeed_config"}),
+    OptimizationSettings: ({}, {"deepspeed": "--deepspeed_config", "fsdp2": "--fsdp_config"}),
+    Fsdp2Settings: ({}, {f.name: "--fsdp_config" for f in dataclasses.fields(Fsdp2Settings)}),
     CheckpointSettings: ({}, {"final": "--no_final_checkpoint"}),
     LoggingSettings: ({}, {}),
 }
@@ -338,10 +345,10 @@ _INT_FLAGS = ["--eval_steps", "--epochs", "--max_samples", "--max_steps", "--see
               "--save_steps", "--save_total_limit", "--num_workers", "--prefetch_factor", "--dist_timeout_s",
               "--local_rank"]
 _FLOAT_FLAGS = ["--val_ratio", "--lr", "--warmup_ratio", "--weight_decay"]
-_TEXT_FLAGS = ["--data_format", "--optimizer", "--report_to", "--wandb_project", "--run_name", "--wandb_tags",
-               "--resume"]
-_PATH_FLAGS = ["--deepspeed_config", "--odb_config", "--model", "--tokenizer", "--data", "--data_config",
-               "--eval_data", "--lora", "--output_dir"]
+_TEXT_FLAGS = ["--backend", "--data_format", "--optimizer", "--report_to", "--wandb_project", "--run_name",
+               "--wandb_tags", "--resume"]
+_PATH_FLAGS = ["--deepspeed_config", "--fsdp_config", "--odb_config", "--model", "--tokenizer", "--data",
+               "--data_config", "--eval_data", "--lora", "--output_dir"]
 _SWITCHES = ["--strict", "--gradient_checkpointing", "--no_final_checkpoint", "--save_hf", "--save_adapter_only",
              "--audit_ids", "--lora", "--resume"]
 _NUMBERS = st.one_of(st.integers(-10**25, 10**25).map(str), st.floats().map(repr), st.text(max_size=6),
@@ -356,7 +363,8 @@ _PATHS = [*map(str, sorted(CONFIGS.glob("*.json"))),
 _FLAG_VALUES = st.one_of(
     st.tuples(st.sampled_from(_INT_FLAGS + _FLOAT_FLAGS), _NUMBERS),
     st.tuples(st.sampled_from(_TEXT_FLAGS), st.one_of(st.text(max_size=8), st.sampled_from(
-        ["messages", "sharegpt", "llava", "auto", "sgd", "adamw", "wandb", "none", "latest", "step1"]))),
+        ["messages", "sharegpt", "llava", "auto", "sgd", "adamw", "wandb", "none", "latest", "step1", "fsdp2",
+         "deepspeed"]))),
     st.tuples(st.sampled_from(_PATH_FLAGS), st.sampled_from(_PATHS)),
     st.tuples(st.sampled_from(_SWITCHES), st.none()))
 
@@ -372,6 +380,8 @@ _FLAG_VALUES = st.one_of(
 @example(pairs=[("--eval_data", "")]).via("before: the current folder as validation data")
 @example(pairs=[("--save_adapter_only", None), ("--save_hf", None)]).via("contradiction: no --lora")
 @example(pairs=[("--eval_steps", "3")]).via("contradiction: no validation data")
+@example(pairs=[("--fsdp_config", str(CONFIGS / "fsdp2.json"))]).via("contradiction: no --backend fsdp2")
+@example(pairs=[("--backend", "fsdp2"), ("--deepspeed_config", str(CONFIGS / "ds_zero2.json"))]).via("contradiction")
 @example(pairs=[("--val_ratio", "0.2"), ("--eval_data", str(ROOT / "data" / "chat.jsonl"))]).via("contradiction")
 def test_command_line(folder, pairs):
     for name, text in _MADE.items():

@@ -1,0 +1,246 @@
+"""The FSDP2 backend (``torchrun launch/train.py --backend fsdp2``): PyTorch's ``fully_shard``, no DeepSpeed.
+
+How the model comes to be sharded, without any rank holding it whole on its device:
+
+1. every rank builds the model with its parameters on the ``meta`` device (shapes only; buffers
+   such as the rotary frequencies are real), PEFT LoRA applied the same way;
+2. each decoder layer and vision block (the model's ``_no_split_modules``) becomes an FSDP unit,
+   then the root (embeddings, final norm, LM head, the vision tower's ends);
+3. the shards are allocated on the rank's device (``to_empty``) and filled from rank 0, which
+   alone builds the model for real on its CPU (a folder's weights memory-mapped, or the seeded
+   random init, which draws what DeepSpeed's path draws) and broadcasts it tensor by tensor
+   (``set_model_state_dict(broadcast_from_rank0=True)``).
+
+Training: parameters in fp32 shards (the optimizer's master weights); on a GPU with bf16, forward
+and backward in bf16 with gradients reduced in fp32 (``MixedPrecisionPolicy``), as DeepSpeed's bf16
+does; fp32 throughout on CPUs. Every micro-batch's forward all-gathers each unit's parameters and
+its backward frees them; gradients are reduce-scattered (averaged over the ranks) only in the
+step's last backward (``set_requires_gradient_sync``), so a step's micro-batches accumulate
+unreduced gradients locally, as DeepSpeed's boundary does. Then clipping over the whole model
+(one all-reduce of the norm) and one optimizer step. The loss math is the engine's
+(:mod:`odb.training.engine`): the reduction averages over W, as DeepSpeed's does.
+
+Checkpoints are ``torch.distributed.checkpoint`` folders (each rank writes its shards; under LoRA
+only the trained weights and their optimizer state), loadable on any number of ranks: DCP reshards
+on load. The Hugging Face export gathers full weights on rank 0 (``full_state_dict``).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from odb.training.config import Fsdp2Settings, ModelSettings, OptimizationSettings
+
+__all__ = ["DCP_FOLDER", "Fsdp2Backend", "build_fsdp2", "init_fsdp2_distributed"]
+
+DCP_FOLDER = "fsdp2"
+"""The ``torch.distributed.checkpoint`` folder inside a checkpoint's tag folder."""
+
+
+def init_fsdp2_distributed(timeout_s: float) -> None:
+    """Joins the process group torchrun describes: NCCL for the model on GPUs (gloo beside it for
+    CPU tensors, odb's own collective), gloo on CPUs."""
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def param_dtype(settings: Fsdp2Settings) -> torch.dtype:
+    return torch.bfloat16 if settings.mixed_precision == "bf16" else torch.float32
+
+
+def build_fsdp2(model_settings: ModelSettings, opt: OptimizationSettings, *, seed: int, vocab_size: int,
+                rank: int) -> Fsdp2Backend:
+    """The sharded model and its optimizer (collective: every rank, after the process group).
+
+    Args:
+        model_settings: what to train (``--model``, ``--lora``, activation checkpointing).
+        opt: the optimizer and the FSDP2 settings (``opt.fsdp2``).
+        seed: the run's seed (random init and LoRA init, as the DeepSpeed path draws them).
+        vocab_size: the tokenizer's.
+        rank: this rank (rank 0 reads the weights and broadcasts them).
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from odb.training.model import build_model
+
+    settings = opt.fsdp2
+    assert settings is not None, "the FSDP2 settings are resolved by parse_config"
+    lora = dict(model_settings.lora) if model_settings.lora is not None else None
+    common = {"seed": seed, "vocab_size": vocab_size, "lora": lora,
+              "gradient_checkpointing": model_settings.gradient_checkpointing}
+    with _parameters_on_meta():
+        model = build_model(model_settings.path, **common)
+    full = None
+    if rank == 0:  # the weights, whole, on rank 0's CPU only (a folder's are memory-mapped)
+        full = build_model(model_settings.path, **common).state_dict()
+    device = _device()
+    _shard(model, settings, device)
+    buffers = dict(model.named_buffers())  # real: to_empty would replace them with uninitialized memory
+    model.to_empty(device=device)
+    for name, buffer in buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = buffer.to(device)
+    set_model_state_dict(model, full if full is not None else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full
+    dist.barrier()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = (torch.optim.AdamW(params, lr=opt.lr, weight_decay=opt.weight_decay) if opt.optimizer == "adamw"
+                 else torch.optim.SGD(params, lr=opt.lr))
+    return Fsdp2Backend(model, optimizer, settings=settings, device=device, lora=lora is not None)
+
+
+class _parameters_on_meta:
+    """Parameters created inside go to the ``meta`` device, buffers stay real (rotary frequencies
+    are computed in the constructor and are not in any state dict)."""
+
+    def __enter__(self) -> None:
+        self.register = torch.nn.Module.register_parameter
+
+        def register_on_meta(module, name, param):
+            self.register(module, name, param)
+            if param is not None and param.device.type != "meta":
+                kind = type(module._parameters[name])
+                module._parameters[name] = kind(module._parameters[name].to("meta"), requires_grad=param.requires_grad)
+
+        torch.nn.Module.register_parameter = register_on_meta
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.nn.Module.register_parameter = self.register
+
+
+def _shard(model: torch.nn.Module, settings: Fsdp2Settings, device: torch.device) -> None:
+    """``fully_shard`` on each decoder layer and vision block, then on the root. The root's parameters
+    (embeddings, final norm, LM head) stay gathered from its forward until its backward: odb's
+    chunked loss applies the LM head after the model's forward returns, and again (recomputed)
+    in the backward."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    blocks = set(getattr(base, "_no_split_modules", None) or ())
+    if not blocks:
+        raise ValueError(f"{type(base).__name__} names no layer classes (_no_split_modules) to shard one by one; "
+                         "use --backend deepspeed")
+    mixed = MixedPrecisionPolicy(param_dtype=param_dtype(settings),
+                                 reduce_dtype=torch.bfloat16 if settings.reduce_dtype == "bf16" else torch.float32)
+    offload = CPUOffloadPolicy() if settings.cpu_offload and device.type == "cuda" else OffloadPolicy()
+    options = {"mp_policy": mixed, "offload_policy": offload}
+    units = [m for m in model.modules() if type(m).__name__ in blocks]
+    for unit in units:
+        fully_shard(unit, reshard_after_forward=settings.reshard_after_forward, **options)
+    fully_shard(model, reshard_after_forward=False, **options)
+
+
+class Fsdp2Backend:
+    """A ``fully_shard``-ed model and its optimizer as odb's :class:`~odb.training.engine.Backend`.
+
+    Args:
+        model: the sharded model (the root is an ``FSDPModule``).
+        optimizer: over its trainable (sharded) parameters.
+        settings: clipping, precision.
+        device: where the shards live (CPU for offloaded ones).
+        lora: the model is a PEFT model: checkpoints hold only the trained weights.
+    """
+
+    name = "fsdp2"
+
+    def __init__(self, model, optimizer: torch.optim.Optimizer, *, settings: Fsdp2Settings, device: torch.device,
+                 lora: bool) -> None:
+        self.module = model
+        self.optimizer = optimizer
+        self.settings = settings
+        self.device = device
+        self.lora = lora
+
+    def __call__(self, **batch: Any) -> Any:
+        return self.module(**batch)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
+        self.module.set_requires_gradient_sync(sync)  # reduce-scatter only after the step's last backward
+        loss.backward()
+
+    def step(self) -> None:
+        if self.settings.gradient_clipping:
+            params = [p for p in self.module.parameters() if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, self.settings.gradient_clipping)  # the norm over every shard
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def train(self, mode: bool = True) -> None:
+        self.module.train(mode)
+
+    def release_cache(self) -> None:
+        self.module.reshard()  # the root's parameters stay gathered after a forward without a backward
+
+    def _options(self, **kwargs: Any):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(ignore_frozen_params=self.lora, **kwargs)
+
+    def save(self, folder: Path, tag: str) -> None:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.module, self.optimizer, options=self._options())
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder / tag / DCP_FOLDER)
+        dist.barrier()
+        if dist.get_rank() == 0:  # as DeepSpeed does: the tag is complete, resume finds it as 'latest'
+            (folder / "latest").write_text(tag)
+
+    def load(self, folder: Path, tag: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        path = folder / tag / DCP_FOLDER
+        if not (path / ".metadata").is_file():
+            raise FileNotFoundError(f"--resume: no FSDP2 checkpoint {path} (a checkpoint of --backend deepspeed? "
+                                    "resume with the backend that saved it)")
+        model_state, optimizer_state = get_state_dict(self.module, self.optimizer, options=self._options())
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=path)
+        # under LoRA the frozen weights are not in the checkpoint: they stay as --model built them
+        result = set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                                optim_state_dict=state["optimizer"], options=self._options(strict=not self.lora))
+        frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
+        wrong = [*(k for k in result.missing_keys if k not in frozen), *result.unexpected_keys]
+        if wrong:
+            raise ValueError(f"--resume: {path} does not fit this model: {sorted(wrong)[:4]}")
+
+    def full_state_dict(self, *, dtype: torch.dtype | None, trainable_only: bool) -> dict[str, torch.Tensor] | None:
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        dtype = dtype or param_dtype(self.settings)
+        state = get_model_state_dict(self.module, options=self._options(full_state_dict=True, cpu_offload=True)
+                                     if trainable_only else
+                                     _full_options(full_state_dict=True, cpu_offload=True))
+        if dist.get_rank() != 0:
+            return None
+        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+
+
+def _full_options(**kwargs: Any):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(**kwargs)

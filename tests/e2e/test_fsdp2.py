@@ -1,0 +1,160 @@
+"""The FSDP2 backend end to end on CPU: torchrun, 2 ranks on gloo, ``launch/train.py --backend fsdp2``.
+
+Oracles: one process's gradient of (sum of token losses) / (label tokens) with the model's own
+forward on each sample alone; an uninterrupted run for resume; the checkpoint's weights for the
+Hugging Face export; DeepSpeed's run of the same plan for "the outputs are the same".
+"""
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from conftest import bundled_tokenizer
+from launch import ROOT, audit, deepspeed, ds_config, odb_config, torchrun, write_json
+from odb.data.processing import DataConfig, SampleDataset
+from odb.training.engine import token_loss_sum
+from odb.training.model import build_model, vision_spec
+
+TOKENIZER = bundled_tokenizer()
+TINY = ROOT / "configs" / "tiny_model.json"
+TINY_VL = ROOT / "configs" / "tiny_vl_model.json"
+MM = ROOT / "data" / "mm" / "train.jsonl"
+LORA = json.loads((ROOT / "configs" / "lora.json").read_text())
+
+
+def fsdp_config(tmp: Path, **values) -> Path:
+    return write_json(tmp / "fsdp2.json", {**json.loads((ROOT / "configs" / "fsdp2.json").read_text()), **values})
+
+
+def checkpoint_model(tag_folder: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    """The model weights of an FSDP2 checkpoint, read in this one process (no process group)."""
+    dcp_to_torch_save(tag_folder / "fsdp2", tmp / "consolidated.pt")
+    return torch.load(tmp / "consolidated.pt", weights_only=False)["model"]
+
+
+def check_audit(out: Path, world: int, num_samples: int) -> list[list[dict]]:
+    rows = audit(out, world)
+    shapes = [[(r["epoch"], r["step"], r["micro"]) for r in rank] for rank in rows]
+    assert all(s == shapes[0] for s in shapes), "ranks ran different steps or micro-batches"
+    assert Counter(i for rank in rows for r in rank for i in r["ids"]) == Counter(range(num_samples))
+    return rows
+
+
+def three_chats(tmp_path: Path) -> Path:
+    """Three chats of 29, 45 and 61 tokens: with max_tokens 61 no two share a micro-batch."""
+    rows = [{"messages": [{"role": "user", "content": "Repeat these words: apple river" * k},
+                          {"role": "assistant", "content": "apple river " * k}]} for k in (3, 5, 7)]
+    path = tmp_path / "three.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+CASES = {  # model, data, odb max_tokens, flags
+    "text": (TINY, None, 61, ()),
+    "lora-checkpointing": (TINY, None, 61, ("--lora", "--gradient_checkpointing")),
+    "vision": (TINY_VL, MM, 1024, ()),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_step_on_two_ranks_equals_one_process(tmp_path, case):
+    """2 ranks, GAS 2, static shards, 3 samples: one SGD step (no clipping) must move every trained
+    weight by lr x the gradient of (sum of token losses of the 3 samples) / (their label tokens),
+    computed on one process with the model's own forward on each sample alone."""
+    model_path, data, max_tokens, flags = CASES[case]
+    data = data or three_chats(tmp_path)
+    out, lr = tmp_path / "out", 1e4  # a large step: the update dominates the fp32 rounding of the weights
+    torchrun(["--backend", "fsdp2", "--fsdp_config", str(fsdp_config(tmp_path, gradient_clipping=0.0)),
+              "--model", str(model_path), "--data", str(data), "--max_samples", "3",
+              "--odb_config", str(odb_config(tmp_path, max_tokens=max_tokens, window=4, gas=2, sharding="static")),
+              "--output_dir", str(out), "--optimizer", "sgd", "--lr", str(lr), "--warmup_ratio", "0",
+              "--audit_ids", "--num_workers", "0", *flags])
+    rows = check_audit(out, 2, 3)
+    assert {r["step"] for rank in rows for r in rank} == {0}  # one step
+    after = checkpoint_model(out / "checkpoints" / "step1", tmp_path)
+
+    lora = LORA if "--lora" in flags else None
+    model = build_model(model_path, seed=0, vocab_size=len(TOKENIZER), lora=lora)
+    model.set_attn_implementation("sdpa")  # the model's own attention, not odb's
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    vision = vision_spec(model, DataConfig())
+    dataset = SampleDataset(data, TOKENIZER, max_samples=3, vision=vision)
+    total, label_tokens = 0.0, 0
+    for i in range(3):
+        sample = dataset[i]
+        extra = {} if vision is None else {"pixel_values": sample["pixel_values"],
+                                           "image_grid_thw": sample["image_grid_thw"]}
+        logits = model(input_ids=sample["input_ids"][None], use_cache=False, **extra).logits
+        total = total + token_loss_sum(logits, sample["labels"][None])
+        label_tokens += int((sample["labels"][1:] != -100).sum())
+    (total / label_tokens).backward()
+    with torch.no_grad():
+        moved = {n: lr * p.grad for n, p in model.named_parameters() if p.grad is not None and p.grad.any()}
+        assert set(moved) <= set(after), sorted(set(moved) - set(after))[:4]
+        worst = max(float(((after[n] - before[n]) + step).abs().max() / step.abs().max()) for n, step in moved.items())
+        still = max((float((after[n] - before[n]).abs().max()) for n in after if n not in moved), default=0.0)
+    print(f"FSDP2 {case}: {len(moved)} tensors moved, worst relative error {worst:.2e}; largest change of a "
+          f"tensor without gradient {still:.2e}; {len(after)} tensors in the checkpoint")
+    assert worst <= 1e-5 and still == 0.0
+    if lora is not None:  # the checkpoint holds the trained weights only
+        assert set(after) == {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_a_run_is_aligned_exactly_once_resumes_exactly_exports_and_matches_deepspeed(tmp_path):
+    """120 chats, 2 ranks, GAS 2: every rank runs the same steps and micro-batches and every sample
+    trains once; a run stopped after 3 steps and resumed trains the same samples with the same
+    losses as the uninterrupted run (model, optimizer and odb state restored); the Hugging Face
+    export gives the logits of the final checkpoint's weights; DeepSpeed (ZeRO-2) on the same
+    settings writes the same files with the same plan and losses."""
+    common = ["--max_samples", "120", "--audit_ids", "--num_workers", "1",
+              "--odb_config", str(odb_config(tmp_path, max_tokens=512, window=16, gas=2))]
+    fsdp = ["--backend", "fsdp2", *common]
+    full, part, ds = tmp_path / "full", tmp_path / "part", tmp_path / "ds"
+    torchrun([*fsdp, "--output_dir", str(full), "--save_hf"])
+    rows = check_audit(full, 2, 120)
+    torchrun([*fsdp, "--output_dir", str(part), "--max_steps", "3", "--save_steps", "3", "--no_final_checkpoint"])
+    first = audit(part, 2)
+    for rank in range(2):
+        (part / f"emitted_ids.rank{rank}.jsonl").rename(part / f"first.rank{rank}.jsonl")
+    proc = torchrun([*fsdp, "--output_dir", str(part), "--resume"])
+    assert "resumed from" in proc.stdout
+    second = audit(part, 2)
+    assert [a + b for a, b in zip(first, second)] == rows  # the same micro-batches, before and after
+
+    def losses(out: Path) -> list[float]:
+        return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    resumed, uninterrupted = losses(part), losses(full)
+    steps = len(uninterrupted)
+    assert steps > 6 and len(resumed) == steps  # metrics.jsonl continues the run
+    worst = max(abs(a - b) / abs(b) for a, b in zip(resumed, uninterrupted))
+    print(f"FSDP2 resume after step 3 of {steps}: worst relative loss difference {worst:.1e}")
+    assert worst <= 1e-6
+
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(full / "hf").eval()
+    final = max((full / "checkpoints").glob("step*"), key=lambda p: int(p.name[4:]))
+    model = build_model(TINY, seed=0, vocab_size=len(TOKENIZER)).eval()
+    model.load_state_dict(checkpoint_model(final, tmp_path))
+    ids = torch.tensor([SampleDataset(ROOT / "data" / "chat.jsonl", TOKENIZER, max_samples=1)[0]["input_ids"].tolist()])
+    with torch.no_grad():
+        gap = float((exported(input_ids=ids).logits - model(input_ids=ids, use_cache=False).logits).abs().max())
+    print(f"export: {ids.shape[1]} tokens, largest logit difference to the checkpoint {gap:.1e}")
+    assert gap <= 1e-5
+
+    deepspeed([*common, "--deepspeed_config", str(ds_config(tmp_path, 2)), "--output_dir", str(ds)])
+    assert audit(ds, 2) == rows
+    ds_losses = losses(ds)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(ds_losses, uninterrupted))
+    print(f"DeepSpeed ZeRO-2 vs FSDP2, {steps} steps: worst relative loss difference {worst:.1e}")
+    assert len(ds_losses) == steps and worst <= 1e-5
+    keys = [set(json.loads(line)) for out in (full, ds) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(k == keys[0] for k in keys)
+    summaries = [json.loads((out / "summary.json").read_text()) for out in (full, ds)]
+    assert set(summaries[0]) == set(summaries[1]) and summaries[0]["samples_emitted"] == 120
+    assert summaries[0]["config"]["optimization"]["backend"] == "fsdp2"
