@@ -300,9 +300,18 @@ def find_checkpoint(path: str | Path) -> Path:
 
 
 def consolidated_state_dict(tag_folder: Path, *, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
-    """The full weights of a DeepSpeed checkpoint, in one process: fp32 master weights from ZeRO
+    """The full weights of a checkpoint, in one process. DeepSpeed's: fp32 master weights from ZeRO
     1-3's optimizer partitions (``zero_to_fp32``; ``exclude_frozen``: only the trained ones); at
-    ZeRO-0 the module's own (``mp_rank_00``, in the training precision)."""
+    ZeRO-0 the module's own (``mp_rank_00``, in the training precision). FSDP2's: the fp32 shards of
+    its ``torch.distributed.checkpoint`` folder put together (under LoRA the trained weights only)."""
+    if (tag_folder / "fsdp2" / ".metadata").is_file():
+        import tempfile
+
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(tag_folder / "fsdp2", Path(tmp) / "model.pt")
+            return torch.load(Path(tmp) / "model.pt", map_location="cpu", weights_only=False)["model"]
     if any(tag_folder.glob("*_optim_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -336,7 +345,10 @@ def export_checkpoint(checkpoint_dir: str | Path, out: str | Path, *, adapter_on
     run = json.loads((tag_folder / "run_config.json").read_text())
     model = run["model"]
     _check_adapter(adapter_only, model["lora"])
-    dtype = _as_dtype(dtype) or training_dtype(run["optimization"]["deepspeed"])
+    optimization = run["optimization"]
+    fsdp2 = optimization.get("fsdp2")
+    dtype = _as_dtype(dtype) or (training_dtype(optimization["deepspeed"]) if fsdp2 is None else
+                                 _as_dtype(fsdp2["mixed_precision"]))
     tokenizer = Path(tokenizer or model["tokenizer"])
     if not tokenizer.is_dir():
         raise FileNotFoundError(f"tokenizer {tokenizer} (model.tokenizer in {tag_folder / 'run_config.json'}) "
@@ -345,6 +357,13 @@ def export_checkpoint(checkpoint_dir: str | Path, out: str | Path, *, adapter_on
     vision = _vision_spec(_export_config(model_path or model["path"]), min_pixels=processing["min_pixels"],
                           max_pixels=processing["max_pixels"])
     state_dict = consolidated_state_dict(tag_folder, exclude_frozen=adapter_only)
+    if fsdp2 is not None and model["lora"] is not None and not adapter_only:
+        # FSDP2's LoRA checkpoint holds the adapter: the frozen weights are --model's, as the run built them
+        from odb.training.model import build_model
+
+        base = build_model(model_path or model["path"], seed=run["batching"]["seed"], vocab_size=0,
+                           lora=model["lora"]).state_dict()
+        state_dict = {**base, **state_dict}
     return write_hf(state_dict, model_path=model_path or model["path"],
                     lora=model["lora"], tokenizer=tokenizer, out=out, adapter_only=adapter_only, dtype=dtype,
                     vision=vision)

@@ -197,32 +197,41 @@ class Fsdp2Backend:
 
         return StateDictOptions(ignore_frozen_params=self.lora, **kwargs)
 
-    def save(self, folder: Path, tag: str) -> None:
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
+    def _frozen(self) -> set[str]:
+        """Every name of a frozen parameter (a tied LM head's too, which ``ignore_frozen_params`` keeps)."""
+        return {name for name, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+    def _state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optimizer_state = get_state_dict(self.module, self.optimizer, options=self._options())
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder / tag / DCP_FOLDER)
+        if self.lora:
+            model_state = {k: v for k, v in model_state.items() if k not in self._frozen()}
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def save(self, folder: Path, tag: str) -> None:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._state(), checkpoint_id=folder / tag / DCP_FOLDER)
         dist.barrier()
         if dist.get_rank() == 0:  # as DeepSpeed does: the tag is complete, resume finds it as 'latest'
             (folder / "latest").write_text(tag)
 
     def load(self, folder: Path, tag: str) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_state_dict
 
         path = folder / tag / DCP_FOLDER
         if not (path / ".metadata").is_file():
             raise FileNotFoundError(f"--resume: no FSDP2 checkpoint {path} (a checkpoint of --backend deepspeed? "
                                     "resume with the backend that saved it)")
-        model_state, optimizer_state = get_state_dict(self.module, self.optimizer, options=self._options())
-        state = {"model": model_state, "optimizer": optimizer_state}
+        state = self._state()
         dcp.load(state, checkpoint_id=path)
         # under LoRA the frozen weights are not in the checkpoint: they stay as --model built them
         result = set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
                                 optim_state_dict=state["optimizer"], options=self._options(strict=not self.lora))
-        frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
+        frozen = self._frozen()
         wrong = [*(k for k in result.missing_keys if k not in frozen), *result.unexpected_keys]
         if wrong:
             raise ValueError(f"--resume: {path} does not fit this model: {sorted(wrong)[:4]}")

@@ -17,6 +17,7 @@ from conftest import bundled_tokenizer
 from launch import ROOT, audit, deepspeed, ds_config, odb_config, torchrun, write_json
 from odb.data.processing import DataConfig, SampleDataset
 from odb.training.engine import token_loss_sum
+from odb.training.export import export_checkpoint
 from odb.training.model import build_model, vision_spec
 
 TOKENIZER = bundled_tokenizer()
@@ -86,22 +87,35 @@ def test_one_step_on_two_ranks_equals_one_process(tmp_path, case):
     total, label_tokens = 0.0, 0
     for i in range(3):
         sample = dataset[i]
-        extra = {} if vision is None else {"pixel_values": sample["pixel_values"],
-                                           "image_grid_thw": sample["image_grid_thw"]}
+        extra = {} if vision is None else {  # the model derives its M-RoPE positions itself
+            "pixel_values": sample["pixel_values"], "image_grid_thw": sample["image_grid_thw"],
+            "mm_token_type_ids": (sample["input_ids"][None] == model.config.image_token_id).int()}
         logits = model(input_ids=sample["input_ids"][None], use_cache=False, **extra).logits
         total = total + token_loss_sum(logits, sample["labels"][None])
         label_tokens += int((sample["labels"][1:] != -100).sum())
     (total / label_tokens).backward()
     with torch.no_grad():
-        moved = {n: lr * p.grad for n, p in model.named_parameters() if p.grad is not None and p.grad.any()}
+        # every name of a parameter (tied embeddings: two names, one tensor) -> its gradient step
+        steps = {id(p): lr * p.grad for p in model.parameters() if p.grad is not None and p.grad.any()}
+        moved = {n: steps[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if id(p) in steps}
         assert set(moved) <= set(after), sorted(set(moved) - set(after))[:4]
         worst = max(float(((after[n] - before[n]) + step).abs().max() / step.abs().max()) for n, step in moved.items())
         still = max((float((after[n] - before[n]).abs().max()) for n in after if n not in moved), default=0.0)
     print(f"FSDP2 {case}: {len(moved)} tensors moved, worst relative error {worst:.2e}; largest change of a "
           f"tensor without gradient {still:.2e}; {len(after)} tensors in the checkpoint")
     assert worst <= 1e-5 and still == 0.0
-    if lora is not None:  # the checkpoint holds the trained weights only
+    if lora is not None:  # the checkpoint holds the trained weights only; an export merges them into --model's
         assert set(after) == {n for n, p in model.named_parameters() if p.requires_grad}
+        from transformers import AutoModelForCausalLM
+
+        merged = AutoModelForCausalLM.from_pretrained(export_checkpoint(out / "checkpoints", tmp_path / "hf")).eval()
+        model.load_state_dict(after, strict=False)
+        model.eval()
+        ids = dataset[0]["input_ids"][None]
+        with torch.no_grad():
+            gap = float((merged(input_ids=ids).logits - model(input_ids=ids, use_cache=False).logits).abs().max())
+        print(f"LoRA checkpoint exported merged: largest logit difference {gap:.1e}")
+        assert gap <= 1e-4
 
 
 def test_a_run_is_aligned_exactly_once_resumes_exactly_exports_and_matches_deepspeed(tmp_path):
@@ -144,8 +158,12 @@ def test_a_run_is_aligned_exactly_once_resumes_exactly_exports_and_matches_deeps
     ids = torch.tensor([SampleDataset(ROOT / "data" / "chat.jsonl", TOKENIZER, max_samples=1)[0]["input_ids"].tolist()])
     with torch.no_grad():
         gap = float((exported(input_ids=ids).logits - model(input_ids=ids, use_cache=False).logits).abs().max())
-    print(f"export: {ids.shape[1]} tokens, largest logit difference to the checkpoint {gap:.1e}")
-    assert gap <= 1e-5
+    offline = AutoModelForCausalLM.from_pretrained(export_checkpoint(final, tmp_path / "offline")).eval()
+    with torch.no_grad():
+        offline_gap = float((exported(input_ids=ids).logits - offline(input_ids=ids).logits).abs().max())
+    print(f"export: {ids.shape[1]} tokens, largest logit difference to the checkpoint {gap:.1e}, to the "
+          f"checkpoint exported offline {offline_gap:.1e}")
+    assert gap <= 1e-5 and offline_gap <= 1e-5
 
     deepspeed([*common, "--deepspeed_config", str(ds_config(tmp_path, 2)), "--output_dir", str(ds)])
     assert audit(ds, 2) == rows
