@@ -6,6 +6,7 @@ Hugging Face export; DeepSpeed's run of the same plan for "the outputs are the s
 """
 
 import json
+import signal
 from collections import Counter
 from pathlib import Path
 
@@ -14,10 +15,11 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import bundled_tokenizer
-from launch import ROOT, audit, deepspeed, ds_config, odb_config, torchrun, write_json
+from launch import ROOT, Run, audit, deepspeed, ds_config, odb_config, steps_trained, torchrun, write_json
 from odb.data.processing import DataConfig, SampleDataset
 from odb.training.engine import token_loss_sum
 from odb.training.export import export_checkpoint
+from odb.training.faults import EXIT_PREEMPTED
 from odb.training.model import build_model, vision_spec
 
 TOKENIZER = bundled_tokenizer()
@@ -176,3 +178,38 @@ def test_a_run_is_aligned_exactly_once_resumes_exactly_exports_and_matches_deeps
     summaries = [json.loads((out / "summary.json").read_text()) for out in (full, ds)]
     assert set(summaries[0]) == set(summaries[1]) and summaries[0]["samples_emitted"] == 120
     assert summaries[0]["config"]["optimization"]["backend"] == "fsdp2"
+
+
+def test_a_signal_stops_every_rank_at_one_step_and_the_run_resumes_on_three_ranks(tmp_path):
+    """The stop, the watchdog and the resume do not know the backend: SIGUSR1 to rank 1 of 2 (each
+    rank its own process, no launcher) saves one checkpoint at one step and exits 75 everywhere;
+    torchrun on 3 ranks resumes it (DCP reshards the model and optimizer, odb re-deals the samples):
+    every sample exactly once, the loss goes on where it was, and a validation loss at the end."""
+    out, samples = tmp_path / "out", 300
+    args = ["--backend", "fsdp2", "--odb_config", str(odb_config(tmp_path, max_tokens=512, window=16)),
+            "--output_dir", str(out), "--audit_ids", "--max_samples", str(samples), "--dist_timeout_s", "60",
+            "--eval_data", str(ROOT / "data" / "chat.jsonl")]
+    run = Run([*args[:-2]], nproc=2, apart=True)  # (no validation in the stopped run)
+    try:
+        run.wait_for(lambda: steps_trained(out) >= 3)
+        run.rank_process(1).send_signal(signal.SIGUSR1)
+        codes = run.wait(90)
+    finally:
+        run.kill()
+    assert codes == [EXIT_PREEMPTED] * 2, run.output()[-3000:]
+    first = audit(out, 2)
+    stopped = {max(row["step"] for row in rows) + 1 for rows in first}
+    assert len(stopped) == 1 and (out / "checkpoints" / "latest").read_text() == f"step{min(stopped)}"
+    before = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    proc = torchrun([*args, "--resume"], nproc=3)
+    assert "saved by 2 ranks, its untrained samples dealt to 3" in proc.stdout
+    rows = [row for rank_rows in audit(out, 3) for row in rank_rows]
+    assert Counter(i for row in rows for i in row["ids"]) == Counter(range(samples)), "each sample exactly once"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    after = [row["loss"] for row in rows if "loss" in row][len(before):]
+    print(f"FSDP2 stopped after step {min(stopped)}: loss first {before[0]:.4f}, last 3 before {before[-3:]}, "
+          f"first 3 after (3 ranks) {after[:3]}")
+    assert max(after[:3]) < max(before[-3:]) + 0.3 and max(after[:3]) < before[0] - 0.3
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 3 and summary["samples_emitted"] == samples and summary["eval_loss"] > 0

@@ -30,8 +30,9 @@ def slurm_installed():
 SAMPLES = 240
 
 
-def job_args(tmp_path):
-    return ["--deepspeed_config", str(ds_config(tmp_path, 2)), "--audit_ids", "--max_samples", str(SAMPLES),
+def job_args(tmp_path, backend="deepspeed"):
+    chosen = ["--deepspeed_config", str(ds_config(tmp_path, 2))] if backend == "deepspeed" else ["--backend", "fsdp2"]
+    return [*chosen, "--audit_ids", "--max_samples", str(SAMPLES),
             "--odb_config", str(odb_config(tmp_path, max_tokens=1024, window=32, lookahead=16)),
             "--dist_timeout_s", "20"]
 
@@ -45,12 +46,14 @@ def env_without_empty(env):
     return {k: v for k, v in env.items() if v}
 
 
-def test_sbatch_trains_on_two_nodes_aligned_every_sample_once_one_summary(tmp_path):
-    """Over two network hosts (the localhost cluster runs it in the tests below, to a stop or a kill)."""
+@pytest.mark.parametrize("backend", ["deepspeed", "fsdp2"])
+def test_sbatch_trains_on_two_nodes_aligned_every_sample_once_one_summary(tmp_path, backend):
+    """Over two network hosts (the localhost cluster runs it in the tests below, to a stop or a kill),
+    under either backend: the script is the same, the backend one of train.py's flags."""
     out = tmp_path / "out"
     with SlurmCluster("netns") as cluster:
-        code, job = cluster.submit(SCRIPT, job_args(tmp_path), env=env_without_empty(job_env(out)), timeout=400,
-                                   sbatch_args=["--nodes=2", "--ntasks-per-node=1"], cwd=ROOT)
+        code, job = cluster.submit(SCRIPT, job_args(tmp_path, backend), env=env_without_empty(job_env(out)),
+                                   timeout=400, sbatch_args=["--nodes=2", "--ntasks-per-node=1"], cwd=ROOT)
         output = cluster.output(job)
     assert code == 0, output[-4000:]
     assert "2 node(s), 2 task(s)" in output, output[-2000:]
@@ -60,6 +63,7 @@ def test_sbatch_trains_on_two_nodes_aligned_every_sample_once_one_summary(tmp_pa
     assert Counter(i for rank_rows in rows for row in rank_rows for i in row["ids"]) == Counter(range(SAMPLES))
     summary = json.loads((out / "summary.json").read_text())  # one summary, one metrics stream (rank 0)
     assert summary["world_size"] == 2 and summary["samples_emitted"] == SAMPLES
+    assert summary["config"]["optimization"]["backend"] == backend
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in metrics if "loss" in r] == sorted(set(steps[0]))
 
