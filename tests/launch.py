@@ -73,7 +73,7 @@ def torchrun(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Pat
     cmd = [str(launcher), "--nproc_per_node", str(nproc), "--master_port", str(free_port()), str(script), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=ROOT)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    assert proc.returncode == 0, f"{proc.stdout[-1500:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
     return proc
 
 

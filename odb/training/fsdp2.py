@@ -2,14 +2,15 @@
 
 How the model comes to be sharded, without any rank holding it whole on its device:
 
-1. every rank builds the model with its parameters on the ``meta`` device (shapes only; buffers
-   such as the rotary frequencies are real), PEFT LoRA applied the same way;
+1. every rank builds the model with its parameters on the ``meta`` device (shapes only, from the
+   config; buffers such as the rotary frequencies are real), PEFT LoRA applied the same way;
 2. each decoder layer and vision block (the model's ``_no_split_modules``) becomes an FSDP unit,
    then the root (embeddings, final norm, LM head, the vision tower's ends);
-3. the shards are allocated on the rank's device (``to_empty``) and filled from rank 0, which
-   alone builds the model for real on its CPU (a folder's weights memory-mapped, or the seeded
-   random init, which draws what DeepSpeed's path draws) and broadcasts it tensor by tensor
-   (``set_model_state_dict(broadcast_from_rank0=True)``).
+3. the shards are allocated on the rank's device (``to_empty``; the CPU under ``cpu_offload``)
+   and filled from rank 0, which alone builds the model for real on its CPU (a folder's weights
+   in their own precision, or the seeded random init in fp32, which draws what DeepSpeed's path
+   draws) and broadcasts it tensor by tensor (``set_model_state_dict(broadcast_from_rank0=True)``;
+   each rank keeps its shard, cast to fp32).
 
 Training: parameters in fp32 shards (the optimizer's master weights); on a GPU with bf16, forward
 and backward in bf16 with gradients reduced in fp32 (``MixedPrecisionPolicy``), as DeepSpeed's bf16
@@ -84,15 +85,14 @@ def build_fsdp2(model_settings: ModelSettings, opt: OptimizationSettings, *, see
     lora = dict(model_settings.lora) if model_settings.lora is not None else None
     common = {"seed": seed, "vocab_size": vocab_size, "lora": lora,
               "gradient_checkpointing": model_settings.gradient_checkpointing}
-    with _parameters_on_meta():
-        model = build_model(model_settings.path, **common)
+    model = build_model(model_settings.path, empty=True, **common)
     full = None
-    if rank == 0:  # the weights, whole, on rank 0's CPU only (a folder's are memory-mapped)
-        full = build_model(model_settings.path, **common).state_dict()
+    if rank == 0:  # the weights, whole, on rank 0's CPU only: a folder's in its own precision
+        full = build_model(model_settings.path, dtype="auto", **common).state_dict()
     device = _device()
     _shard(model, settings, device)
     buffers = dict(model.named_buffers())  # real: to_empty would replace them with uninitialized memory
-    model.to_empty(device=device)
+    model.to_empty(device="cpu" if _offloaded(settings, device) else device)  # (offloaded shards live on the CPU)
     for name, buffer in buffers.items():
         owner, _, leaf = name.rpartition(".")
         model.get_submodule(owner)._buffers[leaf] = buffer.to(device)
@@ -106,23 +106,8 @@ def build_fsdp2(model_settings: ModelSettings, opt: OptimizationSettings, *, see
     return Fsdp2Backend(model, optimizer, settings=settings, device=device, lora=lora is not None)
 
 
-class _parameters_on_meta:
-    """Parameters created inside go to the ``meta`` device, buffers stay real (rotary frequencies
-    are computed in the constructor and are not in any state dict)."""
-
-    def __enter__(self) -> None:
-        self.register = torch.nn.Module.register_parameter
-
-        def register_on_meta(module, name, param):
-            self.register(module, name, param)
-            if param is not None and param.device.type != "meta":
-                kind = type(module._parameters[name])
-                module._parameters[name] = kind(module._parameters[name].to("meta"), requires_grad=param.requires_grad)
-
-        torch.nn.Module.register_parameter = register_on_meta
-
-    def __exit__(self, *exc: Any) -> None:
-        torch.nn.Module.register_parameter = self.register
+def _offloaded(settings: Fsdp2Settings, device: torch.device) -> bool:
+    return settings.cpu_offload and device.type == "cuda"
 
 
 def _shard(model: torch.nn.Module, settings: Fsdp2Settings, device: torch.device) -> None:
@@ -139,7 +124,7 @@ def _shard(model: torch.nn.Module, settings: Fsdp2Settings, device: torch.device
                          "use --backend deepspeed")
     mixed = MixedPrecisionPolicy(param_dtype=param_dtype(settings),
                                  reduce_dtype=torch.bfloat16 if settings.reduce_dtype == "bf16" else torch.float32)
-    offload = CPUOffloadPolicy() if settings.cpu_offload and device.type == "cuda" else OffloadPolicy()
+    offload = CPUOffloadPolicy() if _offloaded(settings, device) else OffloadPolicy()
     options = {"mp_policy": mixed, "offload_policy": offload}
     units = [m for m in model.modules() if type(m).__name__ in blocks]
     for unit in units:

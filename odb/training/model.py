@@ -54,7 +54,8 @@ def is_zero3(ds_config: Mapping[str, Any] | None) -> bool:
 
 
 def build_model(path: str | Path, *, seed: int, vocab_size: int, lora: Mapping[str, Any] | None = None,
-                ds_config: Mapping[str, Any] | None = None, gradient_checkpointing: bool = False):
+                ds_config: Mapping[str, Any] | None = None, gradient_checkpointing: bool = False,
+                empty: bool = False, dtype: torch.dtype | str | None = None):
     """A causal LM with ``attn_implementation="odb_varlen"``, in train mode, ``use_cache`` off.
 
     Args:
@@ -67,6 +68,10 @@ def build_model(path: str | Path, *, seed: int, vocab_size: int, lora: Mapping[s
             group is joined). None: fp32, whole (a one-process model).
         gradient_checkpointing: recompute each layer's activations in the backward pass
             (non-reentrant ``torch.utils.checkpoint``; the vision tower's blocks too).
+        empty: shapes only: every parameter (LoRA's too) on the ``meta`` device, no weights read
+            (a folder's config only); buffers, such as rotary frequencies, real. For FSDP2, which
+            fills the shards from rank 0 (:mod:`odb.training.fsdp2`).
+        dtype: the precision instead of DeepSpeed's; ``"auto"``: a folder's own.
     """
     from transformers import AutoConfig
 
@@ -79,30 +84,37 @@ def build_model(path: str | Path, *, seed: int, vocab_size: int, lora: Mapping[s
         raise ValueError(f"the tokenizer has {vocab_size} tokens but the model's vocab_size is "
                          f"{text_config.vocab_size}; use the model's own tokenizer (--tokenizer)")
     zero3 = is_zero3(ds_config)
+    dtype = dtype or training_dtype(ds_config)
     torch.manual_seed(seed)  # the same random init, and the same LoRA init, on every rank
-    with _freed_memory_returned() if zero3 else nullcontext():
-        model = _construct(path, config, attn=attn, ds_config=ds_config)
-    model.config.use_cache = False  # packed samples leak into each other through the cache
-    model.train()  # from_pretrained leaves a model in eval mode: dropout off
-    if lora is not None:
-        from peft import LoraConfig, get_peft_model
+    with _parameters_on_meta() if empty else nullcontext():
+        with _freed_memory_returned() if zero3 else nullcontext():
+            model = _construct(path, config, attn=attn, ds_config=ds_config, dtype=dtype, empty=empty)
+        model.config.use_cache = False  # packed samples leak into each other through the cache
+        model.train()  # from_pretrained leaves a model in eval mode: dropout off
+        if lora is not None:
+            from peft import LoraConfig, get_peft_model
 
-        with _hf_zero3(ds_config) if zero3 else nullcontext():  # (PEFT gathers where an init reads the weight)
-            model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
+            with _hf_zero3(ds_config) if zero3 else nullcontext():  # (PEFT gathers where an init reads the weight)
+                model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
     if gradient_checkpointing:
         _checkpoint_activations(model.get_base_model() if lora is not None else model)
     return model
 
 
-def _construct(path: Path, config, *, attn: str, ds_config: Mapping[str, Any] | None):
-    """The model in DeepSpeed's precision: a random init (``path`` a config JSON) or a folder's
-    weights; at ZeRO-3 partitioned as it is constructed."""
+def _auto_class(config):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     # Image-text models (Qwen2-VL, Qwen3-VL, ...) load through their own auto class.
-    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
-    dtype, zero3 = training_dtype(ds_config), is_zero3(ds_config)
-    if path.is_file():  # (not transformers' own ZeRO-3 path: it would draw other numbers)
+    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+
+
+def _construct(path: Path, config, *, attn: str, ds_config: Mapping[str, Any] | None, dtype: torch.dtype | str,
+               empty: bool = False):
+    """The model in ``dtype``: a random init (``path`` a config JSON, or ``empty``: from the config
+    alone, the weights never read) or a folder's weights; at ZeRO-3 partitioned as it is constructed."""
+    auto, zero3 = _auto_class(config), is_zero3(ds_config) and not empty
+    if empty or path.is_file():  # (not transformers' own ZeRO-3 path: it would draw other numbers)
+        dtype = torch.float32 if dtype == "auto" else dtype
         with _zero3_random_init(ds_config) if zero3 else nullcontext():
             return auto.from_config(config, attn_implementation=attn, dtype=dtype)
     # at ZeRO-3 transformers builds it under zero.Init, then fills each parameter gathered, from rank 0
@@ -119,6 +131,23 @@ def _checkpoint_activations(model) -> None:
     recomputation, through a frozen vision tower and the frozen embeddings for nothing."""
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.disable_input_require_grads()
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Parameters created inside go to the ``meta`` device (as they are registered); buffers stay real."""
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
 
 
 @contextmanager

@@ -56,8 +56,9 @@ def three_chats(tmp_path: Path) -> Path:
     return path
 
 
-CASES = {  # model, data, odb max_tokens, flags
+CASES = {  # model (None: a Hugging Face folder of the tiny model), data, odb max_tokens, flags
     "text": (TINY, None, 61, ()),
+    "folder": (None, None, 61, ()),
     "lora-checkpointing": (TINY, None, 61, ("--lora", "--gradient_checkpointing")),
     "vision": (TINY_VL, MM, 1024, ()),
 }
@@ -70,6 +71,10 @@ def test_one_step_on_two_ranks_equals_one_process(tmp_path, case):
     computed on one process with the model's own forward on each sample alone."""
     model_path, data, max_tokens, flags = CASES[case]
     data = data or three_chats(tmp_path)
+    if model_path is None:  # rank 0 reads its weights, the other ranks only its config
+        model_path = tmp_path / "folder"
+        build_model(TINY, seed=5, vocab_size=len(TOKENIZER)).save_pretrained(model_path)
+        TOKENIZER.save_pretrained(model_path)
     out, lr = tmp_path / "out", 1e4  # a large step: the update dominates the fp32 rounding of the weights
     torchrun(["--backend", "fsdp2", "--fsdp_config", str(fsdp_config(tmp_path, gradient_clipping=0.0)),
               "--model", str(model_path), "--data", str(data), "--max_samples", "3",
