@@ -14,7 +14,6 @@ import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,7 +27,12 @@ from odb.data.processing import SampleDataset, sample_sizes
 from odb.telemetry import Telemetry
 from odb.training.attention import has_flash_attn
 from odb.training.config import RunConfig
-from odb.training.deepspeed_backend import DeepSpeedBackend, init_deepspeed_distributed, initialize_deepspeed
+from odb.training.deepspeed_backend import (
+    DeepSpeedBackend,
+    init_deepspeed_distributed,
+    initialize_deepspeed,
+    release_shared_memory,
+)
 from odb.training.engine import BLANK_IMAGE_TOKENS, Backend, OdbEngine
 from odb.training.evaluate import Evaluator
 from odb.training.faults import Watchdog, WatchedCommunicator, collective_timeout_s
@@ -85,22 +89,6 @@ def init_distributed(config: RunConfig) -> tuple[int, int]:
     else:
         init_deepspeed_distributed(timeout_s)
     return dist.get_rank(), dist.get_world_size()
-
-
-def deepspeed_shm_buffer(rank: int) -> Path:
-    """The shared-memory file DeepSpeed's CPU all-reduce makes for ``rank`` when every rank is on
-    one machine (``LOCAL_SIZE`` = world size), named after the user, the master address and port."""
-    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}"
-    return Path("/dev/shm") / f"{name}_{os.environ.get('MASTER_PORT', '')}_{rank}"
-
-
-def release_shared_memory() -> None:
-    """Removes this rank's DeepSpeed all-reduce buffer, which DeepSpeed never removes: each CPU run
-    would otherwise leave 64 MiB of RAM per rank in ``/dev/shm`` until the machine restarts (330
-    runs filled a 24 GiB machine). Every peer mapped it at initialization, so removing the name
-    leaves their mappings intact. No-op where there is none (GPUs, several machines)."""
-    if "RANK" in os.environ:
-        deepspeed_shm_buffer(int(os.environ["RANK"])).unlink(missing_ok=True)
 
 
 def build_components(config: RunConfig, *, rank: int, world_size: int, report: Callable[[], np.ndarray],

@@ -9,6 +9,7 @@ checkpoint (:mod:`odb.training.reshard`). :class:`DeepSpeedBackend` is what
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,8 @@ import torch
 from odb.training.config import OptimizationSettings
 from odb.training.export import gather_state_dict
 
-__all__ = ["DeepSpeedBackend", "init_deepspeed_distributed", "initialize_deepspeed"]
+__all__ = ["DeepSpeedBackend", "deepspeed_shm_buffer", "init_deepspeed_distributed", "initialize_deepspeed",
+           "release_shared_memory"]
 
 
 def init_deepspeed_distributed(timeout_s: float) -> None:
@@ -42,6 +44,22 @@ def initialize_deepspeed(opt: OptimizationSettings, model):
             ds_config.setdefault("zero_allow_untested_optimizer", True)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer, config=ds_config)
     return engine
+
+
+def deepspeed_shm_buffer(rank: int) -> Path:
+    """The shared-memory file DeepSpeed's CPU all-reduce makes for ``rank`` when every rank is on
+    one machine (``LOCAL_SIZE`` = world size), named after the user, the master address and port."""
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}"
+    return Path("/dev/shm") / f"{name}_{os.environ.get('MASTER_PORT', '')}_{rank}"
+
+
+def release_shared_memory() -> None:
+    """Removes this rank's DeepSpeed all-reduce buffer, which DeepSpeed never removes: each CPU run
+    would otherwise leave 64 MiB of RAM per rank in ``/dev/shm`` until the machine restarts (330
+    runs filled a 24 GiB machine). Every peer mapped it at initialization, so removing the name
+    leaves their mappings intact. No-op where there is none (GPUs, several machines)."""
+    if "RANK" in os.environ:
+        deepspeed_shm_buffer(int(os.environ["RANK"])).unlink(missing_ok=True)
 
 
 class DeepSpeedBackend:

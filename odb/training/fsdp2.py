@@ -223,18 +223,12 @@ class Fsdp2Backend:
 
     def full_state_dict(self, *, dtype: torch.dtype | None, trainable_only: bool) -> dict[str, torch.Tensor] | None:
         import torch.distributed as dist
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         dtype = dtype or param_dtype(self.settings)
-        state = get_model_state_dict(self.module, options=self._options(full_state_dict=True, cpu_offload=True)
-                                     if trainable_only else
-                                     _full_options(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(self.module, options=StateDictOptions(  # gathered to rank 0's CPU only
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only))
         if dist.get_rank() != 0:
             return None
         return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
 
-
-def _full_options(**kwargs: Any):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(**kwargs)

@@ -63,7 +63,8 @@ class Trainer:
 
     def build(self) -> Trainer:
         """Builds every component (collective); resumes from a checkpoint if asked to, also one that
-        another number of ranks saved (DeepSpeed's universal checkpoint: odb.training.reshard)."""
+        another number of ranks saved (DeepSpeed's universal checkpoint, odb.training.reshard; FSDP2's
+        checkpoints reshard as they load)."""
         config, plan = self.config, None
         if config.checkpoints.resume:
             tag = resolve_tag(config, config.checkpoints.resume)
