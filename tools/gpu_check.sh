@@ -6,7 +6,8 @@
 #   train      a ~0.5B random-init Qwen2-style model, deepspeed --num_gpus 1 launch/train.py at
 #              ZeRO-2 in bf16, on chats with the shared sharegpt4o_like length profile: odb (packed)
 #              against fixed batches of 8 (padded), the same samples: samples/s, real tokens/s,
-#              padding, peak GPU memory, MFU (6 x params x tokens/s over the GPU's bf16 peak)
+#              padding, peak GPU memory, MFU (6 x params x tokens/s over the GPU's bf16 peak); and odb
+#              under FSDP2 (torchrun --nproc_per_node 1 ... --backend fsdp2, bf16 mixed precision)
 #   loss       the chunked loss's peak memory against full logits at the model's vocabulary
 #
 #   bash tools/gpu_check.sh --prepare   # here, where the package registries answer: the wheels the
@@ -59,20 +60,23 @@ fi
 
 $PY tools/gpu_check_attention.py | tail -n 1 > "$WORK/attention.json"
 
-train() {  # policy, extra odb settings
-    $PY - "$WORK/$1.json" "$MAX_TOKENS" "$2" <<'EOF'
+train() {  # run name, extra odb settings, then the launcher with launch/train.py and the backend's flags
+    local name=$1 settings=$2
+    shift 2
+    $PY - "$WORK/$name.json" "$MAX_TOKENS" "$settings" <<'EOF'
 import json, sys
 config = json.load(open("configs/odb.json"))
 config.update(max_tokens=int(sys.argv[2]), **json.loads(sys.argv[3]))
 json.dump(config, open(sys.argv[1], "w"))
 EOF
-    deepspeed --num_gpus 1 launch/train.py --model "$MODEL" --data "$WORK/data.jsonl" \
-        --deepspeed_config configs/ds_zero2.json --odb_config "$WORK/$1.json" --max_samples "$SAMPLES" \
-        --lr 1e-4 --gradient_checkpointing --num_workers 4 --no_final_checkpoint --output_dir "$WORK/$1" \
-        > "$WORK/$1.log" 2>&1 || { tail -n 40 "$WORK/$1.log"; exit 1; }
+    "$@" --model "$MODEL" --data "$WORK/data.jsonl" --odb_config "$WORK/$name.json" --max_samples "$SAMPLES" \
+        --lr 1e-4 --gradient_checkpointing --num_workers 4 --no_final_checkpoint --output_dir "$WORK/$name" \
+        > "$WORK/$name.log" 2>&1 || { tail -n 40 "$WORK/$name.log"; exit 1; }
 }
-train odb '{"policy": "odb"}'
-train fixed '{"policy": "fixed", "batch_size": 8, "sharding": "static"}'
+DEEPSPEED=(deepspeed --num_gpus 1 launch/train.py --deepspeed_config configs/ds_zero2.json)
+train odb '{"policy": "odb"}' "${DEEPSPEED[@]}"
+train fixed '{"policy": "fixed", "batch_size": 8, "sharding": "static"}' "${DEEPSPEED[@]}"
+train odb_fsdp2 '{"policy": "odb"}' torchrun --nproc_per_node 1 launch/train.py --backend fsdp2
 
 $PY tools/bench_memory.py $LOSS_ARGS --json | tail -n 1 > "$WORK/loss.json"
 
@@ -91,7 +95,7 @@ gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 # dense bf16 peak by the vendor's datasheet (H100 / H200 SXM); None where unknown
 peak = 989e12 if any(name in gpu for name in ("H100", "H200")) else None
 train = {}
-for policy in ("odb", "fixed"):
+for policy in ("odb", "fixed", "odb_fsdp2"):
     s = json.load(open(work / policy / "summary.json"))
     train[policy] = {k: s[k] for k in ("samples_emitted", "steps", "micro_batches", "samples_per_s", "tokens_per_s",
                                        "padding_ratio", "truncated_samples", "loss_first", "loss_last")}

@@ -170,6 +170,7 @@ def main(out: Path) -> None:
     dist.all_gather_object(gathered_reports, report)
     if rank == 0:
         (out / "report.json").write_text(json.dumps(gathered_reports, indent=2))
+    dist.destroy_process_group()  # (not left to the interpreter's exit: see save_hf_worker.py)
     release_shared_memory()
 
 

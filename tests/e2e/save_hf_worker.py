@@ -94,6 +94,9 @@ def main(out: Path) -> None:
     if rank == 0:
         merged = {k: v for rank_report in gathered for k, v in rank_report.items()}
         (out / "report.json").write_text(json.dumps(merged, indent=2))
+    # left to the interpreter's exit, gloo's threads were destroyed still running now and then
+    # ("terminate called without an active exception", exit -6; seen once on a loaded machine)
+    dist.destroy_process_group()
     release_shared_memory()
 
 
