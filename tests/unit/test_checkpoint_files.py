@@ -74,3 +74,25 @@ def test_resume_tags_that_do_not_exist_name_the_tags_there_are(tmp_path):
     (tmp_path / "checkpoints" / "latest").unlink()
     with pytest.raises(FileNotFoundError, match="no 'latest' file"):
         resolve_tag(config, "latest")
+
+
+@pytest.mark.parametrize("saved_by,resumed_by", [("deepspeed", "fsdp2"), ("fsdp2", "deepspeed")])
+def test_a_checkpoint_resumes_only_under_the_backend_that_saved_it(tmp_path, saved_by, resumed_by):
+    from odb.training.checkpoint import load_plan
+    from odb.training.config import (
+        DataSettings,
+        Fsdp2Settings,
+        ModelSettings,
+        OptimizationSettings,
+        RunConfig,
+        RunSettings,
+    )
+
+    tag = saved(tmp_path)
+    (tag / "run_config.json").write_text(json.dumps({"optimization": {"backend": saved_by}}))
+    optimization = OptimizationSettings(backend=resumed_by, fsdp2=Fsdp2Settings() if resumed_by == "fsdp2" else None)
+    config = RunConfig(model=ModelSettings(path="m", tokenizer="t"), data=DataSettings(path="d"), batching=OdbConfig(),
+                       optimization=optimization, run=RunSettings(output_dir=str(tmp_path)))
+    with pytest.raises(ValueError, match=f"saved by --backend {saved_by}, this run is --backend {resumed_by}; "
+                                         f"resume it with --backend {saved_by}"):
+        load_plan(config, "step1", rank=0, world_size=2)
