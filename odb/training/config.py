@@ -255,6 +255,11 @@ class Fsdp2Settings:
     cpu_offload: bool = False
     """Keep the parameter shards, gradients and optimizer state in CPU memory (GPU runs; the
     optimizer steps on the CPU)."""
+    reduce_every_micro_batch: bool = False
+    """Reduce-scatter the gradients after every micro-batch's backward, accumulating them sharded
+    (1/W of the memory, GAS times the reductions), instead of only after the step's last one,
+    accumulating whole fp32 gradients on each rank (4 bytes per trained parameter): turn it on for
+    large full fine-tuning with GAS > 1. The gradient is the same."""
     gradient_clipping: float = 1.0
     """Clip the gradients' global norm to this before each step (0: no clipping)."""
 
@@ -265,6 +270,7 @@ class Fsdp2Settings:
                f"--fsdp_config 'reduce_dtype' must be 'fp32' or 'bf16', got {self.reduce_dtype!r}")
         check_bool("--fsdp_config 'reshard_after_forward'", self.reshard_after_forward)
         check_bool("--fsdp_config 'cpu_offload'", self.cpu_offload)
+        check_bool("--fsdp_config 'reduce_every_micro_batch'", self.reduce_every_micro_batch)
         check_number("--fsdp_config 'gradient_clipping'", self.gradient_clipping, 0)
 
 

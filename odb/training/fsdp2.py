@@ -15,10 +15,13 @@ How the model comes to be sharded, without any rank holding it whole on its devi
 Training: parameters in fp32 shards (the optimizer's master weights); on a GPU with bf16, forward
 and backward in bf16 with gradients reduced in fp32 (``MixedPrecisionPolicy``), as DeepSpeed's bf16
 does; fp32 throughout on CPUs. Every micro-batch's forward all-gathers each unit's parameters and
-its backward frees them; gradients are reduce-scattered (averaged over the ranks) only in the
-step's last backward (``set_requires_gradient_sync``), so a step's micro-batches accumulate
-unreduced gradients locally, as DeepSpeed's boundary does. Then clipping over the whole model
-(one all-reduce of the norm) and one optimizer step. The loss math is the engine's
+its backward frees them. Gradients are reduce-scattered (averaged over the ranks) only in the
+step's last backward (``set_requires_gradient_sync``): a step's micro-batches accumulate whole,
+unreduced fp32 gradients on each rank (4 bytes per trained parameter; DeepSpeed's ZeRO-0/1 do the
+same, ZeRO-2/3 reduce every micro-batch). ``reduce_every_micro_batch`` reduce-scatters after every
+backward instead, accumulating into the shards: 1/W of that memory, GAS times the reductions,
+the same gradient. Then clipping over the whole model (one all-reduce of the norm) and one
+optimizer step. The loss math is the engine's
 (:mod:`odb.training.engine`): the reduction averages over W, as DeepSpeed's does.
 
 Checkpoints are ``torch.distributed.checkpoint`` folders (each rank writes its shards; under LoRA
@@ -28,6 +31,7 @@ on load. The Hugging Face export gathers full weights on rank 0 (``full_state_di
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -125,11 +129,15 @@ def _shard(model: torch.nn.Module, settings: Fsdp2Settings, device: torch.device
     mixed = MixedPrecisionPolicy(param_dtype=param_dtype(settings),
                                  reduce_dtype=torch.bfloat16 if settings.reduce_dtype == "bf16" else torch.float32)
     offload = CPUOffloadPolicy() if _offloaded(settings, device) else OffloadPolicy()
-    options = {"mp_policy": mixed, "offload_policy": offload}
-    units = [m for m in model.modules() if type(m).__name__ in blocks]
-    for unit in units:
-        fully_shard(unit, reshard_after_forward=settings.reshard_after_forward, **options)
-    fully_shard(model, reshard_after_forward=False, **options)
+    # a vision block's inputs are not cast: its rotary cos / sin come in fp32, as under DeepSpeed
+    # (its hidden states are already in the compute precision)
+    vision = getattr(getattr(base, "model", None), "visual", None)
+    in_vision = {id(m) for m in vision.modules()} if vision is not None else set()
+    uncast = dataclasses.replace(mixed, cast_forward_inputs=False)
+    for unit in [m for m in model.modules() if type(m).__name__ in blocks]:
+        fully_shard(unit, reshard_after_forward=settings.reshard_after_forward, offload_policy=offload,
+                    mp_policy=uncast if id(unit) in in_vision else mixed)
+    fully_shard(model, reshard_after_forward=False, mp_policy=mixed, offload_policy=offload)
 
 
 class Fsdp2Backend:
@@ -139,7 +147,7 @@ class Fsdp2Backend:
         model: the sharded model (the root is an ``FSDPModule``).
         optimizer: over its trainable (sharded) parameters.
         settings: clipping, precision.
-        device: where the shards live (CPU for offloaded ones).
+        device: the compute device (offloaded shards live on the CPU).
         lora: the model is a PEFT model: checkpoints hold only the trained weights.
     """
 
@@ -161,7 +169,9 @@ class Fsdp2Backend:
             group["lr"] = lr
 
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
-        self.module.set_requires_gradient_sync(sync)  # reduce-scatter only after the step's last backward
+        # by default gradients are reduce-scattered only after the step's last backward; until then
+        # each rank accumulates whole (unsharded) fp32 gradients: 4 bytes per trained parameter
+        self.module.set_requires_gradient_sync(sync or self.settings.reduce_every_micro_batch)
         loss.backward()
 
     def step(self) -> None:
@@ -175,7 +185,13 @@ class Fsdp2Backend:
         self.module.train(mode)
 
     def release_cache(self) -> None:
-        self.module.reshard()  # the root's parameters stay gathered after a forward without a backward
+        from torch.distributed.fsdp import FSDPModule
+
+        # the root's parameters (every unit's, without reshard_after_forward) stay gathered after a
+        # forward without a backward
+        for module in self.module.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def _options(self, **kwargs: Any):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -204,11 +220,14 @@ class Fsdp2Backend:
             (folder / "latest").write_text(tag)
 
     def load(self, folder: Path, tag: str) -> None:
+        import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         path = folder / tag / DCP_FOLDER
-        if not (path / ".metadata").is_file():
+        found = torch.tensor([int((path / ".metadata").is_file())])
+        dist.all_reduce(found, op=dist.ReduceOp.MIN)  # every rank sees it (a shared filesystem), or none loads
+        if not found.item():
             raise FileNotFoundError(f"--resume: no FSDP2 checkpoint {path} (a checkpoint of --backend deepspeed? "
                                     "resume with the backend that saved it)")
         state = self._state()

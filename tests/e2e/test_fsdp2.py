@@ -56,11 +56,12 @@ def three_chats(tmp_path: Path) -> Path:
     return path
 
 
-CASES = {  # model (None: a Hugging Face folder of the tiny model), data, odb max_tokens, flags
-    "text": (TINY, None, 61, ()),
-    "folder": (None, None, 61, ()),
-    "lora-checkpointing": (TINY, None, 61, ("--lora", "--gradient_checkpointing")),
-    "vision": (TINY_VL, MM, 1024, ()),
+CASES = {  # model (None: a Hugging Face folder of the tiny model), data, odb max_tokens, flags, FSDP2 settings
+    "text": (TINY, None, 61, (), {}),
+    "text-reduce-every-micro-batch": (TINY, None, 61, (), {"reduce_every_micro_batch": True}),
+    "folder": (None, None, 61, (), {}),
+    "lora-checkpointing": (TINY, None, 61, ("--lora", "--gradient_checkpointing"), {}),
+    "vision": (TINY_VL, MM, 1024, (), {}),
 }
 
 
@@ -69,14 +70,14 @@ def test_one_step_on_two_ranks_equals_one_process(tmp_path, case):
     """2 ranks, GAS 2, static shards, 3 samples: one SGD step (no clipping) must move every trained
     weight by lr x the gradient of (sum of token losses of the 3 samples) / (their label tokens),
     computed on one process with the model's own forward on each sample alone."""
-    model_path, data, max_tokens, flags = CASES[case]
+    model_path, data, max_tokens, flags, fsdp_settings = CASES[case]
     data = data or three_chats(tmp_path)
     if model_path is None:  # rank 0 reads its weights, the other ranks only its config
         model_path = tmp_path / "folder"
         build_model(TINY, seed=5, vocab_size=len(TOKENIZER)).save_pretrained(model_path)
         TOKENIZER.save_pretrained(model_path)
     out, lr = tmp_path / "out", 1e4  # a large step: the update dominates the fp32 rounding of the weights
-    torchrun(["--backend", "fsdp2", "--fsdp_config", str(fsdp_config(tmp_path, gradient_clipping=0.0)),
+    torchrun(["--backend", "fsdp2", "--fsdp_config", str(fsdp_config(tmp_path, gradient_clipping=0.0, **fsdp_settings)),
               "--model", str(model_path), "--data", str(data), "--max_samples", "3",
               "--odb_config", str(odb_config(tmp_path, max_tokens=max_tokens, window=4, gas=2, sharding="static")),
               "--output_dir", str(out), "--optimizer", "sgd", "--lr", str(lr), "--warmup_ratio", "0",
