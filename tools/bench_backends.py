@@ -13,31 +13,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from bench_train import free_port  # (tools/ is the script's folder: on sys.path)
+
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "launch" / "train.py"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(backend: str, nproc: int, out: Path, extra: list[str]) -> dict:
     """One run of ``launch/train.py`` under ``backend``'s launcher; its summary."""
     bin_dir = Path(sys.executable).parent
     if backend == "deepspeed":
-        cmd = [str(bin_dir / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(_port()), str(TRAIN),
+        cmd = [str(bin_dir / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), str(TRAIN),
                "--deepspeed_config", str(ROOT / "configs" / "ds_zero2.json")]
     else:
-        cmd = [str(bin_dir / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(_port()), str(TRAIN),
+        cmd = [str(bin_dir / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()), str(TRAIN),
                "--backend", "fsdp2", "--fsdp_config", str(ROOT / "configs" / "fsdp2.json")]
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))  # both launchers alike

@@ -99,7 +99,7 @@ def prepare(args: argparse.Namespace, work: Path) -> dict:
 
 # ---- running one system ----------------------------------------------------------------------
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -114,7 +114,7 @@ def _fresh(folder: Path) -> Path:
 def _launch(python: str, script: Path, script_args: list[str], args: argparse.Namespace, log: Path) -> None:
     """``script`` on ``--world_size`` ranks under the deepspeed launcher run by ``python``; the cores
     split evenly over the ranks; the launcher's CPU all-reduce buffers removed after."""
-    port = _free_port()
+    port = free_port()
     cmd = [python, "-c", "from deepspeed.launcher.runner import main; main()", "--num_gpus", str(args.world_size),
            "--master_port", str(port), str(script), *script_args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}

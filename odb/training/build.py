@@ -37,7 +37,7 @@ from odb.training.engine import BLANK_IMAGE_TOKENS, Backend, OdbEngine
 from odb.training.evaluate import Evaluator
 from odb.training.faults import Watchdog, WatchedCommunicator, collective_timeout_s
 from odb.training.fsdp2 import build_fsdp2, init_fsdp2_distributed
-from odb.training.model import build_model, load_tokenizer, vision_spec
+from odb.training.model import build_model, hf_model, load_tokenizer, vision_spec
 from odb.training.mrope import supports_packing
 from odb.training.schedule import ProgressSchedule
 
@@ -105,7 +105,7 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
     """
     tokenizer = load_tokenizer(config.model.tokenizer)
     backend = build_backend(config, rank=rank, vocab_size=len(tokenizer), ds_config=ds_config)
-    model = backend.module.get_base_model() if hasattr(backend.module, "get_base_model") else backend.module
+    model = hf_model(backend.module)
     batching = config.batching
     vision = vision_spec(model, config.data.processing)
     if vision is not None:

@@ -24,11 +24,13 @@ from odb.training.config import (
     REPORT_TO,
     CheckpointSettings,
     DataSettings,
+    Fsdp2Settings,
     LoggingSettings,
     ModelSettings,
     OptimizationSettings,
     RunConfig,
     RunSettings,
+    field_names,
     load_fsdp2_config,
     load_json_config,
     lora_keys,
@@ -67,8 +69,7 @@ def _parser(defaults: FileDefaults) -> argparse.ArgumentParser:
                         "may be \"auto\" (odb fills them in)")
     p.add_argument("--fsdp_config", default=None,
                    help="FSDP2 settings JSON (--backend fsdp2; default "
-                        f"{defaults.fsdp_config or 'built in'}): mixed_precision, reduce_dtype, "
-                        "reshard_after_forward, cpu_offload, gradient_clipping")
+                        f"{defaults.fsdp_config or 'built in'}): {', '.join(field_names(Fsdp2Settings))}")
     p.add_argument("--odb_config", default=str(defaults.odb_config),
                    help="odb settings JSON (max_tokens, window, gas, mode, quota, over_cap, ...)")
     p.add_argument("--model", default=str(defaults.model),

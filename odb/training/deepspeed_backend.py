@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from odb.training.config import OptimizationSettings
+from odb.training.engine import torch_optimizer
 from odb.training.export import gather_state_dict
 
 __all__ = ["DeepSpeedBackend", "deepspeed_shm_buffer", "init_deepspeed_distributed", "initialize_deepspeed",
@@ -38,8 +39,7 @@ def initialize_deepspeed(opt: OptimizationSettings, model):
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = None
     if "optimizer" not in ds_config:  # a torch optimizer: no DeepSpeed op to compile
-        optimizer = (torch.optim.AdamW(params, lr=opt.lr, weight_decay=opt.weight_decay)
-                     if opt.optimizer == "adamw" else torch.optim.SGD(params, lr=opt.lr))
+        optimizer = torch_optimizer(opt.optimizer, params, lr=opt.lr, weight_decay=opt.weight_decay)
         if opt.optimizer == "sgd":
             ds_config.setdefault("zero_allow_untested_optimizer", True)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer, config=ds_config)

@@ -40,9 +40,10 @@ import torch.nn.functional as F
 from odb.batching.plan import StepPlan
 from odb.data.collate import collate_packed, collate_padded
 from odb.training.loss import DEFAULT_LOSS_CHUNK_TOKENS, HeadLoss, final_logit_softcap, num_loss_chunks
+from odb.training.model import hf_model
 from odb.training.mrope import packed_position_ids
 
-__all__ = ["Backend", "OdbEngine", "StepResult", "token_loss_sum", "BLANK_IMAGE_TOKENS"]
+__all__ = ["Backend", "OdbEngine", "StepResult", "token_loss_sum", "torch_optimizer", "BLANK_IMAGE_TOKENS"]
 
 BLANK_IMAGE_TOKENS = 3  # vision start, one image pad (a 2x2-merged 4-patch image), vision end
 
@@ -59,6 +60,14 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     (-100 ignored; the shift happens here: logits at t predict labels at t + 1)."""
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                            ignore_index=-100, reduction="sum")
+
+
+def torch_optimizer(name: str, params: list[torch.nn.Parameter], *, lr: float,
+                    weight_decay: float) -> torch.optim.Optimizer:
+    """The run's torch optimizer (``--optimizer``: 'adamw' or 'sgd') over ``params``, either backend's."""
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    return torch.optim.SGD(params, lr=lr)
 
 
 class Backend(Protocol):
@@ -126,8 +135,7 @@ class OdbEngine:
         self.pad_token_id = pad_token_id
         self.packed = packed
         self.device = backend.device
-        model = backend.module
-        self.model = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+        self.model = hf_model(backend.module)
         self.vision = getattr(getattr(self.model, "model", None), "visual", None)
         self._blank: dict[str, torch.Tensor] | None = None
         self.head_loss = None if loss_chunk_tokens is None else HeadLoss(

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from odb.data.images import ImageProcessor, VisionSpec
+from odb.training.fsdp2 import DCP_FOLDER
 from odb.training.model import load_tokenizer, training_dtype
 
 __all__ = ["consolidated_state_dict", "export_checkpoint", "find_checkpoint", "gather_state_dict", "save_hf",
@@ -304,13 +305,13 @@ def consolidated_state_dict(tag_folder: Path, *, exclude_frozen: bool = False) -
     1-3's optimizer partitions (``zero_to_fp32``; ``exclude_frozen``: only the trained ones); at
     ZeRO-0 the module's own (``mp_rank_00``, in the training precision). FSDP2's: the fp32 shards of
     its ``torch.distributed.checkpoint`` folder put together (under LoRA the trained weights only)."""
-    if (tag_folder / "fsdp2" / ".metadata").is_file():
+    if (tag_folder / DCP_FOLDER / ".metadata").is_file():
         import tempfile
 
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
         with tempfile.TemporaryDirectory() as tmp:
-            dcp_to_torch_save(tag_folder / "fsdp2", Path(tmp) / "model.pt")
+            dcp_to_torch_save(tag_folder / DCP_FOLDER, Path(tmp) / "model.pt")
             return torch.load(Path(tmp) / "model.pt", map_location="cpu", weights_only=False)["model"]
     if any(tag_folder.glob("*_optim_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

@@ -40,6 +40,8 @@ from typing import Any
 import torch
 
 from odb.training.config import Fsdp2Settings, ModelSettings, OptimizationSettings
+from odb.training.engine import torch_optimizer
+from odb.training.model import build_model, hf_model
 
 __all__ = ["DCP_FOLDER", "Fsdp2Backend", "build_fsdp2", "init_fsdp2_distributed"]
 
@@ -82,14 +84,12 @@ def build_fsdp2(model_settings: ModelSettings, opt: OptimizationSettings, *, see
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from odb.training.model import build_model
-
     settings = opt.fsdp2
     assert settings is not None, "the FSDP2 settings are resolved by parse_config"
     lora = dict(model_settings.lora) if model_settings.lora is not None else None
-    common = {"seed": seed, "vocab_size": vocab_size, "lora": lora,
-              "gradient_checkpointing": model_settings.gradient_checkpointing}
-    model = build_model(model_settings.path, empty=True, **common)
+    common = {"seed": seed, "vocab_size": vocab_size, "lora": lora}
+    model = build_model(model_settings.path, empty=True, gradient_checkpointing=model_settings.gradient_checkpointing,
+                        **common)
     full = None
     if rank == 0:  # the weights, whole, on rank 0's CPU only: a folder's in its own precision
         full = build_model(model_settings.path, dtype="auto", **common).state_dict()
@@ -105,8 +105,7 @@ def build_fsdp2(model_settings: ModelSettings, opt: OptimizationSettings, *, see
     del full
     dist.barrier()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = (torch.optim.AdamW(params, lr=opt.lr, weight_decay=opt.weight_decay) if opt.optimizer == "adamw"
-                 else torch.optim.SGD(params, lr=opt.lr))
+    optimizer = torch_optimizer(opt.optimizer, params, lr=opt.lr, weight_decay=opt.weight_decay)
     return Fsdp2Backend(model, optimizer, settings=settings, device=device, lora=lora is not None)
 
 
@@ -121,7 +120,7 @@ def _shard(model: torch.nn.Module, settings: Fsdp2Settings, device: torch.device
     in the backward."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = hf_model(model)
     blocks = set(getattr(base, "_no_split_modules", None) or ())
     if not blocks:
         raise ValueError(f"{type(base).__name__} names no layer classes (_no_split_modules) to shard one by one; "
@@ -160,6 +159,7 @@ class Fsdp2Backend:
         self.settings = settings
         self.device = device
         self.lora = lora
+        self._sync: bool | None = None  # what set_requires_gradient_sync was last given
 
     def __call__(self, **batch: Any) -> Any:
         return self.module(**batch)
@@ -171,7 +171,10 @@ class Fsdp2Backend:
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
         # by default gradients are reduce-scattered only after the step's last backward; until then
         # each rank accumulates whole (unsharded) fp32 gradients: 4 bytes per trained parameter
-        self.module.set_requires_gradient_sync(sync or self.settings.reduce_every_micro_batch)
+        sync = sync or self.settings.reduce_every_micro_batch
+        if sync != self._sync:  # (it walks every module)
+            self.module.set_requires_gradient_sync(sync)
+            self._sync = sync
         loss.backward()
 
     def step(self) -> None:
@@ -207,7 +210,8 @@ class Fsdp2Backend:
 
         model_state, optimizer_state = get_state_dict(self.module, self.optimizer, options=self._options())
         if self.lora:
-            model_state = {k: v for k, v in model_state.items() if k not in self._frozen()}
+            frozen = self._frozen()
+            model_state = {k: v for k, v in model_state.items() if k not in frozen}
         return {"model": model_state, "optimizer": optimizer_state}
 
     def save(self, folder: Path, tag: str) -> None:

@@ -25,7 +25,7 @@ import torch
 from odb.data.images import VisionSpec
 from odb.training.attention import register
 
-__all__ = ["build_model", "is_zero3", "load_tokenizer", "training_dtype", "vision_spec"]
+__all__ = ["build_model", "hf_model", "is_zero3", "load_tokenizer", "training_dtype", "vision_spec"]
 
 
 def load_tokenizer(path: str | Path):
@@ -38,6 +38,11 @@ def load_tokenizer(path: str | Path):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def hf_model(model):
+    """The Hugging Face model inside a PEFT wrapper, or ``model`` itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def training_dtype(ds_config: Mapping[str, Any] | None) -> torch.dtype:

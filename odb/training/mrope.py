@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from odb.training.model import hf_model
+
 __all__ = ["packed_position_ids", "supports_packing"]
 
 
@@ -18,7 +20,7 @@ def supports_packing(model) -> bool:
 
     ``model`` may be wrapped by PEFT: the check looks at the Hugging Face model inside.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = hf_model(model)
     if getattr(base.config, "vision_config", None) is None:
         return True
     return hasattr(getattr(base, "model", None), "get_rope_index")
