@@ -11,20 +11,32 @@ computes attention per sample instead, and does for each sample what the model a
   keys ``i - w + 1 .. i`` of its own sample, as transformers' ``sliding_window_overlay``.
 * ``softcap=c`` (Gemma-2): scores become ``c * tanh(scores / c)`` before the mask and softmax.
 * ``dropout=p`` (train mode): dropout on each sample's own attention probabilities.
+* ``s_aux`` (gpt-oss's attention sinks, one learned logit ``s_h`` per head): the sink joins each
+  query's softmax denominator and is dropped after, as gpt-oss's eager attention does::
+
+      p_ij = exp(z_ij) / (sum_{j' visible} exp(z_ij') + exp(s_h))     out_i = sum_j p_ij v_j
+
+* ``output_router_logits`` (the MoE families: Qwen2/3-MoE, OLMoE, Mixtral, gpt-oss): a flag that
+  only tells the layer what to return; nothing to do here (:mod:`odb.training.moe` adds the
+  router loss).
 
 Paths:
 
-* CUDA, fp16/bf16: the flash-attn package's varlen kernel when installed (everything above);
-  else PyTorch's ``torch.nn.attention.varlen.varlen_attn`` (causal, windows, bidirectional; it
-  has no dropout and no softcap, so those fall to the grouped path below, with a warning).
+* CUDA, fp16/bf16: the flash-attn package's varlen kernel when installed (all of the above but
+  sinks: flash-attn 2.x's ``flash_attn_varlen_func`` has none); else PyTorch's
+  ``torch.nn.attention.varlen.varlen_attn`` (causal, windows, bidirectional; no dropout, softcap
+  or sinks), called with what the installed release's signature has (:mod:`odb.training.cuda_varlen`).
+  What a kernel cannot compute falls to the grouped path below, with a one-time warning.
 * Everywhere else: ``scaled_dot_product_attention`` over groups of samples of similar length, each
   group right-padded *inside attention only* (the MLPs and projections see no padding). Causal
   rows pass ``is_causal=True`` and no mask (real queries never see the padded keys, which all lie
   in their future): the CPU fast path. A window adds a banded mask, bidirectional attention a
-  key-padding mask, and softcap a plain ``scores -> tanh -> mask -> softmax`` per group.
+  key-padding mask, and softcap or sinks the plain ``scores -> tanh -> mask -> [sink] softmax``
+  per group (:func:`_explicit`).
 
 Rows with an ``attention_mask`` (the padded baselines) go to transformers' SDPA unchanged: their
-mask already holds the window; softcap, which SDPA refuses, takes the per-group math instead.
+mask already holds the window; softcap and sinks, which SDPA lacks, take the per-group math.
+:func:`attention_path` names the path a device takes (the start banner) after one checked call.
 Any other argument that arrives with a value raises (:data:`HANDLED_KWARGS` lists those handled).
 Always run the model with ``use_cache=False`` when training packed rows: with a cache,
 transformers 5.24 lets packed samples attend to each other on eager/SDPA (measured, DESIGN.md).
@@ -40,9 +52,12 @@ from itertools import pairwise
 import torch
 import torch.nn.functional as F
 
+from odb.training import cuda_varlen
+
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "HANDLED_KWARGS",
+    "attention_path",
     "cu_seqlens_from_position_ids",
     "has_flash_attn",
     "register",
@@ -56,6 +71,8 @@ HANDLED_KWARGS = frozenset({
     "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids",
     "use_cache",  # the layer updates its cache before calling; the lengths check below guards decoding
     "output_attentions",  # False only: no attention weights are returned
+    "s_aux",  # gpt-oss's attention sinks: one logit per head
+    "output_router_logits",  # MoE layers: a flag for what the layer returns, nothing for attention
 })
 # A group's padded attention area may exceed its real area (sum of L^2) by this factor.
 _GROUP_SLACK = 1.3
@@ -70,6 +87,7 @@ class _Pattern:
     window: int | None  # a query sees itself and the window - 1 keys before it
     softcap: float | None
     dropout: float
+    sinks: bool = False  # s_aux given: the explicit math (the tensor travels beside the pattern)
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -123,99 +141,111 @@ def _allowed(valid: torch.Tensor | None, length: int, pattern: _Pattern, device)
     SDPA's ``is_causal`` flag says it all (plain causal) or every key is visible."""
     if not pattern.is_causal:
         return None if valid is None or bool(valid.all()) else valid[:, None, None, :]
-    if pattern.window is None and pattern.softcap is None:
+    if pattern.window is None and pattern.softcap is None and not pattern.sinks:
         return None
     # Padding lies after each sample, in the future of its real queries: the band excludes it.
     return _causal_band(length, pattern.window, torch.device(device))
 
 
-def _softcapped(q, k, v, allowed, scaling: float | None, pattern: _Pattern) -> torch.Tensor:
-    """Attention with Gemma-2's capped scores, in eager's order (SDPA has no softcap):
-    ``q, k, v [G, H(kv), L, D]`` and a bool or additive mask -> ``[G, H, L, D]``."""
+def _explicit(q, k, v, allowed, scaling: float | None, pattern: _Pattern, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention in eager's order, for what SDPA lacks (Gemma-2's capped scores, gpt-oss's sinks):
+    ``q, k, v [G, H(kv), L, D]`` and a bool or additive mask -> ``[G, H, L, D]``::
+
+        z = q k^T * scale;  z = cap * tanh(z / cap) (softcap);  z = mask(z)
+        p = softmax([z, s_h])[..., :-1]  (sinks: the sink logit s_h of head h joins each row's
+                                          denominator and is dropped after)  else softmax(z)
+    """
     repeats = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * scale / pattern.softcap) * pattern.softcap
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    if pattern.softcap is not None:
+        scores = torch.tanh(scores / pattern.softcap) * pattern.softcap
     if allowed is not None:
         # eager's fill value: a fully masked row (left padding) stays finite
         scores = (scores.masked_fill(~allowed, torch.finfo(scores.dtype).min) if allowed.dtype == torch.bool
                   else scores + allowed)
-    probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is None:
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        sink = sinks.reshape(1, -1, 1, 1).to(scores.dtype).expand(scores.shape[0], -1, scores.shape[2], 1)
+        combined = torch.cat([scores, sink], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = combined.softmax(dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
     if pattern.dropout:
         probs = F.dropout(probs, p=pattern.dropout)
     return torch.matmul(probs, v)
 
 
-def _attend(q, k, v, valid: torch.Tensor | None, scaling: float | None, pattern: _Pattern) -> torch.Tensor:
+def _attend(q, k, v, valid: torch.Tensor | None, scaling: float | None, pattern: _Pattern,
+            sinks: torch.Tensor | None) -> torch.Tensor:
     """One group: ``q, k, v [G, H(kv), L, D]``, ``valid [G, L]`` (None: no padding) -> ``[G, H, L, D]``."""
     allowed = _allowed(valid, q.shape[2], pattern, q.device)
-    if pattern.softcap is not None:
-        return _softcapped(q, k, v, allowed, scaling, pattern)
+    if pattern.softcap is not None or sinks is not None:
+        return _explicit(q, k, v, allowed, scaling, pattern, sinks)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=pattern.dropout,
                                           is_causal=pattern.is_causal and allowed is None, scale=scaling,
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _grouped_varlen(q, k, v, cu_seqlens: torch.Tensor, scaling: float | None, pattern: _Pattern) -> torch.Tensor:
+def _grouped_varlen(q, k, v, cu_seqlens: torch.Tensor, scaling: float | None, pattern: _Pattern,
+                    sinks: torch.Tensor | None) -> torch.Tensor:
     """``q, k, v [T, H(kv), D]`` -> ``[T, H, D]``: each sample attends within itself, samples of
-    similar length batched into one SDPA call."""
+    similar length batched into one SDPA call (or one explicit computation)."""
     if cu_seqlens.numel() == 2:  # one sample (a vision chunk, a single row): no gather
-        out = _attend(*(t.transpose(0, 1)[None] for t in (q, k, v)), None, scaling, pattern)
+        out = _attend(*(t.transpose(0, 1)[None] for t in (q, k, v)), None, scaling, pattern, sinks)
         return out[0].transpose(0, 1)
     out = q.new_empty(q.shape)
     for index, valid, longest in _groups(cu_seqlens, q.shape[0]):
         qg, kg, vg = (t[index].transpose(1, 2) for t in (q, k, v))  # [G, L, H, D] -> [G, H, L, D]
-        og = _attend(qg, kg, vg, valid, scaling, pattern)
+        og = _attend(qg, kg, vg, valid, scaling, pattern, sinks)
         out[index[valid]] = og.transpose(1, 2)[valid]
     return out
 
 
 def _flash_window(pattern: _Pattern) -> tuple[int, int]:
-    """Flash Attention's ``(left, right)``: query i sees keys ``i - left .. i + right`` (-1: no
-    limit). transformers' window w keeps ``i - w < j <= i``, so left = w - 1."""
-    if not pattern.is_causal:
-        return -1, -1
-    return (pattern.window - 1 if pattern.window is not None else -1), 0
+    """Flash Attention's ``(left, right)`` for ``pattern`` (:func:`odb.training.cuda_varlen.flash_window`)."""
+    return cuda_varlen.flash_window(pattern.is_causal, pattern.window)
 
 
 @lru_cache(maxsize=8)
 def _warn_slow(reason: str) -> None:
     warnings.warn(f"odb_varlen: {reason}; attention runs per group of samples through SDPA (correct, "
-                  "slower). `pip install flash-attn` for the fused varlen kernel", stacklevel=3)
-
-
-@lru_cache(maxsize=1)
-def _flash_attn_varlen():
-    """flash-attn's varlen kernel, or None when the optional package is not installed (looked up
-    once: a failed import is not cached by Python and would search the path in every layer)."""
-    try:  # softcap needs flash-attn >= 2.6
-        from flash_attn import flash_attn_varlen_func
-    except ImportError:
-        return None
-    return flash_attn_varlen_func
+                  "slower)", stacklevel=3)
 
 
 def has_flash_attn() -> bool:
     """Whether the optional flash-attn package serves odb_varlen on GPU."""
-    return _flash_attn_varlen() is not None
+    return cuda_varlen.flash_attn_varlen() is not None
 
 
 def _cuda_varlen(q, k, v, cu_seqlens, max_seqlen: int, scaling, pattern: _Pattern) -> torch.Tensor | None:
     """``q, k, v [T, H(kv), D]`` through a Flash Attention varlen kernel; None where no installed
-    kernel computes what ``pattern`` asks for."""
+    kernel computes what ``pattern`` asks for (the caller runs the grouped path)."""
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    flash_attn_varlen_func = _flash_attn_varlen()
+    if pattern.sinks:
+        _warn_slow("no installed Flash Attention varlen kernel has attention sinks (s_aux)")
+        return None
+    flash_attn_varlen_func = cuda_varlen.flash_attn_varlen()
     if flash_attn_varlen_func is not None:
         return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=pattern.dropout,
                                       softmax_scale=scaling, causal=pattern.is_causal,
                                       window_size=_flash_window(pattern), softcap=pattern.softcap or 0.0)
     if pattern.dropout or pattern.softcap is not None:
-        _warn_slow("torch's varlen_attn has no dropout and no softcap, and flash-attn is not installed")
+        _warn_slow("torch's varlen_attn has no dropout and no softcap, and flash-attn is not installed "
+                   "(`pip install flash-attn` for the fused kernel)")
         return None
-    from torch.nn.attention.varlen import varlen_attn
-
-    return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scaling, window_size=_flash_window(pattern),
-                       enable_gqa=q.shape[1] != k.shape[1])
+    api = cuda_varlen.torch_varlen_api()
+    if api is None:
+        _warn_slow(f"torch {torch.__version__} has no torch.nn.attention.varlen and flash-attn is not installed "
+                   "(torch >= 2.10 or flash-attn for a fused varlen kernel)")
+        return None
+    out = cuda_varlen.call_torch_varlen(api, q, k, v, cu, max_seqlen, scale=scaling, is_causal=pattern.is_causal,
+                                        window=pattern.window)
+    if out is None:
+        _warn_slow(f"torch {torch.__version__}'s varlen_attn has no window_size (sliding windows), and flash-attn "
+                   "is not installed")
+    return out
 
 
 def _check_kwargs(kwargs: dict) -> None:
@@ -247,17 +277,17 @@ def _cu_seqlens(query: torch.Tensor, kwargs: dict) -> torch.Tensor:
     return cu_seqlens_from_position_ids(position_ids)
 
 
-def _padded(module, query, key, value, attention_mask, scaling, pattern: _Pattern, kwargs: dict):
+def _padded(module, query, key, value, attention_mask, scaling, pattern: _Pattern, sinks, kwargs: dict):
     """Rows with a mask (the padded baselines): the mask transformers built holds causality and
-    the window; transformers' SDPA, or the softcap math SDPA lacks."""
+    the window; transformers' SDPA, or the softcap / sink math SDPA lacks."""
     if kwargs.get("cu_seq_lens_q") is not None:
         raise ValueError("got both an attention_mask and cu_seq_lens_q: pass one (padded rows or a packed row)")
-    if pattern.softcap is None:
+    if pattern.softcap is None and sinks is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=pattern.dropout,
                                       scaling=scaling, is_causal=pattern.is_causal, **kwargs)
-    out = _softcapped(query, key, value, attention_mask, scaling, pattern)
+    out = _explicit(query, key, value, attention_mask, scaling, pattern, sinks)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -274,6 +304,8 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
             query and key lengths that differ (decoding with a cache: use SDPA to generate).
     """
     _check_kwargs(kwargs)
+    kwargs.pop("output_router_logits", None)
+    sinks = kwargs.pop("s_aux", None)
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if sliding_window is not None and not is_causal:
         raise ValueError("odb_varlen has no bidirectional sliding_window (transformers' own kernels disagree "
@@ -281,9 +313,9 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
     if key.shape[2] != query.shape[2]:
         raise ValueError(f"odb_varlen is for training passes: {query.shape[2]} queries but {key.shape[2]} keys "
                          "(a KV cache); run with use_cache=False, or generate with attn_implementation 'sdpa'")
-    pattern = _Pattern(bool(is_causal), sliding_window, softcap or None, float(dropout))
+    pattern = _Pattern(bool(is_causal), sliding_window, softcap or None, float(dropout), sinks is not None)
     if attention_mask is not None:
-        return _padded(module, query, key, value, attention_mask, scaling, pattern, kwargs)
+        return _padded(module, query, key, value, attention_mask, scaling, pattern, sinks, kwargs)
     cu_seqlens = _cu_seqlens(query, kwargs)
     batch, heads, length, _ = query.shape
     q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], t.shape[3]) for t in (query, key, value))
@@ -294,8 +326,82 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
     elif query.is_cuda:
         _warn_slow(f"Flash Attention kernels need fp16/bf16, got {query.dtype}")
     if out is None:
-        out = _grouped_varlen(q, k, v, cu_seqlens, scaling, pattern)
+        out = _grouped_varlen(q, k, v, cu_seqlens, scaling, pattern, sinks)
     return out.reshape(batch, length, heads, -1), None
+
+
+_GROUPED = "SDPA per group of similar-length samples"
+# max |out - SDPA| in the start check, by dtype (outputs are averages of values of order 1)
+_CHECK_TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+
+
+def attention_path(device: torch.device, dtype: torch.dtype) -> str:
+    """The path odb_varlen takes for packed rows on ``device`` in ``dtype``, in words for the start banner (e.g.
+    'flash-attn 2.8.3 varlen', 'torch varlen_attn (is_causal; K/V heads expanded)', 'SDPA per group of similar-length
+    samples'). On CUDA it runs one tiny packed call through that path and compares it with SDPA on each sample alone.
+    Raises RuntimeError naming the fix (the torch or flash-attn version to install, or what to uninstall) when the
+    path cannot run (e.g. flash-attn installed but failing to import or to run)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return _GROUPED
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"{_GROUPED} (Flash Attention kernels need fp16/bf16, not {str(dtype).removeprefix('torch.')})"
+    return _kernel_path(device, dtype)
+
+
+def _kernel_path(device: torch.device, dtype: torch.dtype) -> str:
+    """:func:`attention_path` for a device whose fp16/bf16 packed rows go to :func:`_cuda_varlen`."""
+    install = f"torch {torch.__version__} (CUDA {torch.version.cuda})"
+    error = cuda_varlen.flash_attn_error()
+    if error is not None:
+        raise RuntimeError(f"flash-attn {cuda_varlen.flash_attn_version()} is installed but fails to import ({error}): "
+                           f"install the flash-attn build for {install}, or `pip uninstall flash-attn` (odb then "
+                           "uses torch's varlen_attn)")
+    api = cuda_varlen.torch_varlen_api()
+    if has_flash_attn():
+        name = f"flash-attn {cuda_varlen.flash_attn_version()} varlen"
+        fix = f"install the flash-attn build for {install}, or `pip uninstall flash-attn` (odb then uses torch's)"
+    elif api is not None:
+        name = api.describe()
+        fix = ("install torch >= 2.12 (varlen_attn with scale, window_size and enable_gqa) or flash-attn; or report "
+               f"this with `python -c 'import torch; print(torch.__version__)'` ({torch.__version__})")
+    else:
+        return (f"{_GROUPED} (torch {torch.__version__} has no torch.nn.attention.varlen and flash-attn is not "
+                "installed: torch >= 2.10 or flash-attn for a fused kernel)")
+    try:
+        diffs = {f"window {w}" if w else "causal": _check_kernel(device, dtype, w) for w in (None, 4)}
+    except Exception as error:  # a kernel not built for this GPU, a signature odb does not know, ...
+        raise RuntimeError(f"odb_varlen's CUDA path ({name}) fails on {device} in {dtype}: "
+                           f"{type(error).__name__}: {error}; {fix}") from error
+    tolerance = _CHECK_TOLERANCE[dtype]
+    wrong = {case: diff for case, diff in diffs.items() if diff is not None and not diff <= tolerance}
+    if wrong:
+        raise RuntimeError(f"odb_varlen's CUDA path ({name}) differs from SDPA on each sample alone on {device} in "
+                           f"{dtype}: max abs diff {wrong} > {tolerance}; {fix}")
+    return name
+
+
+def _check_kernel(device: torch.device, dtype: torch.dtype, window: int | None) -> float | None:
+    """Max |out - SDPA per sample| of one packed call (4 samples, GQA 4:2, a scale other than
+    ``1/sqrt(D)``) through :func:`_cuda_varlen`; None where the kernel leaves it to the grouped path."""
+    gen = torch.Generator().manual_seed(0)
+    lengths, heads, kv_heads, dim, scale = (5, 17, 1, 9), 4, 2, 64, 0.1
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    q = torch.randn(sum(lengths), heads, dim, generator=gen).to(device, dtype)
+    k, v = (torch.randn(sum(lengths), kv_heads, dim, generator=gen).to(device, dtype) for _ in range(2))
+    pattern = _Pattern(True, window, None, 0.0)
+    with torch.no_grad():
+        out = _cuda_varlen(q, k, v, cu, max(lengths), scale, pattern)
+        if out is None:
+            return None
+        bounds = cu.tolist()
+        expected = []
+        for start, end in pairwise(bounds):
+            qs, ks, vs = (t[start:end].transpose(0, 1).float()[None] for t in (q, k, v))
+            allowed = _causal_band(end - start, window, torch.device(device))
+            expected.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale,
+                                                           enable_gqa=True)[0].transpose(0, 1))
+        return float((out.float() - torch.cat(expected)).abs().max())
 
 
 def _mask(*args, attention_mask=None, **kwargs):

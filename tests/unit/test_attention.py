@@ -284,7 +284,7 @@ def test_flash_window_is_transformers_sliding_window():
 
 
 @pytest.mark.parametrize("kwargs,needle", [
-    ({"s_aux": torch.zeros(4)}, "s_aux"),
+    ({"alibi_slopes": torch.zeros(4)}, "alibi_slopes"),
     ({"position_bias": torch.zeros(1, 4, 8, 8)}, "position_bias"),
     ({"output_attentions": True}, "output_attentions"),
     ({"is_causal": False, "sliding_window": 4}, "sliding_window"),
