@@ -95,7 +95,7 @@ class OnlineBatcher:
         self.observed_cost = self.observed_cost_sq = self.observed_samples = 0
         self.counts = {"truncated": 0, "truncated_tokens": 0, "dropped": 0, "skipped": 0}
         self.fatal: Exception | None = None
-        self.is_done = False
+        self.is_planned = False  # every step of the run is planned (some may still be queued): no more rounds
         # Time in odb's own planning (packing, decisions, dealing), in waiting for processed
         # samples and in collectives: telemetry, not state.
         self.plan_s = self.fetch_s = 0.0
@@ -104,6 +104,13 @@ class OnlineBatcher:
     @property
     def epoch(self) -> int:
         return self.stream.epoch
+
+    @property
+    def is_done(self) -> bool:
+        """Whether the run is over: every step is planned (:attr:`is_planned`) and none is left
+        in the queue. Planning ends in the last round, which may plan several steps: until they
+        are handed out the run is not done (a checkpoint taken between them resumes them)."""
+        return self.is_planned and not self.queue
 
     def held_uids(self) -> list[int]:
         """uids whose samples this rank holds: its window and its planned, untrained steps."""
@@ -114,7 +121,7 @@ class OnlineBatcher:
 
     def __iter__(self) -> Iterator[StepPlan]:
         while True:
-            while not self.queue and not self.is_done:
+            while not self.queue and not self.is_planned:
                 self._round()
             if not self.queue:
                 return
@@ -216,7 +223,7 @@ class OnlineBatcher:
         if any(decision.new_indices):
             self.stream.deal(decision.new_indices)
         if decision.is_quota_done:
-            self.is_done = True
+            self.is_planned = True
         elif decision.is_epoch_done:
             assert not self.packer.num_samples and not self.stream.pending, "epoch ended with samples left"
             self._next_epoch()
@@ -224,7 +231,7 @@ class OnlineBatcher:
     def _next_epoch(self) -> None:
         self.stream.next_epoch()
         if self.config.mode == "join" and self.epoch >= self.num_epochs:
-            self.is_done = True
+            self.is_planned = True
         else:
             self.stream.start_epoch()
 
@@ -237,21 +244,22 @@ class OnlineBatcher:
             num_emitted=self.num_emitted, bins=[list(b.samples) for b in self.packer.bins],
             unpacked=list(self.packer.unpacked), queue=list(self.queue),
             observed=(self.observed_cost, self.observed_cost_sq, self.observed_samples),
-            counts=dict(self.counts), is_done=self.is_done)
+            counts=dict(self.counts), is_planned=self.is_planned)
         return encode_state(snapshot, num_epochs=self.num_epochs, **self._identity())
 
     def load_state_dict(self, state: dict) -> None:
-        """Loads :meth:`state_dict` (never mutating it). A finished join-mode state loaded with more
-        ``num_epochs`` starts the next epoch. The pending uids go to the feed at the next round."""
+        """Loads :meth:`state_dict` (never mutating it). The steps it had queued come first; a
+        join-mode state whose planning was over, loaded with more ``num_epochs``, then starts the
+        next epoch. The pending uids go to the feed at the next round."""
         s = decode_state(state, **self._identity())
         self.stream.load_state_dict(s.stream)
         self.round_index, self.step_index, self.num_emitted = s.round_index, s.step_index, s.num_emitted
         self.packer.restore(s.bins, s.unpacked)
         self.queue = deque(s.queue)
         self.observed_cost, self.observed_cost_sq, self.observed_samples = s.observed
-        self.counts, self.is_done = {**dict.fromkeys(self.counts, 0), **s.counts}, s.is_done
-        if self.is_done and self.config.mode == "join" and self.epoch < self.num_epochs:
-            self.is_done = False  # a finished run resumed with more epochs: the next one starts
+        self.counts, self.is_planned = {**dict.fromkeys(self.counts, 0), **s.counts}, s.is_planned
+        if self.is_planned and self.config.mode == "join" and self.epoch < self.num_epochs:
+            self.is_planned = False  # resumed with more epochs: the next one starts (after the queued steps)
             self.stream.start_epoch()
 
     def _identity(self) -> dict:

@@ -25,12 +25,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from odb.batching.state import STATE_VERSION
+from odb.batching.state import STATE_VERSION, upgrade_state
 
 __all__ = ["redeal_states"]
 
 _SAME_ON_EVERY_RANK = ("version", "config", "dataset_size", "num_epochs", "epoch", "round_index", "step_index",
-                       "stream_pos", "num_emitted", "is_done")
+                       "stream_pos", "num_emitted", "is_planned")
 
 
 def _check(states: Sequence[dict[str, Any]]) -> None:
@@ -64,6 +64,7 @@ def redeal_states(states: Sequence[dict[str, Any]], world_size: int) -> list[dic
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    states = [upgrade_state(s) for s in states]  # a version-1 checkpoint's, read as the current layout
     _check(states)
     first, window = states[0], states[0]["config"]["window"]
     size = first["dataset_size"]
@@ -95,12 +96,12 @@ def redeal_states(states: Sequence[dict[str, Any]], world_size: int) -> list[dic
         for key, value in s["counts"].items():
             counts[key] = counts.get(key, 0) + value
 
-    epoch, is_done = first["epoch"], first["is_done"]
-    if is_done and first["config"]["mode"] == "join" and held:
+    epoch, is_planned = first["epoch"], first["is_planned"]
+    if is_planned and first["config"]["mode"] == "join" and held:
         # the queue held the last epoch's last steps: that epoch is not over until they train
-        epoch, is_done = epoch - 1, False
-    elif is_done and held:
-        is_done = False  # quota mode: the queued samples are planned again, up to the quota
+        epoch, is_planned = epoch - 1, False
+    elif is_planned and held:
+        is_planned = False  # quota mode: the queued samples are planned again, up to the quota
     out = []
     for r in range(world_size):
         out.append({
@@ -111,6 +112,6 @@ def redeal_states(states: Sequence[dict[str, Any]], world_size: int) -> list[dic
             "pending": pending[r::world_size], "epoch_of_shard": max(s["epoch_of_shard"] for s in states),
             "bins": [], "unpacked": sorted(unpacked[r], key=lambda row: row[0]), "queue": [],
             "observed": observed if r == 0 else [0, 0, 0],
-            "counts": counts if r == 0 else dict.fromkeys(counts, 0), "is_done": is_done,
+            "counts": counts if r == 0 else dict.fromkeys(counts, 0), "is_planned": is_planned,
         })
     return out

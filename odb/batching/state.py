@@ -3,15 +3,21 @@
 :func:`encode_state` writes a :class:`Snapshot` of a batcher with the world size, rank, settings,
 dataset size and epochs it was taken with; :func:`decode_state` checks those against the loading
 batcher (a difference raises ``ValueError`` naming what differs and what to do), then returns a
-new :class:`Snapshot`, never touching its input. The layout (``STATE_VERSION`` 1), one flat object::
+new :class:`Snapshot`, never touching its input. The layout (``STATE_VERSION`` 2), one flat object::
 
     version, world_size, rank, config, dataset_size, num_epochs   who took it, with what
     epoch, stream_pos, pending, epoch_of_shard                     the uid stream (odb.batching.stream)
-    round_index, step_index, num_emitted, is_done                  progress (num_emitted: all ranks)
+    round_index, step_index, num_emitted, is_planned               progress (num_emitted: all ranks)
     bins, unpacked                                                 the window: [[uid, tokens, label_tokens,
                                                                    patches, cost], ...] per bin / unpacked
     queue                                                          planned, untrained steps (encode_steps)
     observed, counts                                               [cost, cost^2, samples]; over-cap counts
+
+``is_planned``: every step of the run is planned, no round is left; the run itself is over only
+once the queue is empty too (:func:`is_finished`). The last round of a run may plan several
+steps, so a state taken between them has ``is_planned`` and a queue: resuming it trains the
+queue. Version 1 called the same flag ``is_done`` (and odb then refused to resume such a state as
+finished); it is read as version 2 (:func:`upgrade_state`).
 """
 
 from __future__ import annotations
@@ -26,9 +32,9 @@ from odb.batching.cost import SampleCost
 from odb.batching.plan import MicroBatch, StepPlan
 
 __all__ = ["STATE_VERSION", "Snapshot", "check_state", "decode_state", "decode_steps", "encode_state",
-           "encode_steps"]
+           "encode_steps", "is_finished", "upgrade_state"]
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # version 1 (still read: upgrade_state) called ``is_planned`` ``is_done``
 
 _STREAM_KEYS = ("epoch", "stream_pos", "pending", "epoch_of_shard")
 
@@ -46,7 +52,7 @@ class Snapshot:
     queue: list[StepPlan]  # planned, not yet trained
     observed: tuple[int, int, int]  # admitted samples' cost, cost squared, count
     counts: dict[str, int]  # truncated (samples), truncated_tokens, dropped, skipped
-    is_done: bool
+    is_planned: bool  # every step of the run planned: no more rounds (the queue may still hold steps)
 
 
 def encode_state(snapshot: Snapshot, *, world_size: int, rank: int, config: dict[str, Any], dataset_size: int,
@@ -61,8 +67,25 @@ def encode_state(snapshot: Snapshot, *, world_size: int, rank: int, config: dict
         "bins": [[list(sample) for sample in samples] for samples in s.bins],
         "unpacked": [list(sample) for sample in s.unpacked],
         "queue": encode_steps(s.queue), "observed": list(s.observed), "counts": dict(s.counts),
-        "is_done": s.is_done,
+        "is_planned": s.is_planned,
     }
+
+
+def upgrade_state(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` in the current layout: a version-1 state gets ``is_planned`` for its ``is_done``
+    (the same flag, renamed); a new dict, the input untouched. Anything else comes back as it is
+    (:func:`check_state` judges it)."""
+    if isinstance(state, dict) and state.get("version") == 1 and "is_done" in state:
+        upgraded = {k: v for k, v in state.items() if k != "is_done"}
+        return {**upgraded, "version": STATE_VERSION, "is_planned": state["is_done"]}
+    return state
+
+
+def is_finished(state: dict[str, Any]) -> bool:
+    """Whether the run that wrote ``state`` (any readable version) was over: every step planned
+    and trained, nothing queued. (Every rank queues the same steps, so one rank's state says it.)"""
+    state = upgrade_state(state)
+    return bool(state["is_planned"]) and not state["queue"]
 
 
 def decode_state(state: dict[str, Any], *, world_size: int, rank: int, config: dict[str, Any],
@@ -70,14 +93,16 @@ def decode_state(state: dict[str, Any], *, world_size: int, rank: int, config: d
     """Checks ``state`` (:func:`check_state`) and decodes it into fresh objects.
 
     ``num_epochs`` is not checked: a resume may extend the run (the loading batcher's counts).
+    A version-1 state is read as :func:`upgrade_state` makes it.
     """
+    state = upgrade_state(state)
     check_state(state, world_size=world_size, rank=rank, config=config, dataset_size=dataset_size)
     return Snapshot(
         stream={key: list(state[key]) if key == "pending" else state[key] for key in _STREAM_KEYS},
         round_index=state["round_index"], step_index=state["step_index"], num_emitted=state["num_emitted"],
         bins=[[SampleCost(*row) for row in samples] for samples in state["bins"]],
         unpacked=[SampleCost(*row) for row in state["unpacked"]], queue=decode_steps(state["queue"]),
-        observed=tuple(state["observed"]), counts=dict(state["counts"]), is_done=state["is_done"])
+        observed=tuple(state["observed"]), counts=dict(state["counts"]), is_planned=state["is_planned"])
 
 
 def check_state(state: dict[str, Any], *, world_size: int, rank: int, config: dict[str, Any],
@@ -85,9 +110,10 @@ def check_state(state: dict[str, Any], *, world_size: int, rank: int, config: di
     """Raises ``ValueError`` naming the fix when ``state`` cannot be loaded here."""
     if not isinstance(state, dict) or "version" not in state:
         raise ValueError("not an odb batcher state (no 'version'); pass what state_dict() returned")
+    state = upgrade_state(state)
     if state["version"] != STATE_VERSION:
         raise ValueError(f"odb batcher state version {state['version']} cannot be loaded by this odb "
-                         f"(version {STATE_VERSION}); resume with the odb release that wrote it")
+                         f"(it reads versions 1 to {STATE_VERSION}); resume with the odb release that wrote it")
     if state["world_size"] != world_size:
         raise ValueError(f"state was taken with world_size={state['world_size']}, this run has "
                          f"{world_size}; deal every rank's state to this world size first with "

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from odb.batching.redeal import redeal_states
+from odb.batching.state import is_finished, upgrade_state
 from odb.telemetry import Telemetry
 from odb.training.build import Components
 from odb.training.config import RunConfig
@@ -145,8 +146,11 @@ def load_checkpoint(parts: Components, config: RunConfig, tag: str, plan: LoadPl
     """
     folder = _folder(config)
     state, run_state, saved_world = checkpoint_states(folder / tag, rank=parts.rank, world_size=parts.world_size)
-    epochs = config.run.epochs
-    if state["is_done"] and state["config"]["mode"] == "join" and state["epoch"] >= epochs:
+    state, epochs = upgrade_state(state), config.run.epochs
+    is_join = state["config"]["mode"] == "join"
+    # Finished: every step planned AND trained. A checkpoint from inside the last round (its steps
+    # still queued: --save_steps, a preemption) is not finished; it resumes those steps.
+    if is_join and is_finished(state) and state["epoch"] >= epochs:
         raise ValueError(f"--resume: the run in {config.output_dir} already trained all {state['epoch']} "
                          f"epoch(s); pass --epochs > {state['epoch']} to train more, or start a new "
                          "--output_dir")
@@ -161,7 +165,8 @@ def load_checkpoint(parts: Components, config: RunConfig, tag: str, plan: LoadPl
     parts.batcher.load_state_dict(state)
     parts.feed.restore(parts.batcher.held_uids())
     parts.telemetry.load_state_dict(run_state)
-    extended = f" (extended to --epochs {epochs})" if state["is_done"] else ""
+    extended = f" (extended to --epochs {epochs})" if is_join and state["is_planned"] and state["epoch"] < epochs \
+        else ""
     moved = f", saved by {saved_world} ranks, its untrained samples dealt to {parts.world_size}" \
         if saved_world != parts.world_size else ""
     log(f"resumed from {folder / tag}: {parts.telemetry.samples_done} samples done{extended}{moved}")
