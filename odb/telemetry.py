@@ -10,9 +10,13 @@ writes them to ``metrics.jsonl`` (and W&B). The steps of the last round are comp
 one final collective (:meth:`odb.batching.align.Aligner.gather_reports`), whose vector is the
 report followed by the rank's run totals (:data:`TOTALS`).
 
-In a report, loss sums are in millionths, times in microseconds; ``epoch`` is the latest epoch of
-the rank's samples in the step (``uid // dataset_size``), or -1 for dummies only, so that a
-quota-mode step, whose samples may come from a later pass, is labelled by its data; ``fetched``
+In a report, loss sums are in millionths, times in microseconds; ``aux_sum_micro`` is a
+mixture-of-experts model's router loss times real tokens summed over the rank's micro-batches
+(:class:`odb.training.engine.StepResult` ``aux_sum``; -1: no router loss), which makes the row's
+``aux_loss``: the step's token-weighted router loss over all ranks (:mod:`odb.training.moe`);
+``epoch`` is the latest epoch of the rank's samples in the step (``uid // dataset_size``), or -1
+for dummies only, so that a quota-mode step, whose samples may come from a later pass, is
+labelled by its data; ``fetched``
 counts the records this rank has processed over the whole run, ``lost`` those of them that will
 never train (skipped, or dropped over the cap), ``truncated_samples`` / ``truncated_tokens`` the
 samples cut to fit ``max_tokens`` and the tokens cut from them, wherever the cut happened (in the
@@ -46,7 +50,7 @@ from odb.data.processing import SKIP_REASONS
 
 __all__ = ["TOTALS", "StepTimes", "Telemetry", "report_layout"]
 
-_STEP_FIELDS = ("loss_sum_micro", "materialized", "wait_us", "plan_us", "collective_us", "epoch")
+_STEP_FIELDS = ("loss_sum_micro", "materialized", "wait_us", "plan_us", "collective_us", "epoch", "aux_sum_micro")
 _COUNTS = ("micro_batches", "dummy_micro_batches", "samples", "real_tokens", "materialized_tokens",
            "label_tokens", "steps", "wall_us")
 TOTALS = Layout(scalars=_COUNTS + ("dropped",))
@@ -82,6 +86,7 @@ class _Step:
     loss_sum: float
     lr: float
     times: StepTimes
+    aux_sum: float | None = None  # MoE: sum over micro-batches of router loss x real tokens
 
 
 class Telemetry:
@@ -136,9 +141,11 @@ class Telemetry:
             self.totals["wall_us"] += round(self.this_process["wall_s"] * 1e6)
             self._started = None
 
-    def record(self, plan: StepPlan, *, loss_sum: float, lr: float, times: StepTimes) -> None:
-        """This rank trained ``plan`` (call once per step, in order)."""
-        self.pending.append(_Step(plan, loss_sum, lr, times))
+    def record(self, plan: StepPlan, *, loss_sum: float, lr: float, times: StepTimes,
+               aux_sum: float | None = None) -> None:
+        """This rank trained ``plan`` (call once per step, in order); ``aux_sum``: a MoE model's
+        router loss times real tokens over this rank's micro-batches, None for a dense model."""
+        self.pending.append(_Step(plan, loss_sum, lr, times, aux_sum))
         self.samples_done += plan.num_samples
         self.steps_done = plan.step + 1
         self.this_process["steps"] += 1
@@ -180,7 +187,8 @@ class Telemetry:
             "wait_us": [round(s.times.wait * 1e6) for s in steps],
             "plan_us": [round(s.times.plan * 1e6) for s in steps],
             "collective_us": [round(s.times.collective * 1e6) for s in steps],
-            "epoch": [max((u // size for m in s.plan.micro_batches for u in m.uids), default=-1) for s in steps]}
+            "epoch": [max((u // size for m in s.plan.micro_batches for u in m.uids), default=-1) for s in steps],
+            "aux_sum_micro": [-1 if s.aux_sum is None else round(s.aux_sum * 1e6) for s in steps]}
 
     def on_reports(self, reports: np.ndarray) -> list[dict[str, Any]]:
         """Every rank's report of a round ``[world, len]``: rank 0 completes and writes the steps
@@ -268,6 +276,7 @@ class Telemetry:
         row = {
             "step": plan.step, "epoch": latest if latest >= 0 else plan.epoch, "time": round(step.times.ended, 3),
             "loss": round(loss, 6),
+            **self._aux_loss(per_rank["aux_sum_micro"], real),
             "lr": step.lr, "samples": plan.num_samples, "samples_done": self._rows_samples_done,
             "epochs_done": round(self._rows_samples_done / max(1, self.dataset_size), 4),
             "label_tokens": plan.num_label_tokens, "real_tokens": real, "materialized_tokens": materialized,
@@ -287,6 +296,14 @@ class Telemetry:
         }
         self.last = row
         return row
+
+    @staticmethod
+    def _aux_loss(aux_sum_micro: np.ndarray, real_tokens: int) -> dict[str, float]:
+        """MoE: ``aux_loss`` = sum over ranks and micro-batches of router loss x real tokens, over the
+        step's real tokens; nothing for a dense model (every rank reports -1)."""
+        if (aux_sum_micro < 0).any():
+            return {}
+        return {"aux_loss": round(float(aux_sum_micro.sum()) / 1e6 / max(1, real_tokens), 6)}
 
     # ---- the end of the run -----------------------------------------------------------------
 

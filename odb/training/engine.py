@@ -14,6 +14,11 @@ token losses l:
     and  mean_r sum_m grad(loss_{r,m}) = g  exactly. A dummy micro-batch backs 0 * (its output):
     a real forward and backward (parameters gathered, gradients reduced) that adds nothing.
 
+Mixture-of-experts models add their router load-balancing loss (:mod:`odb.training.moe`): each
+real micro-batch backs, besides its token loss, ``coef * aux_{r,m} * T_{r,m} * W / T_s`` (its
+real tokens T over the step's, ``plan.rank_tokens``), so the step trains the token-weighted mean
+of its micro-batches' router losses, with the model's own coefficient.
+
 The token losses come from :mod:`odb.training.loss` (by default): the LM head applied to chunks of
 the final hidden states, never the row's full fp32 logits; ``loss_chunk_tokens=None`` keeps the
 full-logits loss (:func:`token_loss_sum`), the oracle both are tested against.
@@ -41,6 +46,7 @@ from odb.batching.plan import StepPlan
 from odb.data.collate import collate_packed, collate_padded
 from odb.training.loss import DEFAULT_LOSS_CHUNK_TOKENS, HeadLoss, final_logit_softcap, num_loss_chunks
 from odb.training.model import hf_model
+from odb.training.moe import router_loss
 from odb.training.mrope import packed_position_ids
 
 __all__ = ["Backend", "OdbEngine", "StepResult", "token_loss_sum", "torch_optimizer", "BLANK_IMAGE_TOKENS"]
@@ -53,6 +59,13 @@ class StepResult:
     loss_sum: float  # this rank's summed token loss (real micro-batches)
     label_tokens: int  # this rank's label tokens
     lr: float
+    aux_sum: float | None = None
+    """MoE: this rank's ``sum_m aux_m * T_m`` (router loss times real tokens, coefficient not
+    applied); summed over ranks and divided by the step's real tokens it is the step's ``aux_loss``.
+    None for a model without a router loss."""
+    aux_loss: float = 0.0
+    """What this rank's micro-batches added to the trained objective: ``coef * aux_sum / T_s``
+    (over all ranks these add up to ``coef * aux_loss``; 0 for a dense model)."""
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -138,12 +151,17 @@ class OdbEngine:
         self.model = hf_model(backend.module)
         self.vision = getattr(getattr(self.model, "model", None), "visual", None)
         self._blank: dict[str, torch.Tensor] | None = None
+        self.router_loss = router_loss(self.model)  # None: a model without a router loss
         self.head_loss = None if loss_chunk_tokens is None else HeadLoss(
             self.model.get_output_embeddings(), softcap=final_logit_softcap(self.model.config),
             num_chunks=num_loss_chunks(max_tokens, loss_chunk_tokens), fused=fused_loss)
 
-    def _forward_loss(self, samples: Sequence[dict[str, Any]], padded: bool) -> torch.Tensor:
-        samples = self._with_image(samples)
+    def _forward_loss(self, samples: Sequence[dict[str, Any]], padded: bool, *,
+                      router: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The summed token loss of ``samples`` in one model call, and with ``router`` (a model with
+        a router loss) its router loss ``aux`` over the samples' own tokens (else None)."""
+        blank = self._needs_blank(samples)
+        samples = [*samples, self._blank_image()] if blank else samples
         if padded or not self.packed:
             batch = collate_padded(samples, pad_token_id=self.pad_token_id, max_tokens=self.max_tokens)
         else:
@@ -156,21 +174,34 @@ class OdbEngine:
         elif self.vision is not None:  # padded rows: the model derives its rotary positions from the mask
             del batch["position_ids"]
             batch["mm_token_type_ids"] = (batch["input_ids"] == self.model.config.image_token_id).int()
-        return self._loss(batch, labels)
+        if not router:
+            return self._loss(batch, labels), None
+        real = _real_tokens(batch, blank=blank)
+        output: dict[str, Any] = {}
 
-    def _loss(self, batch: dict[str, Any], labels: torch.Tensor) -> torch.Tensor:
-        """The summed token loss of one model call (through the backend either way)."""
+        def forward():
+            output["out"] = self.backend(**batch, use_cache=False, **self.router_loss.call_kwargs)
+            return output["out"]
+
+        summed = self._loss(batch, labels, forward)
+        return summed, self.router_loss(output["out"], real, batch.get("attention_mask"))
+
+    def _loss(self, batch: dict[str, Any], labels: torch.Tensor, forward=None) -> torch.Tensor:
+        """The summed token loss of one model call (through the backend either way; ``forward``:
+        the call, when it is not the plain one)."""
+        forward = forward or (lambda: self.backend(**batch, use_cache=False))
         if self.head_loss is None:
-            return token_loss_sum(self.backend(**batch, use_cache=False).logits, labels)
-        return self.head_loss.forward_loss(lambda: self.backend(**batch, use_cache=False), labels)
+            return token_loss_sum(forward().logits, labels)
+        return self.head_loss.forward_loss(forward, labels)
 
-    def _with_image(self, samples: Sequence[dict[str, Any]]) -> Sequence[dict[str, Any]]:
-        """A micro-batch without images gets one tiny blank image as a sample of its own (its
-        labels all -100, its attention its own): every rank then runs the model's modules in the
+    def _needs_blank(self, samples: Sequence[dict[str, Any]]) -> bool:
+        """A micro-batch without images gets one tiny blank image as a sample of its own, the last
+        (its labels all -100, its attention its own): every rank then runs the model's modules in the
         same order in every micro-batch (embeddings, vision tower, language model), which ZeRO-3's and
         FSDP2's per-module parameter gathers need, and every rank has vision gradients to reduce."""
-        if self.vision is None or any(s.get("pixel_values") is not None for s in samples):
-            return samples
+        return self.vision is not None and not any(s.get("pixel_values") is not None for s in samples)
+
+    def _blank_image(self) -> dict[str, torch.Tensor]:
         if self._blank is None:
             spec, config = self.model.config.vision_config, self.model.config
             merge = spec.spatial_merge_size
@@ -179,11 +210,11 @@ class OdbEngine:
             self._blank = {"input_ids": ids, "labels": torch.full_like(ids, -100),
                            "pixel_values": torch.zeros((merge * merge, width)),
                            "image_grid_thw": torch.tensor([[1, merge, merge]])}
-        return [*samples, self._blank]
+        return self._blank
 
     def _dummy_loss(self) -> torch.Tensor:
         if self.vision is not None:  # a real pass through every module, as the others run
-            return self._forward_loss([], padded=False) * 0.0
+            return self._forward_loss([], padded=False)[0] * 0.0
         ids = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=self.device)
         batch = {"input_ids": ids, "position_ids": torch.zeros_like(ids)}
         if self.head_loss is None:
@@ -203,19 +234,32 @@ class OdbEngine:
         empty for a dummy) and one optimizer step at learning rate ``lr``."""
         self.backend.set_lr(lr)
         scale = self.world_size / plan.num_label_tokens if plan.num_label_tokens else 0.0
+        router = self.router_loss is not None
+        step_tokens = sum(map(sum, plan.rank_tokens))  # T_s: real tokens of the step over all ranks
+        assert not router or step_tokens or all(m.is_dummy for m in plan.micro_batches), "plan without rank_tokens"
+        aux_scale = self.world_size / step_tokens if step_tokens else 0.0
         loss_sum, label_tokens = torch.zeros((), device=self.device), 0  # one host sync per step
+        aux_sum = torch.zeros((), device=self.device)
         last = len(plan.micro_batches) - 1
         for m, (micro, micro_samples) in enumerate(zip(plan.micro_batches, samples, strict=True)):
             if micro.is_dummy:
                 loss = self._dummy_loss()
             else:
-                summed = self._forward_loss(micro_samples, micro.padded)
+                summed, aux = self._forward_loss(micro_samples, micro.padded, router=router)
                 loss_sum += summed.detach()
                 label_tokens += micro.label_tokens
                 loss = summed * scale
+                if aux is not None:  # coef * aux_{r,m} * T_{r,m} * W / T_s (odb.training.moe)
+                    weighted = aux * micro.tokens
+                    aux_sum += weighted.detach()
+                    loss = loss + self.router_loss.coef * aux_scale * weighted
             self.backend.backward(loss, sync=m == last)
         self.backend.step()
-        return StepResult(loss_sum=float(loss_sum), label_tokens=label_tokens, lr=lr)
+        if not router:
+            return StepResult(loss_sum=float(loss_sum), label_tokens=label_tokens, lr=lr)
+        aux_sum = float(aux_sum)
+        return StepResult(loss_sum=float(loss_sum), label_tokens=label_tokens, lr=lr, aux_sum=aux_sum,
+                          aux_loss=self.router_loss.coef * aux_sum / step_tokens if step_tokens else 0.0)
 
     @torch.no_grad()
     def eval_step(self, plan: StepPlan, samples: Sequence[Sequence[dict[str, Any]]]) -> tuple[float, int]:
@@ -234,10 +278,23 @@ class OdbEngine:
             if micro.is_dummy:
                 self._dummy_loss()
                 continue
-            loss_sum += self._forward_loss(micro_samples, micro.padded).double()
+            loss_sum += self._forward_loss(micro_samples, micro.padded)[0].double()
             for sample in micro_samples:
                 label_tokens += int((torch.as_tensor(sample["labels"])[1:self.max_tokens] != -100).sum())
         return float(loss_sum), label_tokens
+
+
+def _real_tokens(batch: dict[str, Any], *, blank: bool) -> torch.Tensor:
+    """``[B, T]`` 1 where a token is a sample's own: not padding (the padded layout's mask), not the
+    blank image (the last sample: the row's last segment, or the last padded row)."""
+    mask = batch.get("attention_mask")
+    real = torch.ones_like(batch["input_ids"]) if mask is None else mask.clone()
+    if blank:
+        if "cu_seq_lens_q" in batch:
+            real[0, int(batch["cu_seq_lens_q"][-2]):] = 0
+        else:
+            real[-1] = 0
+    return real
 
 
 def _to_device(batch: dict[str, Any], device) -> dict[str, Any]:

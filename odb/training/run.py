@@ -110,7 +110,7 @@ class Trainer:
             times = StepTimes(wait=batcher.fetch_s - spent[0], plan=batcher.plan_s - spent[1],
                               collective=batcher.aligner.collective_s - spent[2], step=time.perf_counter() - began,
                               ended=time.time())
-            telemetry.record(plan, loss_sum=result.loss_sum, lr=result.lr, times=times)
+            telemetry.record(plan, loss_sum=result.loss_sum, lr=result.lr, times=times, aux_sum=result.aux_sum)
             self._audit(plan)
             steps_this_run += 1
             if progress is not None:

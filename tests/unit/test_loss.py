@@ -61,7 +61,7 @@ def forward_loss(model, samples: list[dict], *, max_tokens: int, chunk_tokens: i
                  padded: bool = False) -> torch.Tensor:
     engine = OdbEngine(LocalEngine(model), world_size=1, max_tokens=max_tokens, pad_token_id=0,
                        loss_chunk_tokens=chunk_tokens)
-    return engine._forward_loss(samples, padded)
+    return engine._forward_loss(samples, padded)[0]
 
 
 def trainable_grads(model) -> dict[str, torch.Tensor]:
