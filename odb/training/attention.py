@@ -238,7 +238,7 @@ def _cuda_varlen(q, k, v, cu_seqlens, max_seqlen: int, scaling, pattern: _Patter
     api = cuda_varlen.torch_varlen_api()
     if api is None:
         _warn_slow(f"torch {torch.__version__} has no torch.nn.attention.varlen and flash-attn is not installed "
-                   "(torch >= 2.10 or flash-attn for a fused varlen kernel)")
+                   "(torch >= 2.12 or flash-attn for a fused varlen kernel)")
         return None
     out = cuda_varlen.call_torch_varlen(api, q, k, v, cu, max_seqlen, scale=scaling, is_causal=pattern.is_causal,
                                         window=pattern.window)
@@ -363,11 +363,11 @@ def _kernel_path(device: torch.device, dtype: torch.dtype) -> str:
         fix = f"install the flash-attn build for {install}, or `pip uninstall flash-attn` (odb then uses torch's)"
     elif api is not None:
         name = api.describe()
-        fix = ("install torch >= 2.12 (varlen_attn with scale, window_size and enable_gqa) or flash-attn; or report "
-               f"this with `python -c 'import torch; print(torch.__version__)'` ({torch.__version__})")
+        fix = ("install torch >= 2.12 (varlen_attn with scale, window_size and enable_gqa) or flash-attn; on a GPU "
+               "older than Ampere (no Flash Attention kernels) train in fp32, which takes the per-group SDPA path")
     else:
         return (f"{_GROUPED} (torch {torch.__version__} has no torch.nn.attention.varlen and flash-attn is not "
-                "installed: torch >= 2.10 or flash-attn for a fused kernel)")
+                "installed: torch >= 2.12 or flash-attn for a fused kernel)")
     try:
         diffs = {f"window {w}" if w else "causal": _check_kernel(device, dtype, w) for w in (None, 4)}
     except Exception as error:  # a kernel not built for this GPU, a signature odb does not know, ...

@@ -4,8 +4,9 @@ Tiny random-init models of the families odb trains (Llama; Qwen2 and Mistral wit
 windows; Gemma-2 with soft-capping and alternating window layers; Qwen2-VL, Qwen2.5-VL and
 Qwen3-VL with their vision towers), built twice from one state dict: ``"odb_varlen"`` on a packed
 row against ``"eager"`` on each sample alone, in train mode, forward and gradients. Then: dropout
-keeps samples apart, padded rows match eager, and a spy checks that every argument any layer
-passes to the attention function is one odb_varlen implements.
+keeps samples apart, padded rows match eager, gpt-oss's attention sinks match its own eager
+attention, and a spy checks that every argument any layer (the mixture-of-experts families of
+:data:`MOE_FAMILIES` included: tests/unit/test_moe.py) passes to the attention function is one odb_varlen implements.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from transformers.masking_utils import (
     sliding_window_causal_mask_function,
 )
 from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager_attention
 
 from odb.data.collate import collate_packed, collate_padded
 from odb.training import attention
@@ -43,6 +45,15 @@ TEXT_FAMILIES = {
     "mistral": {"model_type": "mistral", "sliding_window": WINDOW},
     "gemma2": {"model_type": "gemma2", "sliding_window": WINDOW, "attn_logit_softcapping": 1.0,
                "final_logit_softcapping": None, "query_pre_attn_scalar": 16},
+}
+# Mixture-of-experts families (tests/unit/test_moe.py): 4 experts, top-2, a router loss coefficient
+# large enough that leaving the router loss out moves the gradients far past the tolerances.
+MOE = {"num_experts_per_tok": 2, "router_aux_loss_coef": 0.1}
+MOE_FAMILIES = {
+    "qwen3_moe": {"model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32, **MOE},
+    "mixtral": {"model_type": "mixtral", "num_local_experts": 4, "sliding_window": WINDOW, **MOE},
+    "olmoe": {"model_type": "olmoe", "num_experts": 4, **MOE},
+    "gpt_oss": {"model_type": "gpt_oss", "num_local_experts": 4, "sliding_window": WINDOW, **MOE},
 }
 ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
 VISION = {"depth": 2, "hidden_size": 64, "num_heads": 4, "patch_size": 14, "spatial_merge_size": 2,
@@ -71,7 +82,7 @@ def config(family: str, **overrides):
         spec = VL_FAMILIES[family]
         text = {**spec["text_config"], **overrides}
         return AutoConfig.for_model(**{**spec, "text_config": text}, **IMAGE_IDS)
-    return AutoConfig.for_model(**{**TEXT, **TEXT_FAMILIES[family], **overrides})
+    return AutoConfig.for_model(**{**TEXT, **(TEXT_FAMILIES.get(family) or MOE_FAMILIES[family]), **overrides})
 
 
 def build(family: str, implementation: str, state: dict | None = None, **overrides):
@@ -79,6 +90,10 @@ def build(family: str, implementation: str, state: dict | None = None, **overrid
     auto = AutoModelForImageTextToText if family in VL_FAMILIES else AutoModelForCausalLM
     torch.manual_seed(0)
     model = auto.from_config(config(family, **overrides), attn_implementation=implementation)
+    if family == "gpt_oss" and state is None:  # sinks of order 1 (init: ~0.1), different per head and layer
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 1.0)
     if state is not None:
         model.load_state_dict(state)
     return model.train()
@@ -219,9 +234,10 @@ def test_dropout_stays_inside_each_sample():
     assert max_diff(b_logits(a, 1), b_logits(a, 0)) > 1e-3, "attention dropout was not applied"
 
 
-@pytest.mark.parametrize("family", sorted(TEXT_FAMILIES))
+@pytest.mark.parametrize("family", [*sorted(TEXT_FAMILIES), "gpt_oss"])
 def test_padded_rows_match_eager(family):
-    """The padded baselines (an attention_mask) and full rows of one length (no mask at all)."""
+    """The padded baselines (an attention_mask) and full rows of one length (no mask at all);
+    gpt-oss's sinks in the explicit math."""
     packed, oracle = pair(family)
     for lengths in ((40, 7, 23), (12, 12)):
         batch = collate_padded(text_samples(lengths), pad_token_id=0)
@@ -270,6 +286,57 @@ def test_attention_function_matches_transformers_eager_per_sample(case):
                                                mask[None, None], scaling=0.25, softcap=kwargs.get("softcap"))
             expected.append(alone)
         check_close(out, torch.cat(expected, dim=1), 1e-5, f"{case}, samples by {next(iter(how))}")
+
+
+SINK_CASES = {  # name: (varlen kwargs, transformers' mask function)
+    "causal": ({}, causal_mask_function),
+    "window": ({"sliding_window": 5}, sliding_window_causal_mask_function(5)),
+    "bidirectional": ({"is_causal": False}, and_masks(bidirectional_mask_function)),
+}
+
+
+class _SinkLayer(_Layer):
+    """What gpt-oss's eager attention reads from its module: its sinks too."""
+
+    def __init__(self, sinks: torch.Tensor) -> None:
+        super().__init__()
+        self.sinks = sinks
+
+
+@pytest.mark.parametrize("case", sorted(SINK_CASES))
+def test_sinks_match_gpt_oss_eager_per_sample(case):
+    """gpt-oss's attention sinks (``s_aux``, one logit per head, of order 1): the output and the
+    gradients of q, k, v and the sinks, samples given by ``cu_seq_lens_q`` or by positions; the
+    oracle is gpt-oss's own eager attention on each sample alone. A one-token sample (bounds 9-10)
+    is where the sink weighs most: its only key shares the softmax with the sink."""
+    kwargs, mask_function = SINK_CASES[case]
+    gen = torch.Generator().manual_seed(0)
+    bounds = [0, 9, 10, 31, 38]
+    q = torch.randn(1, 4, bounds[-1], 16, generator=gen).requires_grad_()
+    k, v = (torch.randn(1, 2, bounds[-1], 16, generator=gen).requires_grad_() for _ in range(2))
+    sinks = torch.randn(4, generator=gen).requires_grad_()
+    weights = torch.randn(1, bounds[-1], 4, 16, generator=gen)  # a random linear loss of the output
+    module = _SinkLayer(sinks).train()
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    positions = torch.cat([torch.arange(b - a) for a, b in pairwise(bounds)])[None]
+    expected = []
+    for start, end in pairwise(bounds):
+        index = torch.arange(end - start)
+        allowed = mask_function(0, 0, index[:, None], index[None, :])
+        mask = torch.zeros(end - start, end - start).masked_fill(~allowed, torch.finfo(q.dtype).min)
+        alone, _ = gpt_oss_eager_attention(module, q[:, :, start:end], k[:, :, start:end], v[:, :, start:end],
+                                           mask[None, None], scaling=0.25)
+        expected.append(alone)
+    expected = torch.cat(expected, dim=1)
+    expected_grads = torch.autograd.grad((expected * weights).sum(), [q, k, v, sinks])
+    for how in ({"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}, {"position_ids": positions}):
+        out, _ = attention.varlen_attention(module, q, k, v, None, scaling=0.25, s_aux=sinks, **kwargs, **how)
+        check_close(out, expected, 1e-5, f"sinks, {case}, samples by {next(iter(how))}")
+        grads = torch.autograd.grad((out * weights).sum(), [q, k, v, sinks])
+        for name, got, want in zip("q k v sinks".split(), grads, expected_grads, strict=True):
+            check_close(got / want.abs().max(), want / want.abs().max(), 1e-5, f"sinks, {case}: gradient of {name}")
+    ignored, _ = attention.varlen_attention(module, q, k, v, None, scaling=0.25, **kwargs, cu_seq_lens_q=cu)
+    assert max_diff(ignored, expected) > 1e-2, "the sinks do not change the output: the test cannot see them"
 
 
 def test_flash_window_is_transformers_sliding_window():
@@ -327,7 +394,10 @@ def test_every_argument_any_layer_passes_is_implemented(monkeypatch):
         packed_forward(build(family, attention.ATTN_IMPLEMENTATION, attention_dropout=0.1), text_samples())
     for family in sorted(VL_FAMILIES):
         packed_forward(build(family, attention.ATTN_IMPLEMENTATION, attention_dropout=0.1), vl_samples())
+    for family in sorted(MOE_FAMILIES):  # the MoE layers pass output_router_logits, gpt-oss s_aux
+        packed_forward(build(family, attention.ATTN_IMPLEMENTATION, attention_dropout=0.1), text_samples())
     assert {("dropout", 0.1), ("sliding_window", WINDOW), ("softcap", 1.0), ("is_causal", False)} <= scalars
+    assert {"s_aux", "output_router_logits"} <= set(received)
     unknown = {name: sorted(modules) for name, modules in received.items() if name not in attention.HANDLED_KWARGS}
     assert not unknown, f"odb_varlen received arguments it does not implement: {unknown}"
     assert not refused, f"odb_varlen refused calls of families odb trains: {sorted(set(refused))}"
