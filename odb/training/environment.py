@@ -9,6 +9,10 @@ own instead; :func:`rank_environment` translates them, before anything reads the
 
 Only ``srun`` sets the ``SLURM_STEP_*`` variables: a process started straight from a batch script
 (whose environment also has ``SLURM_PROCID`` and the job's ``SLURM_NTASKS``) stays one process.
+A step of several tasks needs the rendezvous ``MASTER_ADDR`` / ``MASTER_PORT`` (the sbatch script
+sets them); a step of one task (``srun python launch/train.py`` in ``salloc -n1``) without them
+gets a rendezvous on this host, ``127.0.0.1`` and a free port, as ``python launch/train.py`` alone
+does: with ``RANK`` set and no ``MASTER_ADDR``, DeepSpeed would look for MPI instead.
 
 :func:`check_network` refuses, before any rank waits on another, the one multi-node setup that
 otherwise fails late and unevenly: a node whose hostname resolves to a loopback address, so that
@@ -24,7 +28,14 @@ import re
 import socket
 from collections.abc import MutableMapping
 
-__all__ = ["check_network", "rank_environment", "tasks_on_node"]
+__all__ = ["check_network", "free_port", "rank_environment", "tasks_on_node"]
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now (for a rendezvous of this host's processes only)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def tasks_on_node(tasks_per_node: str, node: int) -> int:
@@ -44,15 +55,20 @@ def rank_environment(env: MutableMapping[str, str] = os.environ) -> str | None:
     """Sets the rank variables from SLURM's in ``env`` when a SLURM task was started without a
     launcher (no ``RANK``); returns ``'slurm'`` then, else None (a launcher's, or one process).
 
+    A one-task step without ``MASTER_ADDR`` and ``MASTER_PORT`` gets ``127.0.0.1`` and a free port.
+
     Raises:
         ValueError: a multi-task SLURM step without ``MASTER_ADDR`` / ``MASTER_PORT`` (the sbatch
             script sets them).
     """
     if "RANK" in env or "SLURM_PROCID" not in env or "SLURM_STEP_NUM_TASKS" not in env:
         return None
-    if int(env["SLURM_STEP_NUM_TASKS"]) > 1 and not ("MASTER_ADDR" in env and "MASTER_PORT" in env):
+    has_rendezvous = "MASTER_ADDR" in env and "MASTER_PORT" in env
+    if int(env["SLURM_STEP_NUM_TASKS"]) > 1 and not has_rendezvous:
         raise ValueError("a SLURM step of several tasks needs MASTER_ADDR and MASTER_PORT (the rendezvous): submit "
                          "with sbatch launch/slurm.sbatch, which sets them, or export them before srun")
+    if not has_rendezvous:  # one task: the rendezvous is this process, on this host
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     local = tasks_on_node(env.get("SLURM_STEP_TASKS_PER_NODE", env["SLURM_STEP_NUM_TASKS"]),
                           int(env.get("SLURM_NODEID", "0")))
     env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_STEP_NUM_TASKS"],

@@ -38,6 +38,17 @@ the proposer has written the key and joined that step, and every rank then reads
 boundary before its ``k + 2``-th step is done. All ranks stop after the same step, save a
 checkpoint and exit with :data:`EXIT_PREEMPTED`; ``--resume`` continues exactly. No collective
 is added: one store lookup per step.
+
+Keys per attempt. The store may outlive the processes that wrote to it: ``torchrun
+--max-restarts`` keeps its agent's store (static and c10d rendezvous alike, torch 2.13) and starts
+every rank again, so an abort or a stop step of the failed attempt would still be there, and the
+new attempt would exit 71 at once or stop at the old step. :func:`connect_store` therefore puts
+odb's keys under :func:`attempt_prefix`: torchrun's ``TORCHELASTIC_RESTART_COUNT`` and SLURM's
+``SLURM_RESTART_COUNT`` (a requeued job) name the attempt. The deepspeed launcher has no restarts,
+and its store lives in rank 0's process, so every launch starts with an empty one; so does a
+requeued SLURM job launched by ``srun`` (rank 0 hosts the store again; a process of the old job
+still holding the port would make the new one fail to start, never read its keys), and the
+prefix would keep the two apart even then.
 """
 
 from __future__ import annotations
@@ -48,12 +59,12 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
 __all__ = ["EXIT_PREEMPTED", "EXIT_STALLED", "GracefulStop", "Preempted", "WatchedCommunicator", "Watchdog",
-           "collective_timeout_s", "connect_store"]
+           "attempt_prefix", "collective_timeout_s", "connect_store"]
 
 EXIT_STALLED = 71
 """Exit code of every rank of a run that a frozen, dead or stuck rank stopped (the watchdog)."""
@@ -86,13 +97,25 @@ def collective_timeout_s(timeout_s: float) -> float:
     return timeout_s + 3 * slack + 30
 
 
-def connect_store(timeout_s: float):
-    """A client of the launcher's rendezvous store (``MASTER_ADDR``, ``MASTER_PORT``), of its own:
-    a thread blocked on it blocks no other store user."""
+def attempt_prefix(env: Mapping[str, str] = os.environ) -> str:
+    """The store prefix of this attempt of the run: the launcher's restart counts (see the module
+    docstring), e.g. ``'odb/restart1'`` for torchrun's second attempt, ``'odb/restart0/requeue2'``
+    for a job SLURM requeued twice."""
+    prefix = f"odb/restart{env.get('TORCHELASTIC_RESTART_COUNT') or 0}"
+    if env.get("SLURM_RESTART_COUNT"):
+        prefix += f"/requeue{env['SLURM_RESTART_COUNT']}"
+    return prefix
+
+
+def connect_store(timeout_s: float, env: Mapping[str, str] = os.environ):
+    """A client of the launcher's rendezvous store (``MASTER_ADDR``, ``MASTER_PORT`` in ``env``), of
+    its own (a thread blocked on it blocks no other store user), its keys under this attempt's
+    :func:`attempt_prefix`."""
     import torch.distributed as dist
 
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timedelta(seconds=timeout_s))
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(attempt_prefix(env), store)
 
 
 def _log(message: str) -> None:

@@ -51,3 +51,18 @@ def test_a_hostname_on_loopback_across_nodes_names_gloo_socket_ifname(monkeypatc
     check_network({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "localhost"})  # "nodes" on one host
     monkeypatch.setattr(socket, "gethostbyname", lambda host: "10.0.0.5")
     check_network({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node1"})
+
+
+def test_a_one_task_step_without_a_rendezvous_gets_one_on_this_host():
+    """``srun python launch/train.py`` in ``salloc -n1``: RANK alone (no MASTER_ADDR) made DeepSpeed
+    look for MPI (``ModuleNotFoundError: mpi4py``); a one-process rendezvous here, as without SLURM."""
+    env = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_STEP_NUM_TASKS": "1",
+           "SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_NTASKS": "1"}
+    assert rank_environment(env) == "slurm"
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("0", "1", "0", "1")
+    assert env["MASTER_ADDR"] == "127.0.0.1"
+    with socket.socket() as s:  # the port is free: this process can host the rendezvous there
+        s.bind(("127.0.0.1", int(env["MASTER_PORT"])))
+    given = {**srun_task(0, 0, 0), "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_TASKS_PER_NODE": "1"}
+    assert rank_environment(given) == "slurm"  # a rendezvous the user (or the sbatch script) set is kept
+    assert (given["MASTER_ADDR"], given["MASTER_PORT"]) == ("node1", "15001")

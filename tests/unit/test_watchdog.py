@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from launch import free_port
-from odb.training.faults import EXIT_STALLED, Watchdog
+from odb.training.faults import EXIT_STALLED, GracefulStop, Watchdog, attempt_prefix, connect_store
 
 TIMEOUT_S = 3.0
 
@@ -127,3 +127,44 @@ def test_a_stopped_watchdog_reports_nothing(watchdogs):
         d.stop()
     time.sleep(TIMEOUT_S * 1.5)
     assert not exits.codes
+
+
+def test_a_restarted_attempt_does_not_read_the_abort_or_the_stop_step_of_the_attempt_before(monkeypatch):
+    """``torchrun --max-restarts`` keeps one store (its agent's) and starts every rank again: the
+    failed attempt's abort key made the next attempt exit 71 at once, its stop step stopped it at
+    that step. One real TCPStore server for both attempts, each attempt's clients from connect_store
+    with the attempt's environment as torchrun sets it."""
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    failed = Watchdog(connect_store(5), rank=1, world_size=1, timeout_s=TIMEOUT_S, exit=Exits().recorder(1))
+    failed.stop(RuntimeError("boom in attempt 0"))  # rank 1 raised: its abort key tells the others
+    signalled = GracefulStop(connect_store(5), rank=1)
+    signalled.signal = "SIGTERM"
+    assert not signalled.should_stop(4) and signalled.stop_after == 6  # attempt 0 agreed to stop after 6
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    exits = Exits()
+    dogs = [Watchdog(connect_store(5), rank=r, world_size=2, timeout_s=TIMEOUT_S, exit=exits.recorder(r)).start()
+            for r in range(2)]
+    try:
+        stop = GracefulStop(connect_store(5), rank=0)
+        assert [stop.should_stop(k) for k in (1, 6, 7)] == [False] * 3 and stop.stop_after is None
+        time.sleep(2 * dogs[0].slack)  # past the grace after a peer's abort: it would have exited by now
+        assert not exits.codes, f"attempt 1 read attempt 0's abort: {exits.codes}"
+        dogs[1].stop(RuntimeError("boom in attempt 1"))  # within one attempt the keys still meet
+        exits.wait([0])
+        assert exits.codes[0][0] == EXIT_STALLED
+    finally:
+        for dog in dogs:
+            dog._stop.set()
+    del server
+
+
+def test_the_attempt_prefix_names_torchruns_restart_and_slurms_requeue():
+    assert attempt_prefix({}) == "odb/restart0"
+    assert attempt_prefix({"TORCHELASTIC_RESTART_COUNT": "2"}) == "odb/restart2"
+    assert attempt_prefix({"SLURM_RESTART_COUNT": "1"}) == "odb/restart0/requeue1"
