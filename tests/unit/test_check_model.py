@@ -1,0 +1,85 @@
+"""check-model (tools/check_model.py, odb/training/model_check.py) on tiny model folders.
+
+The check compares odb's path with the model's own code; these tests show that it passes where odb
+is exact, refuses what odb refuses (naming why), and fails where packing would leak: an LFM2 with
+short convolutions, its refusal switched off, gives packed logits far from each sample alone.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from conftest import ROOT, bundled_tokenizer
+from odb.training import model_check
+from tools.check_model import main
+
+SMALL = {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 1, "initializer_range": 0.1}
+FAMILIES = {
+    "llama": {"model_type": "llama"},
+    "lfm2": {"model_type": "lfm2", "layer_types": ["conv", "full_attention"], "conv_L_cache": 3},
+    "qwen3_moe": {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "router_aux_loss_coef": 0.1},
+    "gpt_oss": {"model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16,
+                "router_aux_loss_coef": 0.1},
+    "qwen3_next": {"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"],
+                   "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 32, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+                   "linear_key_head_dim": 16, "linear_value_head_dim": 16},
+}
+
+
+def folder(tmp_path, family: str):
+    """A tiny random model of ``family`` saved with the bundled tokenizer."""
+    out = tmp_path / family
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**SMALL, **FAMILIES[family]}))
+    model.save_pretrained(out)
+    bundled_tokenizer().save_pretrained(out)
+    return out
+
+
+def test_a_dense_model_passes_with_tight_differences(tmp_path, capsys):
+    path = folder(tmp_path, "llama")
+    assert main([str(path), "--samples", "6", "--max_tokens", "1024", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    print(report)
+    assert report["ok"] and report["refused"] is None and report["aux_loss_included"] is None
+    assert report["samples"] == 6 and report["model_type"] == "llama"
+    assert report["max_logit_diff"] < 1e-4 and report["loss_rel_diff"] < 1e-5 and report["grad_rel_diff"] < 1e-4
+    assert report["label_preview"], "the first sample's label runs are shown"
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_an_moe_model_passes_with_its_router_loss_included(tmp_path, capsys, family):
+    """Qwen3-MoE, and gpt-oss with its attention sinks and sliding windows: the model's own loss
+    with output_router_logits (router loss at coefficient 0.1) is what odb trains."""
+    assert main([str(folder(tmp_path, family)), "--samples", "6", "--max_tokens", "1024", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    print(report)
+    assert report["ok"] and report["aux_loss_included"] is True
+    assert report["loss_rel_diff"] < 1e-5 and report["grad_rel_diff"] < 1e-4
+
+
+@pytest.mark.parametrize("family, layer", [("lfm2", "Lfm2ShortConv"), ("qwen3_next", "Qwen3NextGatedDeltaNet")])
+def test_a_model_with_non_attention_token_mixers_is_refused_naming_its_layers(tmp_path, capsys, family, layer):
+    path = folder(tmp_path, family)
+    assert main([str(path), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert not report["ok"] and layer in report["refused"], report["refused"]
+
+
+def test_the_check_fails_where_packing_would_leak(tmp_path, monkeypatch):
+    """With the refusal switched off, LFM2's convolution carries the previous sample into the next:
+    the packed logits are far from each sample alone, and the check says so."""
+    monkeypatch.setattr(model_check, "packing_refusal", lambda model: None)
+    report = model_check.check_model(folder(tmp_path, "lfm2"), data=ROOT / "data" / "chat.jsonl", num_samples=4,
+                                     max_tokens=2048)
+    print(report.max_logit_diff, report.problems)
+    assert not report.ok and report.max_logit_diff > 1e-2
+    assert any("max_logit_diff" in problem for problem in report.problems)
