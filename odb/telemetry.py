@@ -250,11 +250,14 @@ class Telemetry:
               "the odb config, or see the data setting truncation ('turns' keeps whole assistant turns)",
               file=sys.stderr, flush=True)
 
-    def record_eval(self, step: int, *, loss: float, label_tokens: int, samples: int, seconds: float) -> None:
+    def record_eval(self, step: int, *, loss: float | None, label_tokens: int, samples: int, seconds: float,
+                    over_cap: int = 0) -> None:
         """An evaluation after step ``step`` (the same on every rank); rank 0 writes its row once
-        the training rows up to that step are written."""
-        row = {"step": step, "eval_loss": round(loss, 6), "eval_label_tokens": label_tokens,
-               "eval_samples": samples, "eval_s": round(seconds, 3), "time": round(time.time(), 3)}
+        the training rows up to that step are written. ``loss`` None (an eval set without label
+        tokens) is written as null, as JSON has no NaN; ``over_cap``: samples over the cap, scored whole."""
+        row = {"step": step, "eval_loss": None if loss is None else round(loss, 6), "eval_label_tokens": label_tokens,
+               "eval_samples": samples, "eval_over_cap": over_cap, "eval_s": round(seconds, 3),
+               "time": round(time.time(), 3)}
         self.last_eval = row
         if self.rank == 0:
             self.evals.append(row)

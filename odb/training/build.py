@@ -209,13 +209,16 @@ def _datasets(config: RunConfig, tokenizer, vision, *, truncate_to: int | None
               ) -> tuple[SampleDataset, SampleDataset | None]:
     """The training data and the validation data (``--eval_data``, or a seeded ``--val_ratio``
     share of ``--data`` that training then leaves out), processed alike but for augmentation,
-    which validation never applies."""
+    which validation never applies, and for ``truncate_to``: validation samples stay whole (the
+    evaluator scores one over the cap in a forward of its own), so the eval loss does not depend
+    on ``max_tokens``."""
     data = config.data
     common = {"seed": config.seed, "truncate_to": truncate_to, "vision": vision}
+    whole = {**common, "truncate_to": None}
     plain = dataclasses.replace(data.processing, system_prompt_prob=0.0, turn_sampling=False)
     if data.eval_path is not None:
         return (SampleDataset(data.path, tokenizer, data.processing, max_samples=data.max_samples, **common),
-                SampleDataset(data.eval_path, tokenizer, plain, **common))
+                SampleDataset(data.eval_path, tokenizer, plain, **whole))
     if not data.val_ratio:
         return SampleDataset(data.path, tokenizer, data.processing, max_samples=data.max_samples, **common), None
     size = len(SampleDataset(data.path, tokenizer, data.processing, max_samples=data.max_samples, **common))
@@ -226,7 +229,7 @@ def _datasets(config: RunConfig, tokenizer, vision, *, truncate_to: int | None
     order = np.random.default_rng(config.seed).permutation(size)
     val, train = sorted(order[:held].tolist()), sorted(order[held:].tolist())
     return (SampleDataset(data.path, tokenizer, data.processing, indices=train, **common),
-            SampleDataset(data.path, tokenizer, plain, indices=val, **common))
+            SampleDataset(data.path, tokenizer, plain, indices=val, **whole))
 
 
 def _settings(config: RunConfig, batching: OdbConfig, *, world_size: int, packed: bool, dataset_size: int,

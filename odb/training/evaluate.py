@@ -16,6 +16,20 @@ samples left runs dummy forwards. So every rank runs the same number of forwards
 parameter gathers never wait for a rank that is not coming. Forwards only, under
 ``torch.no_grad()``, with the model in eval mode (:meth:`OdbEngine.eval_step`).
 
+Samples over the cap are scored whole, so that the eval loss does not depend on ``max_tokens``
+(the eval data is not truncated either, :func:`odb.training.build._datasets`). The packed pass
+takes the samples within the caps (the eval batcher drops the others, whatever the training's
+``over_cap``); each rank keeps the ones it dropped and, after the packed pass, scores each of them
+alone, in a forward of its own with the engine's truncation lifted. One more gather first tells
+every rank the most any rank holds, ``n``: every rank runs ``n`` such forwards, dummies where it
+has fewer, longest first. The chunked loss runs its fixed number of chunks per forward
+(:func:`odb.training.loss.num_loss_chunks`), bigger ones for a longer sample, so every rank still
+makes the same calls. A forward without gradients keeps no activations for a backward, so a
+sample a few times ``max_tokens`` long fits where a training step does; one far longer may not.
+
+No label token in the whole set (every record skipped, or none with an assistant turn): the loss is
+undefined, ``None`` (``null`` in metrics.jsonl and summary.json), never NaN.
+
 Cross-rank sum: one ``all_gather`` of a small int64 vector after the last round, through the eval
 batcher's :class:`~odb.batching.align.Aligner` (the door of every odb collective); the float64 loss
 sum and wall time travel bit-cast to int64. Every rank adds the same gathered loss sums with
@@ -41,6 +55,8 @@ import numpy as np
 from odb.batching.align import Aligner, Communicator
 from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import OdbConfig
+from odb.batching.cost import SampleCost
+from odb.batching.plan import MicroBatch, StepPlan
 from odb.data.feed import SampleFeed
 from odb.data.processing import SKIP_REASONS, SampleDataset, sample_sizes
 from odb.training.engine import OdbEngine
@@ -53,26 +69,54 @@ class EvalResult:
     """One evaluation, the same on every rank.
 
     Attributes:
-        loss: summed cross entropy / label tokens, over all ranks; ``nan`` if no label tokens.
+        loss: summed cross entropy / label tokens, over all ranks; ``None`` if there are no label
+            tokens (the loss of nothing is undefined).
         label_tokens: label tokens scored, over all ranks.
-        samples: samples scored, over all ranks.
+        samples: samples scored, over all ranks (those over the cap included).
         skipped: records not scored, by reason, over all ranks: those the data layer skipped
-            (:data:`~odb.data.processing.SKIP_REASONS`), and those the over-cap policy 'drop'
-            dropped, under ``over_cap``. ``samples + sum(skipped.values())`` is the dataset size.
+            (:data:`~odb.data.processing.SKIP_REASONS`). ``samples + sum(skipped.values())`` is the
+            dataset size.
         seconds: wall time of the evaluation (the slowest rank).
+        over_cap: of ``samples``, those over ``max_tokens`` (or ``max_patches``), each scored whole
+            in a forward of its own.
     """
 
-    loss: float
+    loss: float | None
     label_tokens: int
     samples: int
     skipped: dict[str, int]
     seconds: float
+    over_cap: int = 0
 
 
 def eval_batching(batching: OdbConfig) -> OdbConfig:
-    """The training settings as evaluation runs them: one micro-batch per step, join mode (every
-    sample once, also where training runs to a quota); caps, policy, window and sharding kept."""
-    return dataclasses.replace(batching, gas=1, mode="join", quota=None)
+    """The training settings as the packed pass runs them: one micro-batch per step, join mode
+    (every sample once, also where training runs to a quota), samples over the caps left out (they
+    are scored whole after it); caps, policy, window and sharding kept."""
+    return dataclasses.replace(batching, gas=1, mode="join", quota=None, over_cap="drop")
+
+
+class _KeepOverCap:
+    """The eval feed as the batcher sees it (:class:`~odb.batching.batcher.Feed`), except that the
+    samples the batcher drops over the caps are kept here, to be scored whole, instead of freed."""
+
+    def __init__(self, feed: SampleFeed) -> None:
+        self.feed = feed
+        self.sizes: dict[int, tuple[int, int, int]] = {}  # fetched, not skipped: (tokens, label tokens, patches)
+        self.over_cap: list[SampleCost] = []
+
+    def deal(self, uids: list[int]) -> None:
+        self.feed.deal(uids)
+
+    def fetch(self, uids: list[int]) -> list[tuple[int, int, int] | None]:
+        raw = self.feed.fetch(uids)
+        self.sizes.update((uid, sizes) for uid, sizes in zip(uids, raw) if sizes is not None)
+        return raw
+
+    def forget(self, uids: list[int]) -> None:
+        kept = [uid for uid in uids if uid in self.sizes]  # fetched and not admitted: over a cap
+        self.over_cap += [SampleCost(uid, *self.sizes[uid], self.sizes[uid][0]) for uid in kept]
+        self.feed.forget([uid for uid in uids if uid not in self.sizes])
 
 
 class Evaluator:
@@ -80,7 +124,8 @@ class Evaluator:
 
     Args:
         engine: the training engine (its backend runs the forwards).
-        dataset: the eval samples, processed as for training (e.g. truncated to ``max_tokens``).
+        dataset: the eval samples, processed as for training but whole (not truncated to
+            ``max_tokens``; a truncated one is scored as it was cut).
         batching: the training batcher's settings (:func:`eval_batching` adapts them).
         comm: the training batcher's communicator (or any over the same ranks).
         num_workers / prefetch_factor: the eval feed's DataLoader; its workers live for one
@@ -105,8 +150,9 @@ class Evaluator:
         feed = SampleFeed(self.dataset, sample_sizes, num_workers=self.num_workers,
                           prefetch_factor=self.prefetch_factor)
         loss_sum, label_tokens, samples = 0.0, 0, 0  # this rank's
+        kept = _KeepOverCap(feed)
         try:
-            batcher = OnlineBatcher(self.batching, self.comm, dataset_size=len(self.dataset), feed=feed)
+            batcher = OnlineBatcher(self.batching, self.comm, dataset_size=len(self.dataset), feed=kept)
             self.engine.backend.train(False)
             for plan in batcher:
                 taken = [[feed.take(uid) for uid in micro.uids] for micro in plan.micro_batches]
@@ -114,19 +160,42 @@ class Evaluator:
                 loss_sum += step_loss
                 label_tokens += step_tokens
                 samples += sum(len(micro.samples) for micro in plan.micro_batches)
-            skipped = Counter(feed.skipped)
-            skipped["over_cap"] += batcher.counts["dropped"]
+            whole_loss, whole_tokens = self._score_whole(batcher.aligner, kept.over_cap, feed)
+            loss_sum, label_tokens = loss_sum + whole_loss, label_tokens + whole_tokens
+            samples += len(kept.over_cap)
         finally:
             self.engine.backend.train(was_training)
             # forwards without a backward leave parameters gathered (ZeRO-3's cache, FSDP2's root)
             self.engine.backend.release_cache()
             feed.close()
-        return _combine(batcher.aligner, loss_sum, label_tokens, samples, skipped, time.perf_counter() - start)
+        return _combine(batcher.aligner, loss_sum, label_tokens, samples, Counter(feed.skipped),
+                        len(kept.over_cap), time.perf_counter() - start)
+
+    def _score_whole(self, aligner: Aligner, over_cap: list[SampleCost], feed: SampleFeed) -> tuple[float, int]:
+        """This rank's samples over the caps, each whole in a forward of its own, longest first;
+        as many forwards on every rank (dummies where it has fewer): ``(loss_sum, label_tokens)``.
+        One gather (collective) of how many each rank holds."""
+        most = int(aligner.gather_reports(np.array([len(over_cap)], dtype=np.int64))[:, 0].max())
+        loss_sum, label_tokens = 0.0, 0
+        order = sorted(over_cap, key=lambda s: (-s.tokens, s.uid))
+        engine, cap = self.engine, self.engine.max_tokens
+        engine.max_tokens = None  # the collate and the label count truncate to it: not these samples
+        try:
+            for i in range(most):
+                micro = MicroBatch((order[i],)) if i < len(order) else MicroBatch(())
+                plan = StepPlan(epoch=0, step=i, micro_batches=(micro,), num_label_tokens=0, num_samples=0,
+                                rank_costs=(), rank_tokens=())  # eval_step reads only the micro-batches
+                step_loss, step_tokens = engine.eval_step(plan, [[feed.take(s.uid) for s in micro.samples]])
+                loss_sum += step_loss
+                label_tokens += step_tokens
+        finally:
+            engine.max_tokens = cap
+        return loss_sum, label_tokens
 
 
 def _combine(aligner: Aligner, loss_sum: float, label_tokens: int, samples: int, skipped: Counter[str],
-             seconds: float) -> EvalResult:
-    """The one gather: ``[loss_sum bits, label_tokens, samples, seconds bits, skipped...]``
+             over_cap: int, seconds: float) -> EvalResult:
+    """The one gather: ``[loss_sum bits, label_tokens, samples, seconds bits, over_cap, skipped...]``
     per rank. The float64 loss sums are added exactly rounded (``math.fsum``): the same inputs give
     the same float on every rank, whatever the order."""
     counts = [skipped.get(r, 0) for r in SKIP_REASONS]
@@ -134,11 +203,12 @@ def _combine(aligner: Aligner, loss_sum: float, label_tokens: int, samples: int,
     # would leave the others waiting in the gather.
     counts[SKIP_REASONS.index("error")] += sum(n for r, n in skipped.items() if r not in SKIP_REASONS)
     floats = np.array([loss_sum, seconds], dtype=np.float64).view(np.int64)
-    mine = np.array([floats[0], label_tokens, samples, floats[1], *counts], dtype=np.int64)
-    gathered = aligner.gather_reports(mine)  # [world, 4 + len(SKIP_REASONS)]
+    mine = np.array([floats[0], label_tokens, samples, floats[1], over_cap, *counts], dtype=np.int64)
+    gathered = aligner.gather_reports(mine)  # [world, 5 + len(SKIP_REASONS)]
     total = math.fsum(np.ascontiguousarray(gathered[:, 0]).view(np.float64).tolist())  # exactly rounded
     tokens = int(gathered[:, 1].sum())
     return EvalResult(
-        loss=total / tokens if tokens else math.nan, label_tokens=tokens, samples=int(gathered[:, 2].sum()),
-        skipped={r: int(n) for r, n in zip(SKIP_REASONS, gathered[:, 4:].sum(axis=0)) if n},
-        seconds=float(np.ascontiguousarray(gathered[:, 3]).view(np.float64).max()))
+        loss=total / tokens if tokens else None, label_tokens=tokens, samples=int(gathered[:, 2].sum()),
+        skipped={r: int(n) for r, n in zip(SKIP_REASONS, gathered[:, 5:].sum(axis=0)) if n},
+        seconds=float(np.ascontiguousarray(gathered[:, 3]).view(np.float64).max()),
+        over_cap=int(gathered[:, 4].sum()))

@@ -212,11 +212,14 @@ class Trainer:
         result = parts.evaluator.run()
         telemetry = parts.telemetry
         telemetry.record_eval(telemetry.steps_done - 1, loss=result.loss, label_tokens=result.label_tokens,
-                              samples=result.samples, seconds=result.seconds)
+                              samples=result.samples, seconds=result.seconds, over_cap=result.over_cap)
         self.evaluated_at = telemetry.steps_done
         skipped = f", skipped {result.skipped}" if result.skipped else ""
-        self.log(f"eval after step {telemetry.steps_done}: loss {result.loss:.5f} over {result.samples} samples "
-                 f"({result.label_tokens} label tokens, {result.seconds:.1f} s{skipped})")
+        whole = f", {result.over_cap} over max_tokens scored whole" if result.over_cap else ""
+        loss = f"loss {result.loss:.5f}" if result.loss is not None else \
+            "no loss (eval_loss null: no sample has a label token; see the skip reasons)"
+        self.log(f"eval after step {telemetry.steps_done}: {loss} over {result.samples} samples "
+                 f"({result.label_tokens} label tokens{whole}, {result.seconds:.1f} s{skipped})")
 
     # ---- the end ----------------------------------------------------------------------------
 

@@ -88,15 +88,16 @@ def run(scenario: dict, rank: int, world: int) -> dict:
             batching = dataclasses.replace(batching, max_tokens=batching.max_tokens - BLANK_IMAGE_TOKENS)
         return batching
 
-    def dataset(batching: OdbConfig) -> SampleDataset:
+    def dataset(batching: OdbConfig | None) -> SampleDataset:
+        """Training data cut to the batching's cap; eval data (``None``) whole, as the trainer builds it."""
         return SampleDataset(scenario["data"], tokenizer, data_config, max_samples=scenario["max_samples"],
-                             truncate_to=batching.max_tokens, vision=vision)
+                             truncate_to=batching.max_tokens if batching is not None else None, vision=vision)
 
     def evaluate(spec: dict) -> dict:
         batching = settings(spec["batching"])
         recording = RecordingEngine(DeepSpeedBackend(engine), world_size=world, max_tokens=batching.max_tokens,
                                     pad_token_id=tokenizer.pad_token_id)
-        result = Evaluator(recording, dataset(batching), batching, comm, num_workers=spec.get("num_workers", 0)).run()
+        result = Evaluator(recording, dataset(None), batching, comm, num_workers=spec.get("num_workers", 0)).run()
         return {"name": spec["name"], "num_workers": spec.get("num_workers", 0),
                 "result": dataclasses.asdict(result), "steps": recording.seen,
                 "training_after": engine.module.training,

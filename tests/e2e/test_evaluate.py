@@ -150,31 +150,39 @@ def test_simulated_ranks_give_the_oracle_loss(world):
 
 
 @pytest.mark.sim
-def test_skipped_dropped_and_truncated_records_are_counted_and_the_loss_is_over_what_was_scored(tmp_path):
+@pytest.mark.parametrize("world", [1, 3])
+def test_samples_over_the_cap_are_scored_whole_so_the_loss_does_not_depend_on_max_tokens(tmp_path, world):
+    """The eval loss was over each sample's first ``max_tokens`` tokens (the README said it did not
+    depend on ``max_tokens``; at 512 and 256 it did). Now every sample is scored whole, under every
+    over-cap policy and cap: the oracle is each sample alone, whole, through the eager model; skipped
+    records are counted, and each rank runs as many forwards as the others (the over-cap samples
+    sit on some ranks only)."""
     lines = (CHATS.read_text().splitlines())[:12]
     lines += [json.dumps({"messages": [{"role": "user", "content": f"question {i}"}]}) for i in range(3)]
     lines += ["{not json"]
     dataset = SampleDataset(chats(tmp_path, lines), TOKENIZER)  # not truncated by the data layer
     records = [dataset[i] for i in range(len(dataset))]
     samples = [s for s in records if "skip" not in s]
-    cap = 150
-    assert 0 < sum(len(s["input_ids"]) > cap for s in samples) < len(samples)
-    # over_cap 'drop': the samples over the cap are not scored, and say so under 'over_cap'
-    kept = [s for s in samples if len(s["input_ids"]) <= cap]
-    results, engines = simulate(2, dataset, OdbConfig(max_tokens=cap, window=8, over_cap="drop"))
-    check_simulated(results, engines, oracle(TINY, initial_weights(TINY), kept), len(kept))
-    assert results[0].skipped == {"no_assistant_turn": 3, "not_json": 1, "over_cap": len(samples) - len(kept)}
-    # 'truncate' where the data layer did not: every sample scored on its first ``cap`` tokens only
-    results, engines = simulate(2, dataset, OdbConfig(max_tokens=cap, window=8))
-    check_simulated(results, engines, oracle(TINY, initial_weights(TINY), samples, max_tokens=cap), len(samples))
-    assert results[0].skipped == {"no_assistant_turn": 3, "not_json": 1}
+    expected = oracle(TINY, initial_weights(TINY), samples)
+    losses = set()
+    for cap, policy in [(150, "drop"), (150, "truncate"), (150, "error"), (90, "truncate"), (2048, "truncate")]:
+        over = sum(len(s["input_ids"]) > cap for s in samples)
+        assert (0 < over < len(samples)) if cap < 2048 else not over
+        results, engines = simulate(world, dataset, OdbConfig(max_tokens=cap, window=8, over_cap=policy))
+        losses.add(check_simulated(results, engines, expected, len(samples)))
+        assert results[0].skipped == {"no_assistant_turn": 3, "not_json": 1}
+        assert results[0].over_cap == over
+        whole = [f for e in engines for f in e.forwards if f[2] == 1]
+        assert len(whole) >= over, "each sample over the cap in a forward of its own"
+    print(f"  world {world}: the loss at every cap and policy: {sorted(losses)}")
+    assert max(losses) - min(losses) <= TOLERANCE
 
 
 @pytest.mark.sim
-def test_no_label_tokens_gives_nan_and_an_error_restores_the_mode_it_found(tmp_path):
+def test_no_label_tokens_gives_no_loss_and_an_error_restores_the_mode_it_found(tmp_path):
     no_answers = [json.dumps({"messages": [{"role": "user", "content": f"q {i}"}]}) for i in range(5)]
     results, engines = simulate(2, SampleDataset(chats(tmp_path, no_answers), TOKENIZER), OdbConfig(window=4))
-    assert math.isnan(results[0].loss) and results[0].label_tokens == results[0].samples == 0
+    assert results[0].loss is None and results[0].label_tokens == results[0].samples == 0
     assert results[0].skipped == {"no_assistant_turn": 5}
     bad = SampleDataset(chats(tmp_path, CHATS.read_text().splitlines()[:6] + ["{not json"]), TOKENIZER,
                         DataConfig(strict=True))
@@ -232,6 +240,7 @@ def check_launch(ranks: list[dict], expected: dict[str, tuple[float, int]], size
               f"diff {result['loss'] - loss:+.2e}")
         assert abs(result["loss"] - loss) <= TOLERANCE
         assert result["label_tokens"] == tokens and result["samples"] == size and not result["skipped"]
+        assert (result["over_cap"] > 0) == (name == "over_cap"), (name, result["over_cap"])
         losses[name] = result["loss"]
     return losses
 
@@ -240,12 +249,15 @@ EVALS = [{"name": "packed", "batching": {"max_tokens": 2048, "window": 16}},
          {"name": "single", "batching": {"policy": "fixed", "batch_size": 1, "window": 4, "sharding": "static"},
           "num_workers": 1},
          {"name": "quota_static", "num_workers": 2,
-          "batching": {"mode": "quota", "quota": 5, "sharding": "static", "max_tokens": 600, "window": 8}}]
+          "batching": {"mode": "quota", "quota": 5, "sharding": "static", "max_tokens": 600, "window": 8}},
+         # samples over the cap scored whole, each in a forward of its own (dummies on the other rank)
+         {"name": "over_cap", "batching": {"max_tokens": 256, "window": 16}}]
 
 
 def test_eval_loss_on_one_and_two_zero3_ranks_equals_the_oracle(tmp_path):
     """41 chats (static shards of 21 and 20: the 2-rank one-sample-per-micro-batch eval has a dummy);
-    three evals, one SGD step, the first eval again against the oracle on the gathered weights."""
+    four evals (one with a cap of 256 tokens that some samples exceed: scored whole all the same),
+    one SGD step, the first eval again against the oracle on the gathered weights."""
     size = 41
     scenario = {"model": str(TINY), "data": str(CHATS), "max_samples": size, "image_folder": None,
                 "train_lr": 1.0, "evals": EVALS}
@@ -260,7 +272,7 @@ def test_eval_loss_on_one_and_two_zero3_ranks_equals_the_oracle(tmp_path):
         assert abs(after[0] - before[0]) > 1e-2  # the training step moved the weights
         expected = {**{spec["name"]: before for spec in EVALS}, "after_train": after}
         losses[world] = check_launch(ranks, expected, size)
-    for name in ("packed", "single", "quota_static"):
+    for name in ("packed", "single", "quota_static", "over_cap"):
         print(f"  world 1 vs 2 {name}: diff {losses[1][name] - losses[2][name]:+.2e}")
         assert abs(losses[1][name] - losses[2][name]) <= TOLERANCE
 
