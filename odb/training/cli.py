@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +39,7 @@ from odb.training.config import (
 from odb.training.ds_config import load_ds_config, resolve_ds_config
 from odb.training.loss import DEFAULT_LOSS_CHUNK_TOKENS
 
-__all__ = ["FileDefaults", "parse_config"]
+__all__ = ["RUN_RECORDS", "FileDefaults", "earlier_run", "parse_config"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,7 +106,12 @@ def _parser(defaults: FileDefaults) -> argparse.ArgumentParser:
                    help="apply the LM head and the loss to this many tokens at a time, never materializing the "
                         "whole micro-batch's fp32 logits (0: the model's full logits)")
     p.add_argument("--resume", nargs="?", const="latest", default=None,
-                   help="continue from OUTPUT_DIR/checkpoints (latest, or a tag such as step20)")
+                   help="continue from OUTPUT_DIR/checkpoints: latest (the default), a tag such as step20, or auto "
+                        "(the latest if there is one, else start over: for torchrun --max-restarts and requeued "
+                        "jobs)")
+    p.add_argument("--overwrite_output_dir", action="store_true",
+                   help="start over in an --output_dir that holds an earlier run: its "
+                        f"{', '.join(RUN_RECORDS)} are removed first (nothing else there)")
     p.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (and at the end)")
     p.add_argument("--no_final_checkpoint", action="store_true", help="skip the checkpoint at the end")
     p.add_argument("--save_total_limit", type=int, default=None, help="keep only the newest N checkpoints")
@@ -200,6 +206,86 @@ def _data(args: argparse.Namespace) -> DataSettings:
                         eval_path=args.eval_data, val_ratio=args.val_ratio, eval_steps=args.eval_steps)
 
 
+RUN_RECORDS = ("checkpoints/", "metrics.jsonl", "summary.json", "emitted_ids.rank*.jsonl", "hf/")
+"""What a run writes into its ``--output_dir``: an earlier run's, removed by ``--overwrite_output_dir``."""
+
+
+def earlier_run(folder: Path) -> list[Path]:
+    """The records of an earlier run in ``folder`` (:data:`RUN_RECORDS`), [] if there are none. An
+    empty ``checkpoints/`` folder holds no checkpoint and does not count."""
+    found = []
+    for pattern in RUN_RECORDS:
+        for path in sorted(folder.glob(pattern.rstrip("/"))):
+            if path.is_dir() and not _entries(path):
+                continue
+            found.append(path)
+    return found
+
+
+def _entries(folder: Path) -> list[str]:
+    """The names in ``folder``, [] if it is not there (also when rank 0 is removing it right now)."""
+    try:
+        return sorted(p.name for p in folder.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _resume(args: argparse.Namespace) -> str | None:
+    """The checkpoint tag to resume (``--resume``; ``auto`` resolved), or None for a fresh run.
+
+    The whole output-folder policy, the same on every rank (every rank reads the same folder, before
+    any process group; the folder's state only changes when rank 0 removes an earlier run here, and
+    then only what makes every rank start fresh anyway):
+
+    * ``--resume [TAG]``: continue; the folder must hold checkpoints.
+    * ``--resume auto``: 'latest' if the folder has it; else a fresh run, replacing an earlier run
+      that saved no checkpoint (a restarted attempt that failed before its first); a folder with
+      checkpoints but no 'latest' (a save that did not finish) is refused, naming its tags.
+    * no ``--resume``: a folder that holds an earlier run (:func:`earlier_run`) is refused unless
+      ``--overwrite_output_dir``, which removes it (rank 0): no second run is appended to its
+      metrics.jsonl, no old checkpoint or summary outlives it.
+    """
+    out = Path(args.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output_dir {out} is a file; pass a folder (created if missing)")
+    if args.resume and args.overwrite_output_dir:
+        raise ValueError(f"--resume continues the run in --output_dir {out} and --overwrite_output_dir removes it: "
+                         "pass one of them")
+    checkpoints = out / "checkpoints"
+    tags = _entries(checkpoints)
+    if args.resume == "auto":
+        if (checkpoints / "latest").is_file():
+            return "latest"
+        if tags:
+            raise ValueError(f"--resume auto: {checkpoints} holds {tags} but no 'latest' (a save that did not "
+                             "finish?): pass --resume TAG with one of them, or --overwrite_output_dir to start over")
+    elif args.resume:
+        if not tags:
+            raise FileNotFoundError(f"--resume: no checkpoints in {checkpoints}; resume with the --output_dir of the "
+                                    "run that saved them")
+        return args.resume
+    found = earlier_run(out)
+    if found and not (args.overwrite_output_dir or args.resume == "auto"):
+        names = ", ".join(str(p.relative_to(out)) for p in found)
+        raise ValueError(f"--output_dir {out} holds an earlier run ({names}): pass --resume to continue it, "
+                         "--overwrite_output_dir to start over (removes them), or another --output_dir")
+    if found and os.environ.get("RANK", "0") == "0":
+        _remove(found)
+        print(f"odb: starting over in {out}: removed the earlier run's "
+              f"{', '.join(str(p.relative_to(out)) for p in found)}", flush=True)
+    return None
+
+
+def _remove(paths: list[Path]) -> None:
+    """Removes an earlier run's records (rank 0, before any process group: no rank writes into the
+    folder before rank 0 has joined it)."""
+    for path in paths:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
 def parse_config(argv: list[str] | None = None, *, defaults: FileDefaults) -> RunConfig:
     """The run's config from ``argv`` (default: ``sys.argv[1:]``); raises naming the fix."""
     args = _parser(defaults).parse_args(argv)
@@ -227,18 +313,14 @@ def parse_config(argv: list[str] | None = None, *, defaults: FileDefaults) -> Ru
     if args.save_adapter_only and model.lora is None:
         raise ValueError("--save_adapter_only saves a LoRA adapter: train with --lora, or drop the flag")
     data = _data(args)
-    if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
-        raise ValueError(f"--output_dir {args.output_dir} is a file; pass a folder (created if missing)")
-    if args.resume and not (Path(args.output_dir) / "checkpoints").is_dir():
-        raise FileNotFoundError(f"--resume: no checkpoints in {Path(args.output_dir) / 'checkpoints'}; "
-                                "resume with the --output_dir of the run that saved them")
+    resume = _resume(args)
     return RunConfig(
         model=model, data=data, batching=batching, run=run,
         optimization=OptimizationSettings(optimizer=args.optimizer, lr=args.lr, warmup_ratio=args.warmup_ratio,
                                           weight_decay=args.weight_decay, backend=args.backend,
                                           deepspeed=deepspeed, fsdp2=fsdp2),
         checkpoints=CheckpointSettings(save_steps=args.save_steps, final=not args.no_final_checkpoint,
-                                       resume=args.resume, save_total_limit=args.save_total_limit,
+                                       resume=resume, save_total_limit=args.save_total_limit,
                                        save_hf=args.save_hf, save_adapter_only=args.save_adapter_only),
         logging=LoggingSettings(report_to=args.report_to, wandb_project=args.wandb_project, run_name=args.run_name,
                                 wandb_tags=tuple(t for t in args.wandb_tags.split(",") if t),

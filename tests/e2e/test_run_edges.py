@@ -3,10 +3,11 @@ run, whole-run summaries, global losses, and quota-mode epochs. Each one a bug a
 
 import json
 import math
+import shutil
 from collections import Counter
 
 from conftest import bundled_tokenizer
-from launch import ROOT, audit, deepspeed, ds_config, odb_config
+from launch import ROOT, audit, deepspeed, deepspeed_watched, ds_config, odb_config
 from odb.training.model import build_model
 from odb.training.mrope import supports_packing
 
@@ -92,3 +93,77 @@ def test_quota_mode_labels_each_sample_with_its_own_epoch(tmp_path):
     assert max(s["epoch"] for s in steps) >= 1
     assert summary(out)["epochs"] == 1.5
 
+
+
+def losses_by_step(out):
+    return {row["step"]: row["loss"] for row in metrics(out) if "loss" in row}
+
+
+def test_every_checkpoint_of_the_last_round_resumes_on_the_same_ranks_as_the_uninterrupted_run(tmp_path):
+    """The last round plans several steps at once; a checkpoint between them (``--save_steps``, a
+    preemption) said "done" and could not be resumed. Every step of a 2-rank run is checkpointed;
+    each checkpoint of the last round but the final one is resumed in a folder of its own: the same
+    micro-batches (audit ids) and losses as the uninterrupted run, from the step after it on."""
+    full = tmp_path / "full"
+    common = ["--deepspeed_config", str(ds_config(tmp_path, 2)), "--max_samples", "60", "--audit_ids",
+              "--odb_config", str(odb_config(tmp_path, max_tokens=384, window=12))]  # 11 steps, the last round 3
+    deepspeed(common + ["--output_dir", str(full), "--save_steps", "1"])
+    reference, reference_losses = audit(full, 2), losses_by_step(full)
+    total = summary(full)["steps"]
+    states = {k: json.loads((full / "checkpoints" / f"step{k}" / "odb_state.rank0.json").read_text())
+              for k in range(1, total + 1)}
+    last_round = [k for k, state in states.items() if state["is_planned"] and state["queue"]]
+    print(f"{total} steps; checkpoints inside the last round: {last_round}")
+    assert last_round, "the case needs a last round of several steps"
+    assert not states[total]["queue"]
+    for k in last_round:
+        out = tmp_path / f"from{k}"
+        shutil.copytree(full / "checkpoints" / f"step{k}", out / "checkpoints" / f"step{k}")
+        proc = deepspeed(common + ["--output_dir", str(out), "--resume", f"step{k}"])
+        assert f"resumed from {out / 'checkpoints' / f'step{k}'}" in proc.stdout
+        resumed = audit(out, 2)
+        for rank in range(2):
+            assert resumed[rank] == [row for row in reference[rank] if row["step"] >= k], (k, rank)
+        after = losses_by_step(out)
+        assert sorted(after) == list(range(k, total))
+        for step, loss in after.items():  # metrics rows keep 6 decimals
+            assert abs(loss - reference_losses[step]) <= 2e-6, (k, step, loss, reference_losses[step])
+        assert summary(out)["samples_emitted"] == 60 and summary(out)["steps"] == total
+
+
+def strict_json(text: str):
+    """JSON as the standard has it: NaN and Infinity are not JSON (Python's json writes them)."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_an_eval_set_without_label_tokens_writes_null_and_says_why(tmp_path):
+    """Every eval record without an assistant turn: there is no eval loss. It was written as a bare
+    NaN into metrics.jsonl and summary.json, which JSON readers refuse."""
+    out, evals = tmp_path / "out", tmp_path / "eval.jsonl"
+    evals.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q {i}"}]}) + "\n"
+                             for i in range(4)))
+    proc = deepspeed(["--deepspeed_config", str(ds_config(tmp_path, 2)), "--max_samples", "16", "--eval_data",
+                      str(evals), "--odb_config", str(odb_config(tmp_path, max_tokens=512, window=8)),
+                      "--output_dir", str(out), "--no_final_checkpoint"])
+    rows = [strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    [row] = [r for r in rows if "eval_loss" in r]
+    assert row["eval_loss"] is None and row["eval_label_tokens"] == 0
+    assert strict_json((out / "summary.json").read_text())["eval_loss"] is None
+    assert "no loss (eval_loss null: no sample has a label token" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_a_fresh_run_in_a_folder_with_checkpoints_stops_every_rank_before_any_process_group(tmp_path):
+    """A fresh run in a folder that holds checkpoints retrained from step 0 there, overwriting them
+    and appending a second run to metrics.jsonl. Every rank refuses while parsing its flags."""
+    out = tmp_path / "out"
+    (out / "checkpoints" / "step3").mkdir(parents=True)
+    (out / "checkpoints" / "latest").write_text("step3")
+    code, output, _ = deepspeed_watched(["--deepspeed_config", str(ds_config(tmp_path, 2)), "--output_dir", str(out)],
+                                        nproc=2, timeout=180)
+    assert code != 0
+    assert output.count(f"--output_dir {out} holds an earlier run (checkpoints): pass --resume to continue it, "
+                        "--overwrite_output_dir to start over") == 2, output[-3000:]
+    assert "init_distributed" not in output and (out / "checkpoints" / "latest").read_text() == "step3"

@@ -188,3 +188,47 @@ def test_sigterm_from_slurm_saves_exits_75_and_the_next_job_resumes_exactly(tmp_
     assert "resumed from" in second
     rows = audit(out, 2)
     assert Counter(i for rank_rows in rows for row in rank_rows for i in row["ids"]) == Counter(range(SAMPLES))
+
+
+def test_a_job_naming_its_output_dir_among_the_arguments_resumes_there(tmp_path):
+    """``--output_dir X`` among the script's arguments (the usual way to name a run), no
+    ODB_OUTPUT_DIR: the script looked for checkpoints in runs/slurm-<job id> while training wrote to
+    X, so the next job retrained from step 0 in X, appending a second run to its metrics.jsonl. The
+    first job stops after 3 steps with its final checkpoint; the same command again continues in X.
+    Both spellings of the flag."""
+    out = tmp_path / "named"
+    env = env_without_empty({k: v for k, v in job_env(out).items() if k != "ODB_OUTPUT_DIR"})
+    sbatch_args = ["--nodes=2", "--ntasks-per-node=1"]
+    with SlurmCluster("localhost") as cluster:
+        code, job = cluster.submit(SCRIPT, [*job_args(tmp_path), f"--output_dir={out}", "--max_steps", "3"], env=env,
+                                   timeout=400, sbatch_args=sbatch_args, cwd=ROOT)
+        first = cluster.output(job)
+        assert code == 0, first[-3000:]
+        code, job = cluster.submit(SCRIPT, [*job_args(tmp_path), "--output_dir", str(out)], env=env, timeout=400,
+                                   sbatch_args=sbatch_args, cwd=ROOT)
+        second = cluster.output(job)
+    assert code == 0, second[-3000:]
+    assert f"output {out}" in first and f"output {out}" in second
+    assert f"resumed from {out / 'checkpoints' / 'step3'}" in second, second[-3000:]
+    rows = audit(out, 2)
+    assert Counter(i for rank_rows in rows for row in rank_rows for i in row["ids"]) == Counter(range(SAMPLES))
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(line)]
+    assert steps == list(range(len(steps))), "one run in metrics.jsonl: every step once, in order"
+
+
+def test_a_one_task_srun_step_trains(tmp_path):
+    """``srun python launch/train.py`` in a one-task allocation (``salloc -n1``), no MASTER_ADDR: the
+    rank variables alone sent DeepSpeed into MPI discovery (``ModuleNotFoundError: mpi4py``)."""
+    out, script = tmp_path / "one", tmp_path / "one_task.sh"
+    script.write_text('#!/bin/bash\nsrun "$ODB_PYTHON" "$SLURM_SUBMIT_DIR/launch/train.py" "$@"\n')
+    env = env_without_empty({k: v for k, v in job_env(out).items() if k != "ODB_OUTPUT_DIR"})
+    with SlurmCluster("localhost") as cluster:
+        code, job = cluster.submit(script, ["--deepspeed_config", str(ds_config(tmp_path, 2)), "--max_samples", "24",
+                                            "--odb_config", str(odb_config(tmp_path, max_tokens=1024, window=16)),
+                                            "--output_dir", str(out), "--no_final_checkpoint"],
+                                   env=env, timeout=300, sbatch_args=["--nodes=1", "--ntasks=1"], cwd=ROOT)
+        output = cluster.output(job)
+    assert code == 0, output[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 1 and summary["samples_emitted"] == 24
