@@ -14,7 +14,14 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "numpy>=1.24",
-        "torch>=2.4",  # a range: users bring the build for their GPUs (CI pins the CPU wheel)
+        # A range: users bring the build for their GPUs (CI pins the CPU wheel). The floor is the oldest
+        # release everything odb calls has (odb/training/startup.py refuses older ones at start, naming it):
+        # transformers 5.24 disables torch < 2.6; FSDP2's fully_shard / FSDPModule / MixedPrecisionPolicy
+        # are public in torch.distributed.fsdp from 2.6; SDPA's enable_gqa (odb's CPU path) is 2.5;
+        # DCP's StateDictOptions(broadcast_from_rank0=) is 2.4; DeepSpeed 0.17+ asks torch>=2.0, PEFT
+        # torch>=1.13. On GPUs without flash-attn, torch's own varlen_attn (2.9+) is what odb packs with;
+        # an older torch packs through per-group SDPA (attention_path names the path at start).
+        "torch>=2.6",
         "deepspeed>=0.17",
         "transformers>=5.20,<6",
         "tokenizers>=0.21",

@@ -8,6 +8,7 @@ With no flags: the bundled tiny model on the bundled chat data, one epoch (CPU r
 where there is no GPU). ``python launch/train.py --help`` lists the flags.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from odb.training.cli import FileDefaults, parse_config  # noqa: E402
 from odb.training.environment import check_network, rank_environment  # noqa: E402
 from odb.training.faults import EXIT_PREEMPTED, Preempted  # noqa: E402
 from odb.training.run import Trainer  # noqa: E402
+from odb.training.startup import StartupError, check_startup  # noqa: E402
 
 DEFAULTS = FileDefaults(
     deepspeed_config=REPO / "configs" / "ds_zero2.json", odb_config=REPO / "configs" / "odb.json",
@@ -30,7 +32,11 @@ def main() -> None:
     rank_environment()  # under srun (launch/slurm.sbatch): RANK, WORLD_SIZE, ... from SLURM's variables
     check_network()
     config = parse_config(defaults=DEFAULTS)  # every input checked here, before any process group
-    trainer = Trainer.init(config)
+    try:  # what this rank runs: torch, the backend's APIs, the packed attention path on its device
+        check_startup(config)
+    except StartupError as error:
+        sys.exit(f"odb: rank {os.environ.get('RANK', '0')}: {error}")
+    trainer = Trainer.init(config)  # from here on every wait before the first step is announced or bounded
     try:
         trainer.build()
         trainer.train()

@@ -25,7 +25,6 @@ from odb.batching.config import OdbConfig
 from odb.data.feed import SampleFeed
 from odb.data.processing import SampleDataset, sample_sizes
 from odb.telemetry import Telemetry
-from odb.training.attention import has_flash_attn
 from odb.training.config import RunConfig
 from odb.training.deepspeed_backend import (
     DeepSpeedBackend,
@@ -40,6 +39,7 @@ from odb.training.fsdp2 import build_fsdp2, init_fsdp2_distributed
 from odb.training.model import build_model, hf_model, load_tokenizer, vision_spec
 from odb.training.mrope import supports_packing
 from odb.training.schedule import ProgressSchedule
+from odb.training.startup import announced_wait, probed_attention
 
 __all__ = ["Components", "build_backend", "build_components", "init_distributed", "release_shared_memory"]
 
@@ -84,10 +84,17 @@ def init_distributed(config: RunConfig) -> tuple[int, int]:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     # a backstop: the watchdog (odb.training.faults) ends a stalled run first, naming the rank
     timeout_s = collective_timeout_s(config.run.dist_timeout_s)
-    if config.optimization.backend == "fsdp2":
-        init_fsdp2_distributed(timeout_s)
-    else:
-        init_deepspeed_distributed(timeout_s)
+    fsdp2 = config.optimization.backend == "fsdp2"
+    address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    what = ("" if fsdp2 else "DeepSpeed's communication op (built once per extension cache), then ") + \
+        f"the other ranks to join the process group ({os.environ.get('WORLD_SIZE')} ranks, rendezvous at {address})"
+    check = (f"every rank must be started with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE and reach {address} "
+             f"(a firewall, another job on that port); the process group gives up after {timeout_s:.0f} s")
+    with announced_wait(what, check, timeout_s=config.run.dist_timeout_s):
+        if fsdp2:
+            init_fsdp2_distributed(timeout_s)
+        else:
+            init_deepspeed_distributed(timeout_s)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -158,15 +165,20 @@ def build_backend(config: RunConfig, *, rank: int, vocab_size: int, ds_config: d
     FSDP2: :func:`odb.training.fsdp2.build_fsdp2`.
     """
     model_settings = config.model
-    if config.optimization.backend == "fsdp2":
-        return build_fsdp2(model_settings, config.optimization, seed=config.seed, vocab_size=vocab_size, rank=rank)
-    optimization = config.optimization if ds_config is None else dataclasses.replace(config.optimization,
-                                                                                      deepspeed=ds_config)
-    model = build_model(model_settings.path, seed=config.seed, vocab_size=vocab_size,
-                        lora=dict(model_settings.lora) if model_settings.lora is not None else None,
-                        ds_config=optimization.deepspeed,
-                        gradient_checkpointing=model_settings.gradient_checkpointing)
-    return DeepSpeedBackend(initialize_deepspeed(optimization, model))
+    what = f"the model {model_settings.path} to load and {config.optimization.backend} to set it up"
+    check = (f"a large model on network storage takes minutes; if this does not move, check that the storage answers "
+             f"(ls {model_settings.path}) and the memory (free -g); the other ranks wait here too")
+    with announced_wait(what, check, timeout_s=config.run.dist_timeout_s, on_exit=release_shared_memory):
+        if config.optimization.backend == "fsdp2":
+            return build_fsdp2(model_settings, config.optimization, seed=config.seed, vocab_size=vocab_size,
+                               rank=rank)
+        optimization = config.optimization if ds_config is None else dataclasses.replace(config.optimization,
+                                                                                          deepspeed=ds_config)
+        model = build_model(model_settings.path, seed=config.seed, vocab_size=vocab_size,
+                            lora=dict(model_settings.lora) if model_settings.lora is not None else None,
+                            ds_config=optimization.deepspeed,
+                            gradient_checkpointing=model_settings.gradient_checkpointing)
+        return DeepSpeedBackend(initialize_deepspeed(optimization, model))
 
 
 def shared_settings(config: RunConfig, model_config, dataset: SampleDataset,
@@ -235,13 +247,7 @@ def _datasets(config: RunConfig, tokenizer, vision, *, truncate_to: int | None
 def _settings(config: RunConfig, batching: OdbConfig, *, world_size: int, packed: bool, dataset_size: int,
               planned: int) -> dict[str, Any]:
     ds_config, fsdp2 = config.optimization.deepspeed, config.optimization.fsdp2
-    if not packed:
-        attention = "padded (sdpa)"
-    elif torch.cuda.is_available():
-        attention = ("odb_varlen: flash-attn varlen" if has_flash_attn() else
-                     "odb_varlen: torch varlen_attn (attention dropout, softcap or fp32: per-group SDPA)")
-    else:
-        attention = "odb_varlen: SDPA per group of similar-length samples (CPU)"
+    attention = probed_attention(config) if packed else "padded (sdpa)"  # (probed before the process group)
     backend = {"backend": "deepspeed", "zero_stage": ds_config.get("zero_optimization", {}).get("stage", 0),
                "bf16": ds_config.get("bf16", {}).get("enabled", False)} if fsdp2 is None else \
         {"backend": "fsdp2", "bf16": fsdp2.mixed_precision == "bf16", "cpu_offload": fsdp2.cpu_offload}

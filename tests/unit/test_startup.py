@@ -1,0 +1,161 @@
+"""The start-up check (torch, the backend's APIs, the packed attention path) and the announced waits
+(odb/training/startup.py), in one process. tests/e2e/test_startup.py launches them for real."""
+
+import re
+import threading
+import time
+
+import pytest
+import torch
+
+from launch import ROOT
+from odb.training.attention import attention_path
+from odb.training.cli import FileDefaults, parse_config
+from odb.training.faults import EXIT_STALLED
+from odb.training.startup import (
+    TORCH_FLOOR,
+    WAIT_REPORT_ENV,
+    StartupError,
+    announced_wait,
+    check_startup,
+    check_torch,
+    probed_attention,
+    torch_version,
+)
+
+DEFAULTS = FileDefaults(
+    deepspeed_config=ROOT / "configs" / "ds_zero2.json", odb_config=ROOT / "configs" / "odb.json",
+    model=ROOT / "configs" / "tiny_model.json", data=ROOT / "data" / "chat.jsonl",
+    tokenizer=ROOT / "data" / "tokenizer", lora=ROOT / "configs" / "lora.json",
+    fsdp_config=ROOT / "configs" / "fsdp2.json")
+
+
+def test_setup_py_states_the_floor_the_start_up_check_enforces():
+    text = (ROOT / "setup.py").read_text()
+    floors = re.findall(r'"torch>=(\d+)\.(\d+)[^"]*"', text)
+    assert floors == [tuple(map(str, TORCH_FLOOR))], floors  # one floor, a range (no pin)
+    assert "torch==" not in text and "torch<" not in text
+    assert torch_version() >= TORCH_FLOOR  # (this install)
+    assert torch_version("2.6.0+cu124") == (2, 6) and torch_version("2.10.0a0+git1234") == (2, 10)
+
+
+def test_an_older_torch_is_refused_naming_the_release_to_install(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.5.1+cu121")
+    with pytest.raises(StartupError, match=r"odb needs torch >= 2\.6 .*found 2\.5\.1\+cu121: "
+                                           r"pip install 'torch>=2\.6'"):
+        check_torch("deepspeed")
+
+
+def test_fsdp2_on_a_torch_without_its_apis_is_refused_naming_the_fix(monkeypatch):
+    import torch.distributed.fsdp as fsdp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    check_torch("fsdp2")  # this torch has them all
+    monkeypatch.delattr(fsdp, "fully_shard")
+    monkeypatch.delattr(StateDictOptions, "broadcast_from_rank0")
+    monkeypatch.delitem(StateDictOptions.__dataclass_fields__, "broadcast_from_rank0")
+    with pytest.raises(StartupError, match=r"--backend fsdp2 needs torch\.distributed\.fsdp\.fully_shard, "
+                                           r".*StateDictOptions\.broadcast_from_rank0, which torch .* lacks: "
+                                           r"pip install 'torch>=2\.6', or train with --backend deepspeed"):
+        check_torch("fsdp2")
+    check_torch("deepspeed")  # DeepSpeed does not use them
+
+
+def test_the_banner_names_the_path_the_probe_found():
+    for flags, dtype in (([], torch.float32), (["--backend", "fsdp2"], torch.float32)):
+        config = parse_config(flags, defaults=DEFAULTS)
+        expected = "odb_varlen: " + attention_path(torch.device("cpu"), dtype)
+        assert check_startup(config) == probed_attention(config) == expected
+
+
+def test_a_path_that_cannot_run_stops_the_rank_naming_the_fix(monkeypatch):
+    """What attention_path raises (on CUDA: e.g. a flash-attn that fails to import) reaches the rank as a
+    StartupError that keeps the fix."""
+    import odb.training.attention as attention
+    from odb.training import startup
+
+    def broken(device, dtype):
+        raise RuntimeError("flash-attn 2.8.3 is installed but fails to import (undefined symbol): install the "
+                           "flash-attn build for torch 2.11, or `pip uninstall flash-attn`")
+
+    monkeypatch.setattr(attention, "attention_path", broken)
+    startup._attention_path.cache_clear()
+    try:
+        with pytest.raises(StartupError, match=r"packed attention cannot run on cpu in float32: flash-attn .*"
+                                               r"`pip uninstall flash-attn`"):
+            check_startup(parse_config([], defaults=DEFAULTS))
+    finally:
+        startup._attention_path.cache_clear()
+
+
+def test_a_wait_is_reported_while_it_lasts_and_not_after(monkeypatch, capsys):
+    monkeypatch.setenv(WAIT_REPORT_ENV, "0.2")
+    monkeypatch.setenv("RANK", "3")
+    with announced_wait("the model to load from X", "check the storage", timeout_s=60):
+        time.sleep(0.9)
+    time.sleep(0.5)  # the thread has stopped: nothing more
+    lines = capsys.readouterr().err.splitlines()
+    assert 3 <= len(lines) <= 5, lines
+    assert all(re.fullmatch(r"odb: rank 3: waiting \d s for the model to load from X; check the storage", x)
+               for x in lines), lines
+
+
+def test_the_interval_must_be_a_positive_number(monkeypatch):
+    monkeypatch.setenv(WAIT_REPORT_ENV, "soon")
+    with pytest.raises(ValueError, match=f"{WAIT_REPORT_ENV}='soon': set it to a number of seconds"):
+        with announced_wait("x", "y", timeout_s=1):
+            pass
+
+
+def test_a_stale_extension_lock_is_named_and_ends_the_wait_after_the_timeout(monkeypatch, tmp_path, capsys):
+    """A real lock file, as a killed build leaves it, and torch's own FileBaton waiting on it: the
+    report names the file; after ``timeout_s`` with nothing changing in its folder the rank is ended
+    (here: ``exit`` records the code and deletes the lock, which ends torch's wait)."""
+    from torch.utils.file_baton import FileBaton
+
+    monkeypatch.setenv(WAIT_REPORT_ENV, "0.5")
+    folder = tmp_path / "deepspeed_shm_comm"
+    folder.mkdir()
+    lock = folder / "lock"
+    lock.write_text("")
+    codes: list[int] = []
+
+    def exit(code: int) -> None:
+        codes.append(code)
+        lock.unlink()
+
+    began = time.monotonic()
+    with announced_wait("DeepSpeed's op", "check", timeout_s=2, exit=exit):
+        FileBaton(str(lock)).wait()
+    waited = time.monotonic() - began
+    err = capsys.readouterr().err
+    assert codes == [EXIT_STALLED] and 2 <= waited <= 6, (codes, waited)
+    assert re.search(rf"odb: rank 0: waiting \d s for DeepSpeed's op: for the lock {lock} of torch's C\+\+ "
+                     "extension build", err), err
+    assert f"{lock} has been there for 2 s with no build running" in err and f"Delete it (rm {lock})" in err
+
+
+def test_a_lock_held_by_a_live_build_is_waited_for(monkeypatch, tmp_path, capsys):
+    """A build that writes in its folder (ninja's objects) keeps the wait going past ``timeout_s``."""
+    from torch.utils.file_baton import FileBaton
+
+    monkeypatch.setenv(WAIT_REPORT_ENV, "0.5")
+    folder = tmp_path / "op"
+    folder.mkdir()
+    lock = folder / "lock"
+    lock.write_text("")
+    stop = threading.Event()
+
+    def build() -> None:  # a build that takes 3 s, writing an object file each 0.5 s, then releases
+        for i in range(6):
+            (folder / f"part{i}.o").write_text("")
+            stop.wait(0.5)
+        lock.unlink()
+
+    builder = threading.Thread(target=build)
+    builder.start()
+    codes: list[int] = []
+    with announced_wait("the op", "check", timeout_s=1, exit=codes.append):
+        FileBaton(str(lock)).wait()
+    builder.join()
+    assert codes == [] and "has been there" not in capsys.readouterr().err
