@@ -5,8 +5,10 @@ workers process them (chat template, labels, truncation), with each label run de
     python tools/show_labels.py --tokenizer /models/Qwen2.5-7B-Instruct --data chats.jsonl
     python tools/show_labels.py --data chats.jsonl --data_config my_data.json --max_tokens 512
 
-Check it before a long run: every assistant answer and its end-of-turn token should appear as a
-label run, and nothing of the system, user or headers. Text records only (no images).
+Check it before a long run: every assistant answer (its tool calls and reasoning, as the chat
+template renders them) and its end-of-turn token should appear as a label run, and nothing of the
+system, user, tool results or headers; a record the template cannot label is shown SKIPPED with the
+reason and the fix. Text records only (no images).
 """
 
 from __future__ import annotations

@@ -5,9 +5,23 @@
   its path (``{"type": "image", "image": path}``, ``{"type": "image_url", "image_url": {"url":
   path}}``), or ``{"type": "image"}`` with no path (TRL / Hugging Face style: the paths are in a
   top-level ``"images": [...]``, in order). Each image part becomes an ``<image>`` placeholder.
-* ``sharegpt``: ``{"conversations": [{"from": "human"|"gpt"|"system", "value": "..."}, ...]}``.
+* ``sharegpt``: ``{"conversations": [{"from": "human"|"gpt"|"system", "value": "..."}, ...]}``;
+  LLaMA-Factory's ``function_call`` turns (the value: a JSON call ``{"name", "arguments"}`` or a
+  list of them) become assistant tool calls and its ``observation`` turns tool results.
 * ``llava``: ShareGPT plus ``"image": path`` (or ``"images": [...]``) and ``<image>``
   placeholders in the turns.
+
+Tool calls and reasoning reach the chat template as the OpenAI / transformers message format has
+them: an assistant turn's ``tool_calls`` (each ``{"type": "function", "function": {"name",
+"arguments"}, "id"?}``; a bare ``{"name", "arguments"}`` is wrapped so; ``arguments`` pass as the
+record gives them: the stock Qwen2.5, Qwen3, Llama-3.1 and Mistral templates render an object with
+``tojson``, DeepSeek-R1's expects a JSON string), with ``content`` null or absent where it calls
+tools only; ``reasoning_content`` (Qwen3, read by its template into ``<think>``), ``thinking`` and
+``reasoning``; a ``tool`` turn (also ``function``, ``observation``, ``ipython``: each becomes
+``tool``) with ``name`` and ``tool_call_id``; a record's ``tools`` list (the functions offered;
+a JSON string too, as LLaMA-Factory writes it; a bare function schema is wrapped in
+``{"type": "function", "function": ...}``), passed as ``apply_chat_template(..., tools=...)``.
+A field set to null (as Parquet fills absent fields) counts as absent.
 
 Images: a record's top-level ``"images"`` (or ``"image"``) fill its placeholders in order (in any
 format: the ``<image>`` of string contents and the image parts without a path), or else its image
@@ -18,21 +32,27 @@ without images ``<image>`` is plain text (a user may ask about the HTML tag). Fo
 (``text_only``) a record with images is skipped (``image_for_text_model``), never trained on
 without them.
 
-:func:`normalize` returns ``Conversation(messages, images)``, with roles system / user /
-assistant and one ``<image>`` placeholder per image, or raises :class:`SkipSample` with a reason.
+:func:`normalize` returns ``Conversation(messages, images, tools)``, with roles system / user /
+assistant / tool and one ``<image>`` placeholder per image, or raises :class:`SkipSample` with a
+reason. A user or assistant turn with no text (and, for the assistant, no tool call and no
+reasoning) is ``empty_content``; an empty system or tool turn is kept as the template renders it.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FORMATS", "IMAGE_PLACEHOLDER", "Conversation", "SkipSample", "detect_format", "normalize"]
+__all__ = ["FORMATS", "IMAGE_PLACEHOLDER", "Conversation", "SkipSample", "detect_format", "normalize", "text_of"]
 
 IMAGE_PLACEHOLDER = "<image>"
 FORMATS = ("auto", "messages", "sharegpt", "llava")
 _ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
-          "model": "assistant", "bot": "assistant"}
+          "model": "assistant", "bot": "assistant", "tool": "tool", "function": "tool", "observation": "tool",
+          "ipython": "tool", "function_call": "assistant"}
+_TEXT_FIELDS = ("reasoning_content", "thinking", "reasoning", "name", "tool_call_id")
+"""Per-message string fields the stock templates read, kept as they are."""
 
 
 class SkipSample(Exception):
@@ -45,8 +65,17 @@ class SkipSample(Exception):
 
 @dataclass
 class Conversation:
-    messages: list[dict[str, str]]
+    """A normalized record: its messages (``role``, ``content`` (a string, or None for an
+    assistant turn that only calls tools) and the kept fields), its image paths and its tools."""
+
+    messages: list[dict[str, Any]]
     images: list[str] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+
+
+def text_of(message: dict[str, Any]) -> str:
+    """A normalized message's text ('' where its content is None)."""
+    return message.get("content") or ""
 
 
 def detect_format(record: dict[str, Any]) -> str:
@@ -88,6 +117,71 @@ def _content(value: Any, part_images: list[str | None]) -> str:
     raise SkipSample("bad_content", f"content of type {type(value).__name__}")
 
 
+def _json(value: Any, what: str) -> Any:
+    """``value``, parsed where it is a JSON string (LLaMA-Factory writes calls and tools so)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as err:
+        raise SkipSample("bad_content", f"{what} is not valid JSON ({err}): {value!r:.60}") from None
+
+
+def _tool_calls(value: Any) -> list[dict[str, Any]]:
+    """Tool calls in the OpenAI shape ``{"type": "function", "function": {"name", "arguments"}, "id"?}``."""
+    calls = _json(value, "a function call")
+    calls = [calls] if isinstance(calls, dict) else calls
+    if not isinstance(calls, list):
+        raise SkipSample("bad_content", f"tool_calls must be a list of calls, not {value!r:.60}")
+    out = []
+    for call in calls:
+        if not isinstance(call, dict):
+            raise SkipSample("bad_content", f"a tool call that is not an object: {call!r:.60}")
+        nested = "function" in call
+        function = call["function"] if nested else {k: v for k, v in call.items() if k not in ("id", "type")}
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise SkipSample("bad_content", f"a tool call without a function name: {call!r:.60}")
+        kept = {k: v for k, v in call.items() if (k != "function" if nested else k == "id") and v is not None}
+        out.append({**kept, "type": call.get("type") or "function", "function": function})
+    return out
+
+
+def _tools(record: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The record's ``tools``: each ``{"type": "function", "function": schema}`` (a bare schema is wrapped)."""
+    tools = _json(record.get("tools"), "'tools'")
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise SkipSample("bad_content", f"'tools' must be a list of function schemas, not {tools!r:.60}")
+    return [tool if "function" in tool or "type" in tool else {"type": "function", "function": tool}
+            for tool in tools]
+
+
+def _message(turn: dict[str, Any], role: str, text_key: str, part_images: list[str | None]) -> dict[str, Any]:
+    """One turn as a message: role, content and the fields templates read."""
+    raw_role = turn.get("role", turn.get("from"))
+    if raw_role == "function_call":  # ShareGPT (LLaMA-Factory): the value is the call
+        return {"role": "assistant", "content": None, "tool_calls": _tool_calls(turn.get(text_key))}
+    message: dict[str, Any] = {"role": role}
+    value = turn.get(text_key)
+    calls = turn.get("tool_calls")
+    message["content"] = None if value is None and role == "assistant" and calls else _content(value, part_images)
+    if calls:
+        if role != "assistant":
+            raise SkipSample("bad_content", f"tool_calls on a {role} turn")
+        message["tool_calls"] = _tool_calls(calls)
+    for key in _TEXT_FIELDS:
+        if turn.get(key) is not None:
+            if not isinstance(turn[key], str):
+                raise SkipSample("bad_content", f"{key} must be a string, not {turn[key]!r:.60}")
+            message[key] = turn[key]
+    empty = not text_of(message).strip() and not message.get("tool_calls") and \
+        not any(message.get(key) for key in ("reasoning_content", "thinking", "reasoning"))
+    if empty and role in ("user", "assistant"):
+        raise SkipSample("empty_content", f"an empty {raw_role} turn")
+    return message
+
+
 def _listed_images(record: dict[str, Any]) -> list[str]:
     """The record's top-level ``"images"`` (or ``"image"``) paths."""
     found = record.get("images")
@@ -111,15 +205,13 @@ def normalize(record: dict[str, Any], fmt: str = "auto", *, text_only: bool = Fa
         role_key, text_key = "from", "value"
     if not isinstance(turns, list) or not turns:
         raise SkipSample("no_messages", f"no '{'messages' if fmt == 'messages' else 'conversations'}' list")
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, Any]] = []
     part_images: list[str | None] = []  # each image part's path, None when it carries none
     for turn in turns:
         if not isinstance(turn, dict) or turn.get(role_key) not in _ROLES:
-            raise SkipSample("bad_role", f"turn {turn!r:.60}")
-        text = _content(turn.get(text_key), part_images)
-        if not text.strip():
-            raise SkipSample("empty_content", f"an empty {turn.get(role_key)} turn")
-        messages.append({"role": _ROLES[turn[role_key]], "content": text})
+            raise SkipSample("bad_role", f"turn {turn!r:.60}; known roles: {sorted(_ROLES)}")
+        messages.append(_message(turn, _ROLES[turn[role_key]], text_key, part_images))
+    tools = _tools(record)
     listed = _listed_images(record)
     if text_only and (listed or part_images):
         raise SkipSample("image_for_text_model", f"{max(len(listed), len(part_images))} image(s) for a text-only "
@@ -136,12 +228,12 @@ def normalize(record: dict[str, Any], fmt: str = "auto", *, text_only: bool = Fa
                          "path and no top-level 'images' list to take them from")
     images = listed or own
     if not images:  # no image: '<image>' is text
-        return Conversation(messages, [])
-    placeholders = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
+        return Conversation(messages, [], tools)
+    placeholders = sum(text_of(m).count(IMAGE_PLACEHOLDER) for m in messages)
     first_user = next((m for m in messages if m["role"] == "user"), None)
     if len(images) == 1 and placeholders == 0 and first_user:  # LLaVA files sometimes omit it
         first_user["content"] = IMAGE_PLACEHOLDER + "\n" + first_user["content"]
         placeholders = 1
     if placeholders != len(images):
         raise SkipSample("image_placeholder_mismatch", f"{placeholders} <image> for {len(images)} images")
-    return Conversation(messages, images)
+    return Conversation(messages, images, tools)

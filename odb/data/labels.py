@@ -2,43 +2,69 @@
 
 ``apply_chat_template(..., return_assistant_tokens_mask=True)`` marks assistant tokens only where
 the template wraps them in ``{% generation %}`` blocks; the stock templates of Qwen2.5, Qwen2-VL,
-Llama 3, Mistral and Gemma have none, and the mask comes back all zeros without a word. So odb
-finds each assistant turn by rendering the conversation prefix by prefix, one code path for every
-template. For an assistant turn at ``messages[k]``::
+Llama 3, Mistral, Gemma and Phi-3 have none, and the mask comes back all zeros without a word. So
+odb finds each assistant turn by rendering the conversation prefix by prefix, one code path for
+every template. For an assistant turn at ``messages[k]``::
 
     prompt   = render(messages[:k], add_generation_prompt=True)
     through  = render(messages[:k + 1])
-    span     = through[len(prompt):], less the whitespace after its end-of-turn token
+    next     = the rendering that continues the turn: the next assistant turn's prompt, else the
+               whole conversation, else (the turn is the last message) the whole conversation
+               with a generation prompt after it
+    start    = where through parts from prompt (len(prompt) where through extends it)
+    end      = where through parts from next, less the whitespace before that point
 
 ChatML, worked through (``.`` stands for a newline; ``messages[1]`` is the assistant's)::
 
     prompt    <|im_start|>user.Hi<|im_end|>.<|im_start|>assistant.
     through   <|im_start|>user.Hi<|im_end|>.<|im_start|>assistant.Hello!<|im_end|>.
+    next      <|im_start|>user.Hi<|im_end|>.<|im_start|>assistant.Hello!<|im_end|>.<|im_start|>assistant.
     span                                                          Hello!<|im_end|>
 
-The span is what the model must generate after the generation prompt: the answer and its
-end-of-turn token, nothing of the system, user or header tokens. Leading whitespace that the
-template puts after the generation prompt (Mistral's ``[/INST] Hello``) belongs to the answer,
-since the model generates it; trailing whitespace after the end-of-turn token (ChatML's and
-Gemma's newline) is the template's separator, which the model never generates.
+The span is what the model must generate after the generation prompt: the answer (its tool calls
+and reasoning, as the template renders them) and its end-of-turn token, nothing of the system, user,
+tool or header tokens. Leading whitespace that the template puts after the generation prompt
+(Mistral's ``[/INST] Hello``) belongs to the answer, since the model generates it; trailing
+whitespace after the end-of-turn token (ChatML's and Gemma's newline) is the template's separator,
+which the model never generates. Two ways a template may part from that picture are one mechanism,
+where the renderings part:
 
-The renderings must extend one another (each a prefix of the next, the last a prefix of the whole
-conversation's); then the spans are spans of the one full rendering. That rendering is tokenized
-once, exactly as ``apply_chat_template(messages, tokenize=True)`` does (``add_special_tokens=False``),
-and a token is labelled if its characters (the fast tokenizer's offsets) overlap a span, as
-transformers does for ``{% generation %}`` masks. The price: two renderings per assistant turn
-(about 0.6 ms a sample on the bundled chat data, twice the ``{% generation %}`` path).
+* **A trailer.** Phi-3's template ends a rendering with ``eos_token`` unless a generation prompt
+  follows: ``through`` = ``...<|assistant|>.Hi!<|end|>.<|endoftext|>`` while ``next`` continues
+  ``...<|assistant|>.Hi!<|end|>.<|user|>...``. They part after ``<|end|>.``: the span ends at
+  ``<|end|>``, and what ``through`` has past the parting point (``<|endoftext|>``) must be the
+  very end of the whole rendering too (a trailer, rendered once), else the template rewrote the
+  turn (below).
+* **A forced answer prefix.** DeepSeek-R1's generation prompt is ``<｜Assistant｜><think>.``, but
+  its assistant turn renders ``<｜Assistant｜>Hi!<｜end▁of▁sentence｜>``: ``through`` parts from the
+  prompt inside the generation prompt (where ``render(messages[:k])``, without it, ends), so the
+  answer starts there (``Hi!...``); ``<think>.`` is what the prompt forces the model to begin with.
+  A parting point before the generation prompt is a mismatch.
+
+Parting points never fall inside an added token (``<|endoftext|>`` and ``<|user|>`` share ``<|``).
+The renderings must extend one another up to these points (each turn's rendering through its answer
+a prefix of everything after it); then the spans are spans of the one full rendering. That
+rendering is tokenized once, exactly as ``apply_chat_template(messages, tools=..., tokenize=True)``
+does (``add_special_tokens=False``), and a token is labelled if its characters (the fast
+tokenizer's offsets) overlap a span, as transformers does for ``{% generation %}`` masks. The
+price: two renderings per assistant turn and one for the conversation (about 0.5 ms a sample on the
+bundled chat data, two assistant turns on average; a fifth more than without the trailer check).
 
 A template that rewrites earlier turns once later ones follow (Qwen3's drops the ``<think>``
-reasoning of past assistant turns) breaks the chain: :class:`TemplateMismatch`, which names the
-two fallbacks of :data:`TRAIN_ON`: ``"last"`` (labels on the final assistant turn, whose rendering
-still extends the prompt before it) and ``"all"`` (every token).
+reasoning of assistant turns before the last user query; Mistral v0.3's shows the system message
+inside the last user turn only while that turn is last) breaks the chain: :class:`TemplateMismatch`,
+which names where the renderings part and the two fallbacks of :data:`TRAIN_ON`: ``"last"``
+(labels on the final assistant turn, whose rendering still extends the prompt before it) and
+``"all"`` (every token). A system message whose text the whole rendering lacks (Mistral v0.3 and
+Mistral-Nemo drop it once an assistant turn is last) is a mismatch under every ``train_on``: no
+rendering of that conversation trains on it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["TRAIN_ON", "LabelledChat", "TemplateMismatch", "assistant_char_spans", "encode_chat", "token_spans"]
 
@@ -50,8 +76,9 @@ _FALLBACKS = ("set train_on in the data config to 'last' (labels on the final as
 
 
 class TemplateMismatch(ValueError):
-    """The chat template's renderings of a conversation's prefixes do not extend one another, so
-    its assistant turns cannot be found in the full rendering. The message names the fix."""
+    """The chat template's renderings of a conversation's prefixes do not extend one another (or it
+    drops the system message), so its assistant turns cannot be found in the full rendering. The
+    message says where and names the fix."""
 
 
 @dataclass(frozen=True)
@@ -59,8 +86,8 @@ class LabelledChat:
     """A conversation rendered, tokenized and labelled.
 
     Attributes:
-        text: the full rendering (``apply_chat_template(messages, tokenize=False)``).
-        input_ids: its tokens, those of ``apply_chat_template(messages, tokenize=True)``.
+        text: the full rendering (``apply_chat_template(messages, tools=tools, tokenize=False)``).
+        input_ids: its tokens, those of ``apply_chat_template(messages, tools=tools, tokenize=True)``.
         label_spans: token ranges ``[start, end)`` to train on, in order.
         turn_ends: the token positions just past each complete assistant turn that was found, in
             order: where a sample may be cut between turns (see ``DataConfig.truncation``).
@@ -72,64 +99,143 @@ class LabelledChat:
     turn_ends: list[int]
 
 
-def _render(tokenizer, messages: Sequence[dict], *, generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
+class _Renderer:
+    """Renders prefixes of one conversation, and finds where two renderings part."""
+
+    def __init__(self, tokenizer, messages: Sequence[dict], tools: list[dict[str, Any]] | None) -> None:
+        self.tokenizer, self.messages, self.tools = tokenizer, list(messages), tools
+        self._added: list[str] | None = None
+
+    def __call__(self, end: int, *, generation_prompt: bool = False) -> str:
+        """``messages[:end]`` rendered (with the generation prompt after them)."""
+        return self.tokenizer.apply_chat_template(self.messages[:end], tools=self.tools, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
+
+    def parting(self, a: str, b: str) -> int:
+        """Where ``a`` and ``b`` part: ``len(a)`` if ``b`` extends ``a``; else the end of their common
+        prefix, moved back so that it falls inside no added token of either."""
+        if b.startswith(a):
+            return len(a)
+        at = _common_prefix(a, b)
+        if self._added is None:
+            self._added = [t for t in self.tokenizer.get_added_vocab() if len(t) > 1]
+        moved = True
+        while moved and at > 0:
+            moved = False
+            for text in (a, b):
+                for token in self._added:
+                    start = text.rfind(token, max(0, at - len(token) + 1), at + len(token) - 1)
+                    if start != -1 and start < at:
+                        at, moved = start, True
+        return at
 
 
-def _check_extends(before: str, after: str, what: str, fix: str) -> None:
-    """Raises :class:`TemplateMismatch` unless ``after`` starts with ``before``."""
-    if after.startswith(before):
-        return
-    at = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
-    raise TemplateMismatch(
+def _common_prefix(a: str, b: str) -> int:
+    low, high = 0, min(len(a), len(b))
+    while low < high:  # a[:low] == b[:low]; a[:high + 1] != b[:high + 1]
+        mid = (low + high + 1) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def _mismatch(what: str, before: str, after: str, at: int, fix: str, example: str) -> TemplateMismatch:
+    return TemplateMismatch(
         f"the chat template renders a conversation differently once later turns follow ({what}; they part at "
-        f"character {at}: {before[at:at + 40]!r} vs {after[at:at + 40]!r}), as a template that rewrites past "
-        f"turns does (e.g. one that strips <think> reasoning from earlier assistant turns); {fix}")
+        f"character {at}: {before[at:at + 40]!r} vs {after[at:at + 40]!r}), as a template that {example} does; "
+        f"{fix}")
 
 
-def assistant_char_spans(tokenizer, messages: Sequence[dict], *, last_only: bool = False
-                         ) -> tuple[str, list[tuple[int, int]]]:
+def _check_system_kept(messages: Sequence[dict], text: str) -> None:
+    for message in messages:
+        content = message.get("content")
+        if message["role"] == "system" and isinstance(content, str) and content.strip() \
+                and content.strip() not in text:
+            raise TemplateMismatch(
+                f"the chat template drops the system message ({content.strip()[:40]!r}) from this conversation's "
+                "rendering (e.g. Mistral v0.3's and Mistral-Nemo's show it only inside the last user turn while "
+                "that turn is last), so no rendering of it trains with the system prompt; put the system text at "
+                "the start of the first user turn instead, drop the system message, or use a template that "
+                "renders it in place")
+
+
+def assistant_char_spans(tokenizer, messages: Sequence[dict], *, last_only: bool = False,
+                         tools: list[dict[str, Any]] | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The full rendering of ``messages`` and the character spans of its assistant turns.
 
     Args:
         tokenizer: a tokenizer with a chat template.
-        messages: ``{"role", "content"}`` dicts.
+        messages: normalized messages (:func:`odb.data.formats.normalize`).
         last_only: find the final assistant turn only (``train_on="last"``).
+        tools: the record's tools, passed to the template.
 
     Returns:
-        ``(text, spans)``: ``text`` is ``apply_chat_template(messages, tokenize=False)``; each
-        span ``[start, end)`` of it holds an assistant answer and its end-of-turn token (a turn
+        ``(text, spans)``: ``text`` is ``apply_chat_template(messages, tools=tools, tokenize=False)``;
+        each span ``[start, end)`` of it holds an assistant answer and its end-of-turn token (a turn
         that renders as whitespace only has none).
 
     Raises:
-        TemplateMismatch: the renderings of the prefixes do not extend one another, or an
-            assistant turn opens the conversation (no prompt renders before it).
+        TemplateMismatch: the renderings of the prefixes do not extend one another (see the module
+            docstring), an assistant turn opens the conversation (no prompt renders before it), or
+            the template drops the system message.
     """
+    render = _Renderer(tokenizer, messages, tools)
     turns = [k for k, message in enumerate(messages) if message["role"] == "assistant"]
     if last_only:
         turns = turns[-1:]
     fix = "set train_on in the data config to 'all' (labels on every token)" if last_only else _FALLBACKS
+    n = len(messages)
+    text = render(n)
+    _check_system_kept(messages, text)
     spans: list[tuple[int, int]] = []
-    previous, through = "", ""
-    for k in turns:
+    settled = 0  # text[:settled] is fixed: every later rendering extends it
+    prompt = render(turns[0], generation_prompt=True) if turns and turns[0] > 0 else ""
+    for i, k in enumerate(turns):
         if k == 0:
             raise TemplateMismatch("the conversation opens with an assistant turn, so no prompt renders before it "
                                    "to tell the answer from the template's own text; start it with a user (or "
                                    "system) turn, or set train_on in the data config to 'all'")
-        prompt = _render(tokenizer, messages[:k], generation_prompt=True)
-        _check_extends(previous, prompt, f"messages[:{k}] with the generation prompt does not extend the "
-                                         "rendering before it", fix)
-        through = _render(tokenizer, messages[:k + 1])
-        _check_extends(prompt, through, f"messages[:{k + 1}] does not extend messages[:{k}] with the "
-                                        "generation prompt", fix)
-        end = max(len(prompt), len(through.rstrip()))
-        if end > len(prompt):
-            spans.append((len(prompt), end))
-        previous = through
-    text = through if turns and turns[-1] == len(messages) - 1 else _render(tokenizer, messages)
-    _check_extends(previous, text, "the whole conversation does not extend its rendering through the last "
-                                   "assistant turn", fix)
+        through = text if k == n - 1 else render(k + 1)
+        start = _answer_start(render, k, prompt, through, settled,
+                              fix if k != turns[-1] else _last_turn_fix(messages))
+        if i + 1 < len(turns):
+            following = render(turns[i + 1], generation_prompt=True)
+        else:
+            following = text if k < n - 1 else render(n, generation_prompt=True)
+        end = render.parting(through, following)
+        trailer = through[end:]
+        if trailer and (not text.endswith(trailer) or not through[start:end].strip() and through[start:].strip()):
+            raise _mismatch(f"messages[{k}], an assistant turn, renders differently once "
+                            f"{'the conversation goes on' if following is text else 'later turns follow'}",
+                            through, following, end, fix,
+                            "rewrites past turns (e.g. strips <think> reasoning from earlier assistant turns)")
+        answer_end = len(through[:end].rstrip())
+        if answer_end > start:
+            spans.append((start, answer_end))
+        settled, prompt = end, following
     return text, spans
+
+
+def _answer_start(render: _Renderer, k: int, prompt: str, through: str, settled: int, fix: str) -> int:
+    """Where the answer of ``messages[k]`` starts in ``through``: where it parts from ``prompt``,
+    which must be inside the prompt's generation prompt (then the rest of it is a forced answer
+    prefix) and past ``settled``."""
+    start = render.parting(prompt, through)
+    if start < len(prompt):  # only inside the generation prompt: where render(messages[:k]) ends
+        if start < max(render.parting(render(k), prompt), settled):
+            raise _mismatch(f"messages[:{k + 1}] parts from messages[:{k}] with the generation prompt before its "
+                            "generation prompt", prompt, through, start, fix, "moves or rewrites earlier turns "
+                            "(e.g. shows the system message only while a user turn is last)")
+    return start
+
+
+def _last_turn_fix(messages: Sequence[dict]) -> str:
+    """The fix where even the final assistant turn cannot be found ('last' would not help)."""
+    moved = ", or move the system message's text into the first user turn" if any(
+        m["role"] == "system" for m in messages) else ""
+    return f"set train_on in the data config to 'all' (labels on every token){moved}"
 
 
 def token_spans(offsets: Sequence[tuple[int, int]], char_spans: Sequence[tuple[int, int]]
@@ -156,21 +262,25 @@ def token_spans(offsets: Sequence[tuple[int, int]], char_spans: Sequence[tuple[i
     return out
 
 
-def encode_chat(tokenizer, messages: Sequence[dict], train_on: str = "assistant") -> LabelledChat:
+def encode_chat(tokenizer, messages: Sequence[dict], train_on: str = "assistant",
+                tools: list[dict[str, Any]] | None = None) -> LabelledChat:
     """Renders, tokenizes and labels a conversation.
 
     Args:
         tokenizer: a fast tokenizer (it gives character offsets) with a chat template.
-        messages: ``{"role", "content"}`` dicts.
+        messages: normalized messages (:func:`odb.data.formats.normalize`): role, content and the
+            fields templates read (``tool_calls``, ``reasoning_content``, ...).
         train_on: one of :data:`TRAIN_ON`. Under ``"all"`` every token is labelled, and the
             assistant turns are still looked for, for ``turn_ends``: where the template
             rewrites past turns there are none.
+        tools: the record's tools (``apply_chat_template(..., tools=tools)``).
 
     Returns:
         The :class:`LabelledChat`.
 
     Raises:
-        TemplateMismatch: under ``"assistant"`` or ``"last"``, see :func:`assistant_char_spans`.
+        TemplateMismatch: see :func:`assistant_char_spans`; under ``"all"`` only where the template
+            drops the system message.
         ValueError: ``train_on`` is unknown, or the tokenizer gives no offsets.
     """
     if train_on not in TRAIN_ON:
@@ -179,11 +289,12 @@ def encode_chat(tokenizer, messages: Sequence[dict], train_on: str = "assistant"
         raise ValueError(f"{type(tokenizer).__name__} gives no character offsets, which odb needs to find the "
                          "assistant tokens; load the model's fast tokenizer (AutoTokenizer, use_fast=True)")
     try:
-        text, char_spans = assistant_char_spans(tokenizer, messages, last_only=train_on == "last")
+        text, char_spans = assistant_char_spans(tokenizer, messages, last_only=train_on == "last", tools=tools)
     except TemplateMismatch:
         if train_on != "all":
             raise
-        text, char_spans = _render(tokenizer, messages), []
+        text, char_spans = _Renderer(tokenizer, messages, tools)(len(messages)), []
+        _check_system_kept(messages, text)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = list(encoded["input_ids"])
     spans = token_spans(encoded["offset_mapping"], char_spans)

@@ -7,10 +7,15 @@ A record that cannot be a sample is skipped and counted by reason (:data:`SKIP_R
 (``vision=None``) skips records with images (``image_for_text_model``) rather than training on
 their text alone, and reads ``<image>`` as text.
 
-Labels come from :mod:`odb.data.labels`, which finds the assistant turns with any chat template
-(``DataConfig.train_on``). A template that rewrites past turns is skipped per record as
-``template_mismatch`` (the detail names ``train_on`` 'last' and 'all'); a sample left with no label
-token (template, ``train_on`` or truncation) as ``no_labels``: it would cost a slot and teach nothing.
+Labels come from :mod:`odb.data.labels`, which finds the assistant turns (their tool calls and
+reasoning too) with any chat template (``DataConfig.train_on``); a record's ``tools`` reach the
+template. A template that rewrites past turns is skipped per record as ``template_mismatch`` (the
+detail says where the renderings part and names the fallback: ``train_on`` 'last' or 'all', or
+moving the system message); a sample left with no label token (template, ``train_on`` or
+truncation) as ``no_labels``: it would cost a slot and teach nothing. For a vision-language model,
+a tokenized sample must hold exactly its images' visual tokens (the model's image token, counted)
+and no video token: a literal ``<|image_pad|>`` in a record's text would stop the model's forward
+on every rank, so it is that record's ``image_token_mismatch``.
 
 Truncation (only with ``truncate_to``, the run's over_cap policy 'truncate'): under
 ``DataConfig.truncation`` 'turns' a long sample keeps its longest run of leading tokens that ends
@@ -38,8 +43,8 @@ from torch.utils.data import Dataset
 
 from odb.batching.config import check_bool, check_int, check_number, check_str, load_json_config
 from odb.batching.cost import count_label_tokens
-from odb.data.formats import FORMATS, IMAGE_PLACEHOLDER, SkipSample, normalize
-from odb.data.images import IMAGE_PAD, ImageProcessor, VisionSpec, expand_placeholders
+from odb.data.formats import FORMATS, IMAGE_PLACEHOLDER, SkipSample, normalize, text_of
+from odb.data.images import IMAGE_PAD, VISION_END, VISION_START, ImageProcessor, VisionSpec, expand_placeholders
 from odb.data.labels import TRAIN_ON, LabelledChat, TemplateMismatch, encode_chat
 from odb.data.sources import Source
 
@@ -47,7 +52,8 @@ __all__ = ["SKIP_REASONS", "TRUNCATION", "DataConfig", "SampleDataset", "load_da
 
 SKIP_REASONS = ("not_json", "not_an_object", "no_messages", "bad_role", "bad_content", "empty_content",
                 "no_assistant_turn", "image_placeholder_mismatch", "mixed_image_sources", "image_for_text_model",
-                "missing_image", "unreadable_image", "template_mismatch", "no_labels", "over_cap", "error")
+                "missing_image", "unreadable_image", "image_token_mismatch", "template_mismatch", "no_labels",
+                "over_cap", "error")
 TRUNCATION = ("turns", "tokens")
 """Where a sample over the token cap is cut (``DataConfig.truncation``)."""
 
@@ -75,8 +81,10 @@ class DataConfig:
     """Augmentation: keep a random number (>= 1) of the leading user/assistant exchanges."""
     image_folder: str | None = None
     """Where relative image paths start (default: the data file's folder)."""
-    min_pixels: int = 56 * 56
-    max_pixels: int = 448 * 448
+    min_pixels: int | None = None
+    """Images are resized to at least this many pixels; None: the model's image processor's own bound."""
+    max_pixels: int | None = None
+    """Images are resized to at most this many pixels; None: the model's image processor's own bound."""
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -96,9 +104,10 @@ class DataConfig:
             raise ValueError("system_prompt_prob > 0 needs system_prompts to choose from")
         if self.image_folder is not None:
             check_str("image_folder", self.image_folder)
-        check_int("min_pixels", self.min_pixels, 1)
-        check_int("max_pixels", self.max_pixels, 1)
-        if self.min_pixels > self.max_pixels:
+        for name in ("min_pixels", "max_pixels"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
             raise ValueError(f"need min_pixels <= max_pixels, got {self.min_pixels} > {self.max_pixels}")
         object.__setattr__(self, "system_prompts", tuple(self.system_prompts))
 
@@ -117,8 +126,9 @@ class SampleDataset(Dataset):
     A sample: ``uid``, ``index``, ``input_ids``, ``labels``, ``patches``, ``truncated_tokens`` (the
     tokens cut to fit ``truncate_to``, 0 when none) and, with images, ``pixel_values`` and
     ``image_grid_thw``. A record that is skipped: ``{"uid", "index", "skip": reason, "where":
-    "file:line", "detail", "fatal": strict}``. ``vision`` is the image geometry of a vision-language
-    model (:func:`odb.training.model.vision_spec`); None means a text model, which takes no images.
+    "file:line", "detail", "fatal": strict}``. ``vision`` is the image processor of a vision-language
+    model (:func:`odb.training.model.vision_spec`: the model's own, built in each worker on first
+    use); None means a text model, which takes no images.
 
     Args:
         path: a data file or folder (:class:`odb.data.sources.Source`).
@@ -128,7 +138,7 @@ class SampleDataset(Dataset):
         max_samples: use only the first this many records (of ``indices``, when given).
         truncate_to: cut longer samples to this many tokens (``config.truncation`` says where); None
             leaves long samples to the batcher (over_cap 'drop' or 'error').
-        vision: the image geometry of a vision-language model; None for a text model.
+        vision: the image processor and vision tokens of a vision-language model; None for a text model.
         indices: the dataset is these records of the source, in this order (e.g. a validation
             split): ``index`` is the position in ``indices``, ``where`` the record's own file:line.
     """
@@ -151,7 +161,8 @@ class SampleDataset(Dataset):
         self.image_folder = Path(config.image_folder) if config.image_folder else root
         self.vision = vision
         self._images: ImageProcessor | None = None  # built in the worker on first use
-        self.image_pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD) if vision is not None else None
+        self.vision_tokens = _vision_tokens(tokenizer, vision) if vision is not None else None
+        self.image_pad_id = tokenizer.convert_tokens_to_ids(self.vision_tokens[1]) if vision is not None else None
 
     def __len__(self) -> int:
         return self.size
@@ -185,18 +196,22 @@ class SampleDataset(Dataset):
             grid_list = list(grids)
             expanded = []
             for message in messages:
-                count = message["content"].count(IMAGE_PLACEHOLDER)
-                content = expand_placeholders(message["content"], grid_list[:count], self.vision.merge_size,
-                                              IMAGE_PLACEHOLDER)
+                count = text_of(message).count(IMAGE_PLACEHOLDER)
+                if count:
+                    message = {**message, "content": expand_placeholders(
+                        message["content"], grid_list[:count], self.vision.merge_size, IMAGE_PLACEHOLDER,
+                        self.vision_tokens)}
                 grid_list = grid_list[count:]
-                expanded.append({**message, "content": content})
+                expanded.append(message)
             messages = expanded
             sample.update(pixel_values=pixel_values, image_grid_thw=grids, patches=int(grids.prod(dim=1).sum()))
         try:
-            chat = encode_chat(self.tokenizer, messages, self.config.train_on)
+            chat = encode_chat(self.tokenizer, messages, self.config.train_on, tools=conversation.tools)
         except TemplateMismatch as err:
             raise SkipSample("template_mismatch", str(err)) from None
         input_ids = torch.tensor(chat.input_ids, dtype=torch.long)
+        if self.vision is not None:
+            self._check_image_tokens(input_ids, sample.get("image_grid_thw"))
         keep = torch.zeros_like(input_ids, dtype=torch.bool)
         for start, end in chat.label_spans:
             keep[start:end] = True
@@ -248,6 +263,24 @@ class SampleDataset(Dataset):
             sample.update(pixel_values=sample["pixel_values"][:patches], image_grid_thw=grids[:num_images])
         sample["patches"] = patches
 
+    def _check_image_tokens(self, input_ids: torch.Tensor, grids: torch.Tensor | None) -> None:
+        """Raises ``image_token_mismatch`` unless the tokenized sample holds exactly its images'
+        visual tokens (and no video token): a literal image token in a record's text (or one a chat
+        template adds) would stop the model's forward on every rank, at the M-RoPE step."""
+        assert self.vision is not None
+        expected = sum(self.vision.visual_tokens(grid) for grid in grids) if grids is not None else 0
+        found = int((input_ids == self.image_pad_id).sum())
+        video = self.vision.video_token_id
+        videos = int((input_ids == video).sum()) if video is not None and video != self.image_pad_id else 0
+        if found != expected or videos:
+            token = self.vision_tokens[1]
+            raise SkipSample("image_token_mismatch", (
+                f"{found} image token(s) {token!r} in the tokenized sample but its "
+                f"{0 if grids is None else len(grids)} image(s) make {expected}" if found != expected else
+                f"{videos} video token(s) in the tokenized sample, which odb gives no video")
+                + "; the record's text holds the model's image or video token literally (or the chat template "
+                "adds one): remove it, or write images as <image> placeholders or image parts")
+
     def _no_labels(self, chat: LabelledChat, keep: torch.Tensor) -> str:
         """Why a sample has no label token, for the skip's detail."""
         if bool(keep.any()):
@@ -258,19 +291,19 @@ class SampleDataset(Dataset):
                 "labels what the template renders for an assistant turn after its generation prompt); check the "
                 "template renders the assistant turns, or set train_on to 'all'")
 
-    def _augment_with_images(self, conversation, rng: random.Random) -> tuple[list[dict[str, str]], list[str]]:
+    def _augment_with_images(self, conversation, rng: random.Random) -> tuple[list[dict[str, Any]], list[str]]:
         """The augmented messages and the images of their ``<image>`` placeholders, in order: a
         turn that augmentation leaves out takes its images with it."""
         owned, at = [], 0
         for message in conversation.messages:
-            count = message["content"].count(IMAGE_PLACEHOLDER) if conversation.images else 0
+            count = text_of(message).count(IMAGE_PLACEHOLDER) if conversation.images else 0
             owned.append((message, conversation.images[at:at + count]))
             at += count
         by_message = {id(message): paths for message, paths in owned}
         messages = self._augment([m for m, _ in owned], rng)
         return messages, [p for m in messages for p in by_message.get(id(m), [])]
 
-    def _augment(self, messages: list[dict[str, str]], rng: random.Random) -> list[dict[str, str]]:
+    def _augment(self, messages: list[dict[str, Any]], rng: random.Random) -> list[dict[str, Any]]:
         config = self.config
         if config.turn_sampling:
             assistant_at = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
@@ -296,6 +329,24 @@ class SampleDataset(Dataset):
         if self._images is None:
             self._images = ImageProcessor(self.vision)
         return self._images(images)
+
+
+def _vision_tokens(tokenizer, vision: VisionSpec) -> tuple[str, str, str]:
+    """The vision start, image and vision end tokens: the model config's ids, as the tokenizer
+    spells them (the Qwen names where the spec has no ids)."""
+    ids = (vision.vision_start_token_id, vision.image_token_id, vision.vision_end_token_id)
+    if any(i is None for i in ids):
+        names = (VISION_START, IMAGE_PAD, VISION_END)
+        ids = tuple(tokenizer.convert_tokens_to_ids(name) for name in names)
+    else:
+        names = tuple(tokenizer.convert_ids_to_tokens(list(ids)))
+    unknown = [name for name, token_id in zip(names, ids)
+               if token_id is None or token_id == tokenizer.unk_token_id or name is None
+               or tokenizer.convert_tokens_to_ids(name) != token_id]
+    if unknown:
+        raise ValueError(f"the tokenizer does not know the model's vision tokens {unknown} (ids {list(ids)}): "
+                         "use the model's own tokenizer (--tokenizer)")
+    return names
 
 
 def sample_sizes(sample: dict[str, Any]) -> tuple[int, int, int]:

@@ -114,7 +114,7 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
     backend = build_backend(config, rank=rank, vocab_size=len(tokenizer), ds_config=ds_config)
     model = hf_model(backend.module)
     batching = config.batching
-    vision = vision_spec(model, config.data.processing)
+    vision = vision_spec(model, config.data.processing, source=config.model.path)
     if vision is not None:
         # a micro-batch without images carries a 3-token blank image (odb/training/engine.py): keep room
         batching = dataclasses.replace(batching, max_tokens=batching.max_tokens - BLANK_IMAGE_TOKENS)

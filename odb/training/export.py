@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import json
-import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
@@ -35,7 +34,7 @@ from typing import Any
 
 import torch
 
-from odb.data.images import ImageProcessor, VisionSpec
+from odb.data.images import VisionSpec, vision_spec_for
 from odb.training.fsdp2 import DCP_FOLDER
 from odb.training.model import load_tokenizer, training_dtype
 
@@ -125,8 +124,8 @@ def save_hf(backend, *, model_path: str | Path, lora: dict[str, Any] | None, tok
         out: the folder to write.
         adapter_only: LoRA: save the adapter instead of the merged model.
         dtype: of the saved weights (default: the training precision).
-        vision: the image geometry of the run (:func:`odb.training.model.vision_spec`) for a
-            vision-language model; default: its config's patches and odb's default pixel range.
+        vision: the run's image processor (:func:`odb.training.model.vision_spec`) for a
+            vision-language model; default: the model's own, with its own pixel bounds.
     """
     import torch.distributed as dist
     from peft import PeftModel
@@ -203,7 +202,7 @@ def write_hf(state_dict: dict[str, torch.Tensor], *, model_path: str | Path, lor
         base.save_pretrained(str(out), safe_serialization=True)
     _save_tokenizer(tokenizer, out)
     if getattr(config, "vision_config", None) is not None:
-        _save_image_processor(config, vision, out)
+        _save_image_processor(config, vision, out, model_path)
     return out
 
 
@@ -254,24 +253,11 @@ def _save_tokenizer(tokenizer: Any, out: Path) -> None:
     tokenizer.save_pretrained(str(out))
 
 
-def _vision_spec(config, **pixels: int) -> VisionSpec | None:
-    """A vision tower's image geometry (``pixels``: odb's range), or None where odb knows none."""
-    spec = getattr(config, "vision_config", None)
-    names = ("patch_size", "temporal_patch_size", "spatial_merge_size")
-    if spec is None or not all(hasattr(spec, name) for name in names):
-        return None
-    return VisionSpec(patch_size=spec.patch_size, temporal_patch_size=spec.temporal_patch_size,
-                      merge_size=spec.spatial_merge_size, **pixels)
-
-
-def _save_image_processor(config, vision: VisionSpec | None, out: Path) -> None:
-    """The Qwen2-VL image processor odb trained with: its patches, merge and pixel range."""
-    vision = vision or _vision_spec(config)
-    if vision is None:
-        warnings.warn(f"no image processor saved in {out}: odb knows only Qwen2-VL-style vision towers; copy "
-                      "the base model's preprocessor_config.json into it", stacklevel=3)
-        return
-    ImageProcessor(vision).processor.save_pretrained(str(out))
+def _save_image_processor(config, vision: VisionSpec | None, out: Path, model_path: str | Path) -> None:
+    """The image processor the run used: the model's own (``vision``, else built again from
+    ``model_path``, with its own pixel bounds), saved so ``AutoImageProcessor.from_pretrained(out)``
+    gives the pixel values the model was trained on."""
+    (vision or vision_spec_for(config, model_path)).build().save_pretrained(str(out))
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -355,8 +341,8 @@ def export_checkpoint(checkpoint_dir: str | Path, out: str | Path, *, adapter_on
         raise FileNotFoundError(f"tokenizer {tokenizer} (model.tokenizer in {tag_folder / 'run_config.json'}) "
                                 "does not exist here; pass --tokenizer")
     processing = run["data"]["processing"]
-    vision = _vision_spec(_export_config(model_path or model["path"]), min_pixels=processing["min_pixels"],
-                          max_pixels=processing["max_pixels"])
+    vision = vision_spec_for(_export_config(model_path or model["path"]), model_path or model["path"],
+                             min_pixels=processing.get("min_pixels"), max_pixels=processing.get("max_pixels"))
     state_dict = consolidated_state_dict(tag_folder, exclude_frozen=adapter_only)
     if fsdp2 is not None and model["lora"] is not None and not adapter_only:
         # FSDP2's LoRA checkpoint holds the adapter: the frozen weights are --model's, as the run built them

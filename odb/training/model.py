@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from odb.data.images import VisionSpec
+from odb.data.images import VisionSpec, vision_spec_for
 from odb.training.attention import register
 
 __all__ = ["build_model", "hf_model", "is_zero3", "load_tokenizer", "training_dtype", "vision_spec"]
@@ -241,11 +241,19 @@ def _initialize_weights_gathered(model) -> None:
         visit(model, model._initialize_weights)
 
 
-def vision_spec(model, data_config) -> VisionSpec | None:
-    """The image geometry the model's vision tower expects (None for a text model)."""
-    vision = getattr(model.config, "vision_config", None)
-    if vision is None:
-        return None
-    return VisionSpec(min_pixels=data_config.min_pixels, max_pixels=data_config.max_pixels,
-                      patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
-                      merge_size=vision.spatial_merge_size)
+def vision_spec(model, data_config, source: str | Path | None = None) -> VisionSpec | None:
+    """The model's own image processor and the geometry odb counts with (None for a text model):
+    :func:`odb.data.images.vision_spec_for`, with the data config's pixel bounds.
+
+    Args:
+        model: the model (PEFT-wrapped or not).
+        data_config: its ``min_pixels`` / ``max_pixels`` (None: the model's own).
+        source: the run's ``--model`` (a folder: its preprocessor_config.json; a config JSON: the
+            family's processor). Default: the folder the model was loaded from, where it was. Pass
+            it in a run: a rank that builds the model from its config alone does not know the folder.
+    """
+    config = hf_model(model).config
+    if source is None:
+        loaded_from = getattr(config, "_name_or_path", "") or ""
+        source = loaded_from if loaded_from and Path(loaded_from).is_dir() else None
+    return vision_spec_for(config, source, min_pixels=data_config.min_pixels, max_pixels=data_config.max_pixels)

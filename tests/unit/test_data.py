@@ -1,6 +1,7 @@
 """Data: formats, sources, processing in workers, images, skip/strict, exact costs."""
 
 import json
+import re
 from collections import Counter
 
 import pytest
@@ -179,6 +180,54 @@ def test_a_text_model_skips_records_with_images_and_strict_stops(tmp_path, recor
     feed.deal([0])
     with pytest.raises(DataError, match=r"d\.jsonl:1: image_for_text_model: [12] image\(s\) for a text-only model"):
         feed.fetch([0])
+
+
+STRAY = "<|image_pad|>"  # the model's image token, written in a record's text
+
+
+@pytest.mark.parametrize("record, found, expected", [
+    (chat(f"What is {STRAY}?"), 1, 0),
+    (chat(f"<image>What is {STRAY}?", images=["red.png"]), 7, 6),  # red.png: 6 visual tokens, and one more
+    ({"messages": [{"role": "user", "content": "apple"}, {"role": "assistant", "content": f"It is {STRAY}{STRAY}"}]},
+     2, 0),
+], ids=["no-image", "image-and-literal", "in-the-answer"])
+def test_a_literal_image_token_is_that_record_s_skip_reason_and_strict_names_it(tmp_path, record, found, expected):
+    """Unchecked, the sample reaches the model with more image tokens than image features, and the
+    forward stops at the M-RoPE step on every rank."""
+    image_files(tmp_path)
+    vision = vision_spec(build_model(VL, seed=0, vocab_size=len(TOKENIZER)), DataConfig())
+    good = chat("apple")
+    path = write_jsonl(tmp_path / "d.jsonl", [record, good])
+    feed = SampleFeed(SampleDataset(path, TOKENIZER, vision=vision), sample_sizes, num_workers=0)
+    feed.deal([0, 1])
+    costs = feed.fetch([0, 1])
+    assert costs[0] is None and costs[1] is not None
+    assert feed.skipped == Counter(image_token_mismatch=1)
+    detail = (f"{found} image token(s) '<|image_pad|>' in the tokenized sample but its {int(expected > 0)} image(s) "
+              f"make {expected}")
+    assert detail in feed.examples[0] and "remove it, or write images as <image> placeholders" in feed.examples[0]
+    strict = SampleFeed(SampleDataset(path, TOKENIZER, DataConfig(strict=True), vision=vision), sample_sizes,
+                        num_workers=0)
+    strict.deal([0])
+    with pytest.raises(DataError, match=r"d\.jsonl:1: image_token_mismatch: " + re.escape(detail)):
+        strict.fetch([0])
+    if not expected:  # a text model reads the token as text
+        assert "skip" not in SampleDataset(path, TOKENIZER)[0]
+
+
+def test_a_video_token_in_a_record_s_text_is_skipped_too(tmp_path):
+    from transformers import AutoTokenizer
+
+    from odb.data.images import VisionSpec
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ROOT / "data" / "tokenizer"))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|video_pad|>"]})
+    video = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    spec = VisionSpec(image_token_id=7, vision_start_token_id=5, vision_end_token_id=6, video_token_id=video)
+    path = write_jsonl(tmp_path / "d.jsonl", [chat("What is <|video_pad|>?"), chat("apple")])
+    dataset = SampleDataset(path, tokenizer, vision=spec)
+    assert dataset[0]["skip"] == "image_token_mismatch" and "1 video token(s)" in dataset[0]["detail"]
+    assert "skip" not in dataset[1]
 
 
 def test_format_is_detected_per_record_and_can_be_forced(tmp_path):

@@ -1,8 +1,10 @@
 """Labels with any chat template (odb.data.labels) and truncation between turns.
 
-The stock templates of five families (tests/fixtures/templates) against hand-written label runs;
-the bundled template's own ``{% generation %}`` mask as an oracle; a template that rewrites past
-turns (Qwen3-like); samples left without labels; cuts that end on a complete assistant turn.
+The stock templates of eleven families (tests/fixtures/templates) against hand-written label runs
+(Phi-3's eos trailer and DeepSeek-R1's forced ``<think>`` among them; tool calls and reasoning are
+tests/unit/test_templates.py's); the bundled template's own ``{% generation %}`` mask as an oracle;
+a template that rewrites past turns (Qwen3-like); samples left without labels; cuts that end on a
+complete assistant turn.
 """
 
 import functools
@@ -32,6 +34,19 @@ FAMILIES = {  # the special tokens each template needs, which the bundled tokeni
                "bos_token": "<|begin_of_text|>"},
     "mistral": {"bos_token": "<s>", "eos_token": "</s>"},
     "gemma": {"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"], "bos_token": "<bos>"},
+    # tests/unit/test_templates.py: tool calling, reasoning, trailers and forced answer prefixes
+    "qwen2_5_tools": {"additional_special_tokens": CHATML + ["<tool_call>", "</tool_call>"]},
+    "qwen3": {"additional_special_tokens": CHATML + ["<think>", "</think>", "<tool_call>", "</tool_call>",
+                                                     "<tool_response>", "</tool_response>"]},
+    "llama3_1": {"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+                                               "<|python_tag|>"], "bos_token": "<|begin_of_text|>"},
+    "mistral_v0_3": {"additional_special_tokens": ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+                                                   "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"],
+                     "bos_token": "<s>", "eos_token": "</s>"},
+    "phi3_mini": {"eos_token": "<|endoftext|>"},  # (the bundled tokenizer has Phi-3's <|user|>, <|end|>, ...)
+    "phi3_5_mini": {"eos_token": "<|endoftext|>"},
+    "deepseek_r1_distill_qwen": {"additional_special_tokens": ["<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"],
+                                 "bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"},
 }
 
 
@@ -83,6 +98,11 @@ RUNS = {  # what each family trains on: the answers and their end-of-turn tokens
     "llama3": ["Hi there!<|eot_id|>", "Second answer.<|eot_id|>"],
     "mistral": [" Hi there!</s>", " Second answer.</s>"],  # the model generates the space after [/INST]
     "gemma": ["Hi there!<end_of_turn>", "Second answer.<end_of_turn>"],  # not the "\n" after it
+    "qwen2_5_tools": ["Hi there!<|im_end|>", "Second answer.<|im_end|>"],
+    "llama3_1": ["Hi there!<|eot_id|>", "Second answer.<|eot_id|>"],
+    "phi3_mini": ["Hi there!<|end|>", "Second answer.<|end|>"],  # not the "\n<|endoftext|>" that ends the text
+    "phi3_5_mini": ["Hi there!<|end|>", "Second answer.<|end|>"],
+    "deepseek_r1_distill_qwen": ["Hi there!<｜end▁of▁sentence｜>", "Second answer.<｜end▁of▁sentence｜>"],
 }
 
 TEXT = {  # the multi-turn conversation as each stock template renders it
@@ -100,7 +120,19 @@ TEXT = {  # the multi-turn conversation as each stock template renders it
              "Hi there!<end_of_turn>\n<start_of_turn>user\nAnd again?<end_of_turn>\n<start_of_turn>model\n"
              "Second answer.<end_of_turn>\n",
 }
-TEXT["qwen2_vl"] = TEXT["qwen2_5"]
+TEXT["qwen2_vl"] = TEXT["qwen2_5_tools"] = TEXT["qwen2_5"]
+TEXT["llama3_1"] = (
+    "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
+    "Today Date: 26 Jul 2024\n\nYou are terse.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHello?"
+    "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nHi there!<|eot_id|><|start_header_id|>user"
+    "<|end_header_id|>\n\nAnd again?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    "Second answer.<|eot_id|>")
+TEXT["phi3_mini"] = TEXT["phi3_5_mini"] = (  # eos_token ends a rendering without a generation prompt
+    "<|system|>\nYou are terse.<|end|>\n<|user|>\nHello?<|end|>\n<|assistant|>\nHi there!<|end|>\n<|user|>\n"
+    "And again?<|end|>\n<|assistant|>\nSecond answer.<|end|>\n<|endoftext|>")
+TEXT["deepseek_r1_distill_qwen"] = (  # its generation prompt <｜Assistant｜><think>\n forces the answer's start
+    "<｜begin▁of▁sentence｜>You are terse.<｜User｜>Hello?<｜Assistant｜>Hi there!<｜end▁of▁sentence｜>"
+    "<｜User｜>And again?<｜Assistant｜>Second answer.<｜end▁of▁sentence｜>")
 
 
 @pytest.mark.parametrize("family", list(RUNS))
@@ -313,7 +345,7 @@ def test_turn_truncation_drops_the_images_of_the_turns_it_drops(tmp_path, with_i
     assert tokens["skip"] == "over_cap" and "would cut an image" in tokens["detail"]
 
 
-@pytest.mark.parametrize("family", ["qwen2_5", "llama3", "mistral", "gemma"])
+@pytest.mark.parametrize("family", ["qwen2_5", "llama3", "mistral", "gemma", "phi3_mini", "deepseek_r1_distill_qwen"])
 def test_show_labels_prints_what_a_run_would_train_on(tmp_path, family):
     import subprocess
     import sys
