@@ -33,6 +33,7 @@ import torch
 
 from odb.batching.cost import SampleCost, count_label_tokens
 from odb.batching.plan import MicroBatch, StepPlan
+from odb.data.images import ImageProcessor, VisionSpec
 from odb.data.processing import DataConfig, SampleDataset
 from odb.training.engine import BLANK_IMAGE_TOKENS, OdbEngine
 from odb.training.model import build_model, load_tokenizer, vision_spec
@@ -145,7 +146,7 @@ def check_model(path: str | Path, *, data: str | Path, num_samples: int = 8, max
     model = build_model(path, seed=0, vocab_size=len(tok), dtype=dtype).to(device).eval()
     packed = supports_packing(model)
     report.packing = "packed" if packed else "padded"
-    vision = vision_spec(model, data_config)
+    vision = vision_spec(model, data_config, path)
     room = BLANK_IMAGE_TOKENS if vision is not None else 0
     dataset = SampleDataset(data, tok, data_config, truncate_to=max_tokens - room, vision=vision,
                             max_samples=num_samples)
@@ -162,7 +163,7 @@ def check_model(path: str | Path, *, data: str | Path, num_samples: int = 8, max
             return report
         report.label_preview = _label_runs(tok, samples[0])
     if vision is not None:
-        report.image_processor_max_diff = _image_processor_diff(path, dataset)
+        report.image_processor_max_diff = _image_processor_diff(path, vision, report)
     _judge(report, tolerances)
     return report
 
@@ -318,14 +319,37 @@ def _label_runs(tokenizer, sample: dict[str, Any], limit: int = 4, width: int = 
     return [repr(run if len(run) <= width else run[:width] + "...") for run in runs[:limit]]
 
 
-def _image_processor_diff(path: str | Path, dataset: SampleDataset) -> float | None:
-    """Max |odb's pixel_values - the folder's own processor's| on two synthetic images (None where the
-    folder has no processor config of its own)."""
-    return None
+def _image_processor_diff(path: str | Path, vision: VisionSpec, report: ModelReport) -> float | None:
+    """Max |odb's pixel_values - the folder's own processor's| on two seeded noise images of other
+    shapes, with odb's pixel bounds; None where there is no folder processor to compare with."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    folder = Path(path)
+    if not folder.is_dir():
+        return None  # a config JSON: the family's processor, nothing of the model's own to compare with
+    if not any((folder / name).is_file() for name in ("preprocessor_config.json", "processor_config.json")):
+        report.problems.append(f"{folder} has no preprocessor_config.json: odb processes images with transformers' "
+                               "defaults for the family, which may not be the model's; copy the base model's into it")
+        return None
+    gen = torch.Generator().manual_seed(0)
+    images = [Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=gen, dtype=torch.uint8).numpy())
+              for h, w in ((210, 330), (500, 90))]
+    mine, mine_grid = ImageProcessor(vision)(images)
+    bounds = {"min_pixels": vision.min_pixels, "max_pixels": vision.max_pixels}  # (a config's own keys win over size)
+    own = AutoImageProcessor.from_pretrained(str(folder), **bounds, size={"shortest_edge": vision.min_pixels,
+                                                                          "longest_edge": vision.max_pixels})
+    theirs = own(images=images, return_tensors="pt")
+    if not torch.equal(mine_grid, theirs["image_grid_thw"]) or mine.shape != theirs["pixel_values"].shape:
+        report.problems.append(f"odb's image grids {mine_grid.tolist()} differ from the folder processor's "
+                               f"{theirs['image_grid_thw'].tolist()}")
+        return float("inf")
+    return float((mine - theirs["pixel_values"]).abs().max())
 
 
 def _judge(report: ModelReport, tolerances: Tolerances) -> None:
     checks = [("max_logit_diff", report.max_logit_diff, tolerances.logits),
+              ("image_processor_max_diff", report.image_processor_max_diff, 1e-5),
               ("loss_rel_diff", report.loss_rel_diff, tolerances.loss),
               ("grad_rel_diff", report.grad_rel_diff, tolerances.grad)]
     for name, value, limit in checks:

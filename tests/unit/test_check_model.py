@@ -11,7 +11,9 @@ import json
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from test_images import CONFIGS as IMAGE_CONFIGS
+from test_images import PROCESSORS
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from conftest import ROOT, bundled_tokenizer
 from odb.training import model_check
@@ -53,6 +55,26 @@ def test_a_dense_model_passes_with_tight_differences(tmp_path, capsys):
     assert report["samples"] == 6 and report["model_type"] == "llama"
     assert report["max_logit_diff"] < 1e-4 and report["loss_rel_diff"] < 1e-5 and report["grad_rel_diff"] < 1e-4
     assert report["label_preview"], "the first sample's label runs are shown"
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_a_vl_model_passes_with_its_own_image_processor(tmp_path, capsys, family):
+    """Qwen2-VL and Qwen3-VL folders with their families' public processor configs, on the bundled
+    image chats: M-RoPE positions, vision towers and images through odb's packed rows."""
+    path = tmp_path / family
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(AutoConfig.for_model(**IMAGE_CONFIGS[family])).save_pretrained(path)
+    bundled_tokenizer().save_pretrained(path)
+    (path / "preprocessor_config.json").write_bytes((PROCESSORS / f"{family}.json").read_bytes())
+    data_config = tmp_path / "data.json"
+    data_config.write_text(json.dumps({"min_pixels": 3136, "max_pixels": 50176}))
+    argv = [str(path), "--data", str(ROOT / "data" / "mm" / "train.jsonl"), "--data_config", str(data_config),
+            "--samples", "5", "--max_tokens", "1024", "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    print(report)
+    assert report["ok"] and report["samples"] == 5 and report["image_processor_max_diff"] == 0.0
+    assert report["max_logit_diff"] < 1e-4 and report["grad_rel_diff"] < 1e-4
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
