@@ -6,7 +6,8 @@
 
 One process, no launcher: the weights come from DeepSpeed's files (fp32 master weights at ZeRO
 1-3), the model, tokenizer and LoRA settings from the checkpoint's run_config.json. LoRA runs are
-merged into the base weights unless --adapter_only.
+merged into the base weights unless --adapter_only (LoRA on the LM head of a model with tied
+embeddings: the head is saved with its own weight, tie_word_embeddings false).
 """
 
 from __future__ import annotations

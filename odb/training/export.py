@@ -14,6 +14,11 @@ Two doors, one writer:
       LoRA                 -> base + adapter merged (plain AutoModelForCausalLM loads it), or with
                               ``adapter_only`` the PEFT adapter (PeftModel.from_pretrained(base, out))
 
+  A merged LoRA export of a model whose LM head shares its weight with the input embeddings
+  (``tie_word_embeddings``), where LoRA adapts the head or the embeddings (``target_modules`` or
+  ``modules_to_save`` naming ``lm_head``), is saved untied: training changed one and not the other,
+  so the head gets its own tensor and the saved config says ``tie_word_embeddings: false``.
+
   plus the tokenizer, and for a vision-language model (its config has ``vision_config``) the image
   processor odb trained with (``AutoImageProcessor.from_pretrained(out)``). A full
   ``AutoProcessor`` (tokenizer + image + video processor) is not written: transformers builds
@@ -172,14 +177,12 @@ def write_hf(state_dict: dict[str, torch.Tensor], *, model_path: str | Path, lor
     out = Path(out)
     _check_adapter(adapter_only, lora)
     config = _export_config(model_path)
-    with torch.device("meta"):  # shapes only: the weights come from the state dict
-        model = _auto_class(config).from_config(config, dtype=torch.float32)
-        if lora is not None:
-            from peft import LoraConfig, get_peft_model
-
-            base_path = str(model_path) if Path(model_path).is_dir() else None
-            model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", base_model_name_or_path=base_path,
-                                                     **lora))
+    model = _empty_model(config, lora, model_path)
+    untie = lora is not None and not adapter_only and _adapts_tied_embeddings(model)
+    if untie:  # the head gets its own tensor: merging its delta must leave the input embeddings alone
+        for sub in (config, config.get_text_config()):
+            sub.tie_word_embeddings = False
+        model = _empty_model(config, lora, model_path)
     if adapter_only:
         trainable = {name for name, p in model.named_parameters() if p.requires_grad}
         missing = trainable - state_dict.keys()
@@ -192,7 +195,10 @@ def write_hf(state_dict: dict[str, torch.Tensor], *, model_path: str | Path, lor
         model.load_state_dict(state_dict, strict=True, assign=True)
         state_dict.clear()
         base = model.get_base_model() if lora is not None else model
-        base.tie_weights()  # assign replaced the tied parameters one by one
+        if untie:
+            _own_head_tensors(base)
+        else:
+            base.tie_weights()  # assign replaced the tied parameters one by one
         if lora is not None:
             base = model.merge_and_unload()  # into the base weights, in their precision (fp32 from a checkpoint)
         if dtype is not None:
@@ -204,6 +210,50 @@ def write_hf(state_dict: dict[str, torch.Tensor], *, model_path: str | Path, lor
     if getattr(config, "vision_config", None) is not None:
         _save_image_processor(config, vision, out, model_path)
     return out
+
+
+def _empty_model(config, lora: dict[str, Any] | None, model_path: str | Path):
+    """The model of ``config`` on the ``meta`` device (shapes only), wrapped by PEFT for ``lora``."""
+    with torch.device("meta"):  # the weights come from the state dict
+        model = _auto_class(config).from_config(config, dtype=torch.float32)
+        if lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            base_path = str(model_path) if Path(model_path).is_dir() else None
+            model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", base_model_name_or_path=base_path,
+                                                     **lora))
+    return model
+
+
+def _is_adapted(module: torch.nn.Module) -> bool:
+    """Whether PEFT wrapped ``module`` (a LoRA layer, or a trained copy: ``modules_to_save``)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    return isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper))
+
+
+def _adapts_tied_embeddings(model) -> bool:
+    """Whether the PEFT ``model`` adapts its LM head or its input embeddings while the two share one
+    weight (``tie_word_embeddings``). Training then changes one and not the other (the LoRA delta, or
+    the trained copy, is the head's alone), so a merged export needs the head's own tensor: merged
+    into the shared one, the head's delta would land in the input embeddings too."""
+    base = model.get_base_model()
+    head, embeddings = base.get_output_embeddings(), base.get_input_embeddings()
+    if head is None or embeddings is None or not (_is_adapted(head) or _is_adapted(embeddings)):
+        return False
+    shared = {id(p) for p in embeddings.parameters()}  # tied: one parameter in both modules
+    return any(id(p) in shared for p in head.parameters())
+
+
+def _own_head_tensors(base) -> None:
+    """Gives every weight of the LM head that still shares memory with the input embeddings (the
+    state dict names one tensor twice) a copy of its own, before a merge writes into it."""
+    shared = {p.data_ptr() for p in base.get_input_embeddings().parameters()}
+    for module in base.get_output_embeddings().modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.data_ptr() in shared:
+                module._parameters[name] = torch.nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad)
 
 
 def _check_adapter(adapter_only: bool, lora: Any) -> None:

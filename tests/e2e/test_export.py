@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import bundled_tokenizer
-from launch import ROOT, deepspeed, ds_config, odb_config
+from launch import ROOT, deepspeed, ds_config, odb_config, torchrun, write_json
 from odb.data.images import ImageProcessor, VisionSpec
 from odb.data.processing import SampleDataset
 from odb.training.export import export_checkpoint, find_checkpoint
@@ -154,6 +154,68 @@ def test_lora_exports_merged_and_as_adapter(tmp_path):
         base_diff = max_logit_diff(with_adapter, oracle, rows)
     print(f"LoRA: merged {merged_diff:.3g}, adapter {adapter_diff:.3g}, the base alone {base_diff:.3g}")
     assert merged_diff <= 1e-5 and adapter_diff <= 1e-5 and base_diff > 1e-3
+
+
+HEAD_CASES = {  # backend, how LoRA reaches the LM head of the tied-embedding tiny model
+    "deepspeed-target_modules": ("deepspeed", {"target_modules": [*LORA["target_modules"], "lm_head"]}),
+    "deepspeed-modules_to_save": ("deepspeed", {"modules_to_save": ["lm_head"]}),
+    "fsdp2-target_modules": ("fsdp2", {"target_modules": [*LORA["target_modules"], "lm_head"]}),
+}
+
+
+@pytest.mark.parametrize("case", list(HEAD_CASES))
+def test_lora_on_the_head_of_a_tied_embedding_model_exports_merged(tmp_path, case):
+    """LoRA on ``lm_head`` while it shares its weight with the input embeddings (the tiny model ties
+    them): training changes the head only, so the merged model has a head of its own
+    (``tie_word_embeddings`` false) and the base's input embeddings. Both doors: ``--save_hf`` at the
+    end of the run, and tools/export_hf.py on its final checkpoint. The oracle: a PEFT model on a
+    fresh base, given the checkpoint's weights, unmerged."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    backend, settings = HEAD_CASES[case]
+    lora = {**LORA, **settings}
+    out = tmp_path / "run"
+    common = ["--odb_config", str(odb_config(tmp_path, max_tokens=512, window=16)), "--max_samples", "24",
+              "--warmup_ratio", "0", "--num_workers", "0", "--lr", "1e-2", "--output_dir", str(out),
+              "--lora", str(write_json(tmp_path / "lora.json", lora)), "--save_hf"]
+    if backend == "fsdp2":
+        torchrun(["--backend", "fsdp2", *common])
+    else:
+        deepspeed(["--deepspeed_config", str(ds_config(tmp_path, 2)), *common])
+    oracle = get_peft_model(fresh_model(), LoraConfig(task_type="CAUSAL_LM", **lora)).eval()
+    if backend == "fsdp2":  # the checkpoint holds the trained weights; the frozen ones are the seeded init's
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        tag = (out / "checkpoints" / "latest").read_text().strip()
+        dcp_to_torch_save(out / "checkpoints" / tag / "fsdp2", tmp_path / "trained.pt")
+        weights = torch.load(tmp_path / "trained.pt", weights_only=False)["model"]
+        missing = oracle.load_state_dict(weights, strict=False).missing_keys
+        assert not [k for k in weights if k not in oracle.state_dict()] and all("lora_" not in k for k in missing)
+    else:
+        oracle.load_state_dict(checkpoint_weights(out / "checkpoints"))
+    trained = [k for k in oracle.state_dict() if "lm_head" in k and ("lora_B" in k or "modules_to_save" in k)]
+    base_embeddings = fresh_model().get_input_embeddings().weight
+    offline = tmp_path / "offline"
+    proc = subprocess.run([sys.executable, str(EXPORT), str(out / "checkpoints"), str(offline)], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = held_rows()
+    with torch.no_grad():
+        expected = [oracle(input_ids=r).logits for r in rows]
+        head = oracle.get_base_model().lm_head  # its effective weight: the head applied to the unit vectors
+        head_delta = float((head(torch.eye(base_embeddings.shape[1])).T - base_embeddings).abs().max())
+    assert trained and head_delta > 1e-4  # the run trained the head
+    for folder in (out / "hf", offline):
+        check_folder(folder)
+        model = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+        assert model.config.tie_word_embeddings is False and not any("lora" in k for k in model.state_dict())
+        assert torch.equal(model.get_input_embeddings().weight, base_embeddings)  # the head's delta is not in them
+        exported = logits_without_odb(folder, rows, tmp_path)
+        diff = max(float((e - x).abs().max()) for e, x in zip(exported, expected))
+        print(f"{case}: {folder.name}: max |logits(export) - logits(PEFT model)| = {diff:.3g}, "
+              f"the head's trained delta {head_delta:.3g}")
+        assert diff <= 1e-5
 
 
 def test_save_hf_in_a_live_zero3_run(tmp_path):
