@@ -160,7 +160,7 @@ class OdbEngine:
                       router: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The summed token loss of ``samples`` in one model call, and with ``router`` (a model with
         a router loss) its router loss ``aux`` over the samples' own tokens (else None)."""
-        blank = self._needs_blank(samples)
+        is_dummy, blank = not samples, self._needs_blank(samples)
         samples = [*samples, self._blank_image()] if blank else samples
         if padded or not self.packed:
             batch = collate_padded(samples, pad_token_id=self.pad_token_id, max_tokens=self.max_tokens)
@@ -174,9 +174,16 @@ class OdbEngine:
         elif self.vision is not None:  # padded rows: the model derives its rotary positions from the mask
             del batch["position_ids"]
             batch["mm_token_type_ids"] = (batch["input_ids"] == self.model.config.image_token_id).int()
+        # a dummy (the blank image alone) has no real token: its router loss over every token, weighed 0
+        real = None if is_dummy else _real_tokens(batch, blank=blank)
+        return self._call(batch, labels, router=router, real_tokens=real)
+
+    def _call(self, batch: dict[str, Any], labels: torch.Tensor, *, router: bool,
+              real_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One model call: the summed token loss and, with ``router``, the router loss over
+        ``real_tokens`` (None: every token)."""
         if not router:
             return self._loss(batch, labels), None
-        real = _real_tokens(batch, blank=blank)
         output: dict[str, Any] = {}
 
         def forward():
@@ -184,7 +191,7 @@ class OdbEngine:
             return output["out"]
 
         summed = self._loss(batch, labels, forward)
-        return summed, self.router_loss(output["out"], real, batch.get("attention_mask"))
+        return summed, self.router_loss(output["out"], real_tokens, batch.get("attention_mask"))
 
     def _loss(self, batch: dict[str, Any], labels: torch.Tensor, forward=None) -> torch.Tensor:
         """The summed token loss of one model call (through the backend either way; ``forward``:
@@ -213,13 +220,23 @@ class OdbEngine:
         return self._blank
 
     def _dummy_loss(self) -> torch.Tensor:
+        """0 x the outputs of a real (tiny) call, with the graph of a real micro-batch's loss: the
+        router loss too (MoE), so that every rank's backward runs the same way. ZeRO-3 gathers a
+        layer's parameters in its backward, and a checkpointed layer's recomputation runs when the
+        backward first needs it: a rank whose loss left out the router logits would recompute and
+        gather its layers in another order than the others, and hang (measured: Qwen3-MoE at ZeRO-3
+        with --gradient_checkpointing)."""
+        router = self.router_loss is not None
         if self.vision is not None:  # a real pass through every module, as the others run
-            return self._forward_loss([], padded=False)[0] * 0.0
-        ids = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=self.device)
-        batch = {"input_ids": ids, "position_ids": torch.zeros_like(ids)}
-        if self.head_loss is None:
-            return self.backend(**batch, use_cache=False).logits.float().sum() * 0.0
-        return self._loss(batch, torch.full_like(ids, -100)) * 0.0  # the head runs as often as in a real one
+            summed, aux = self._forward_loss([], padded=False, router=router)
+        else:
+            ids = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=self.device)
+            batch = {"input_ids": ids, "position_ids": torch.zeros_like(ids)}
+            if self.head_loss is None and not router:
+                return self.backend(**batch, use_cache=False).logits.float().sum() * 0.0
+            # (chunked loss: the head runs as often as in a real one)
+            summed, aux = self._call(batch, torch.full_like(ids, -100), router=router)
+        return (summed if aux is None else summed + aux) * 0.0
 
     def save(self, folder: Path, tag: str) -> None:
         """The backend's checkpoint of the model and optimizer in ``folder / tag`` (collective)."""

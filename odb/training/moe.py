@@ -121,7 +121,9 @@ def router_loss(model: torch.nn.Module) -> RouterLoss | None:
         return None
     config = base.config
     text = getattr(config, "text_config", None) or config
-    function = getattr(sys.modules.get(type(base).__module__), "load_balancing_loss_func", None)
+    # the family's module (FSDP2's fully_shard makes a subclass of the model's class in torch's)
+    function = next((f for cls in type(base).__mro__
+                     if (f := getattr(sys.modules.get(cls.__module__), "load_balancing_loss_func", None))), None)
     num_experts = _first(getattr(base, "num_experts", None), getattr(text, "num_experts", None),
                          getattr(text, "num_local_experts", None))
     top_k = _first(getattr(base, "num_experts_per_tok", None), getattr(text, "num_experts_per_tok", None))
