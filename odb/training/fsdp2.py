@@ -51,15 +51,18 @@ DCP_FOLDER = "fsdp2"
 
 def init_fsdp2_distributed(timeout_s: float) -> None:
     """Joins the process group torchrun describes: NCCL for the model on GPUs (gloo beside it for
-    CPU tensors, odb's own collective), gloo on CPUs."""
+    CPU tensors, odb's own collective), gloo on CPUs. Under torchrun's agent store, through this
+    restart attempt's keys (:func:`odb.training.faults.process_group_kwargs`)."""
     import torch.distributed as dist
+
+    from odb.training.faults import process_group_kwargs
 
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **process_group_kwargs(timeout_s))
 
 
 def _device() -> torch.device:
