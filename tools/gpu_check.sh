@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The GPU check: odb's CUDA path, run once on a GPU machine (one H200: a few minutes). The last line
-# of stdout is one JSON summary:
-#   attention  odb's CUDA varlen attention (torch varlen_attn, or flash-attn when importable) on
-#              packed rows against each sample alone: logits, gradients, leaks (bf16)
+# The GPU check: odb's CUDA path, run once on a GPU machine (one H200: a few minutes). Its first
+# seconds (before any wheel is installed: torch alone) name the attention path odb takes there, with
+# torch's varlen_attn signature, after one checked packed call; a path that cannot run stops the
+# check with the fix. The last line of stdout is one JSON summary:
+#   attention  odb's CUDA varlen attention (torch varlen_attn called by its installed signature, or
+#              flash-attn when importable; softcap and sinks per group) on packed rows against each
+#              sample alone: logits, gradients, leaks, the paths taken (bf16)
 #   train      a ~0.5B random-init Qwen2-style model, deepspeed --num_gpus 1 launch/train.py at
 #              ZeRO-2 in bf16, on chats with the shared sharegpt4o_like length profile: odb (packed)
 #              against fixed batches of 8 (padded), the same samples: samples/s, real tokens/s,
@@ -37,6 +40,21 @@ prepare() {
 }
 
 if [ "$MODE" = "--prepare" ]; then prepare; exit 0; fi
+
+# the attention path, first: torch alone, no wheel installed yet (odb.training.attention imports only torch)
+$PY - <<'EOF'
+import inspect
+
+import torch
+
+from odb.training.attention import attention_path
+from odb.training.cuda_varlen import torch_varlen_api
+
+api = torch_varlen_api()
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+print(f"odb: torch {torch.__version__}, varlen_attn{inspect.signature(api.function) if api else ': none'}")
+print(f"odb: attention path on {device} in bf16: {attention_path(device, torch.bfloat16)}", flush=True)
+EOF
 
 if [ "$MODE" = "--dry-run" ]; then
     WORK=runs/gpu_check_dry

@@ -2,22 +2,29 @@
 """odb's varlen attention on packed rows against each sample run alone, on the GPU (part of
 tools/gpu_check.sh; also runs on CPU, where it checks odb's grouped SDPA path).
 
-For tiny random-init models of three families (Llama; Qwen2 with a sliding window; Gemma-2 with
-soft-capping and windows), in the given dtype: one packed row of samples through
-``attn_implementation="odb_varlen"`` against each sample alone through the model's own ``sdpa``
-(``eager`` for Gemma-2, whose soft-capping SDPA refuses), in train mode without dropout: the
-largest logit difference, the largest relative gradient difference, and a leak check (sample 0's
-tokens changed: how far the other samples' logits moved, which must be 0 up to kernel noise).
+First, before any model: :func:`odb.training.attention.attention_path` names the path this
+device takes (flash-attn, or torch's ``varlen_attn`` called by its installed signature, or SDPA
+per group) after one checked packed call; a path that cannot run is reported (``refused``, the
+fix in its message) instead of failing later. Then, for tiny random-init models of four families
+(Llama; Qwen2 with a sliding window; Gemma-2 with soft-capping and windows; gpt-oss with attention
+sinks, alternating window layers and mixture-of-experts layers), in the given dtype: one packed
+row of samples through ``attn_implementation="odb_varlen"`` against each sample alone through the
+model's own ``sdpa`` (``eager`` for Gemma-2 and gpt-oss, whose soft-capping and sinks SDPA lacks),
+in train mode without dropout: the largest logit difference, the largest relative gradient
+difference, a leak check (sample 0's tokens changed: how far the other samples' logits moved,
+which must be 0 up to kernel noise), and which paths odb_varlen's calls took (``calls``: softcap
+and sinks take the per-group path wherever no installed kernel has them).
 
     python tools/gpu_check_attention.py --device cuda --dtype bfloat16
 
-The last line of stdout is one JSON object: the path odb used and, per family, the figures and
-whether they are within the tolerances of the dtype.
+The last line of stdout is one JSON object: the path, the torch ``varlen_attn`` signature found,
+and per family the figures and whether they are within the tolerances of the dtype.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -28,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from odb.data.collate import collate_packed  # noqa: E402
-from odb.training.attention import has_flash_attn, register  # noqa: E402
+from odb.training import attention, cuda_varlen  # noqa: E402
 
 WINDOW = 64
 BASE = {"vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
@@ -40,6 +47,8 @@ FAMILIES = {
               "sdpa"),
     "gemma2": ({"model_type": "gemma2", "sliding_window": WINDOW, "attn_logit_softcapping": 50.0,
                 "final_logit_softcapping": None, "query_pre_attn_scalar": 64}, "eager"),
+    "gpt_oss": ({"model_type": "gpt_oss", "sliding_window": WINDOW, "num_local_experts": 4, "num_experts_per_tok": 2},
+                "eager"),
 }
 LENGTHS = (300, 17, 1024, 1, 511, 129)
 # max |logit diff| and max relative gradient diff allowed, by dtype (bf16: 8 bits of mantissa)
@@ -69,9 +78,11 @@ def packed_logits(model, samples, device):
 def check(family: str, dtype, device) -> dict:
     gen = torch.Generator().manual_seed(1)
     samples = [{"input_ids": torch.randint(2, BASE["vocab_size"], (n,), generator=gen)} for n in LENGTHS]
-    packed = build(family, register(), dtype, device)
+    packed = build(family, attention.register(), dtype, device)
     oracle = build(family, FAMILIES[family][1], dtype, device, state=packed.state_dict())
+    before_calls = attention.calls.copy()
     logits = packed_logits(packed, samples, device)
+    calls = dict(attention.calls - before_calls)
     logits.float().pow(2).mean().backward()
     alone = [oracle(input_ids=s["input_ids"][None].to(device), use_cache=False).logits[0] for s in samples]
     torch.cat(alone).float().pow(2).mean().backward()
@@ -84,7 +95,7 @@ def check(family: str, dtype, device) -> dict:
         after = packed_logits(packed, changed, device)[LENGTHS[0]:]
         leak = (before.float() - after.float()).abs().max().item()
     max_logit, max_grad = TOLERANCE[dtype]
-    return {"max_abs_logit_diff": logit_diff, "max_rel_grad_diff": grad_diff, "leak_max_abs": leak,
+    return {"max_abs_logit_diff": logit_diff, "max_rel_grad_diff": grad_diff, "leak_max_abs": leak, "calls": calls,
             "ok": logit_diff <= max_logit and grad_diff <= max_grad and leak <= max_logit / 10}
 
 
@@ -96,12 +107,19 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    if device.type == "cuda" and dtype != torch.float32:
-        path = "flash-attn varlen" if has_flash_attn() else "torch varlen_attn"
-    else:
-        path = "grouped SDPA"
-    result = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "path": path,
-              "lengths": list(LENGTHS), "families": {family: check(family, dtype, device) for family in FAMILIES}}
+    api = cuda_varlen.torch_varlen_api()
+    result = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
+              "varlen_attn_signature": str(inspect.signature(api.function)) if api else None,
+              "flash_attn": cuda_varlen.flash_attn_version() if attention.has_flash_attn() else None,
+              "lengths": list(LENGTHS)}
+    try:
+        result["path"] = attention.attention_path(device, dtype)
+    except RuntimeError as error:  # the path cannot run here: say why (its message names the fix), check nothing
+        result.update(path=None, refused=str(error), ok=False)
+        print(json.dumps(result))
+        return
+    print(f"odb_varlen on {device} in {result['dtype']}: {result['path']}", file=sys.stderr, flush=True)
+    result["families"] = {family: check(family, dtype, device) for family in FAMILIES}
     result["ok"] = all(r["ok"] for r in result["families"].values())
     print(json.dumps(result))
 

@@ -45,6 +45,7 @@ transformers 5.24 lets packed samples attend to each other on eager/SDPA (measur
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import pairwise
@@ -58,6 +59,7 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "HANDLED_KWARGS",
     "attention_path",
+    "calls",
     "cu_seqlens_from_position_ids",
     "has_flash_attn",
     "register",
@@ -74,6 +76,9 @@ HANDLED_KWARGS = frozenset({
     "s_aux",  # gpt-oss's attention sinks: one logit per head
     "output_router_logits",  # MoE layers: a flag for what the layer returns, nothing for attention
 })
+calls: Counter[str] = Counter()
+"""Calls of odb_varlen by the path that ran ('flash-attn varlen', 'torch varlen_attn', 'grouped SDPA',
+'padded rows'), since import: what a check reports as the path taken (tools/gpu_check_attention.py)."""
 # A group's padded attention area may exceed its real area (sum of L^2) by this factor.
 _GROUP_SLACK = 1.3
 _plan_cache: list = [None, None]
@@ -228,6 +233,7 @@ def _cuda_varlen(q, k, v, cu_seqlens, max_seqlen: int, scaling, pattern: _Patter
         return None
     flash_attn_varlen_func = cuda_varlen.flash_attn_varlen()
     if flash_attn_varlen_func is not None:
+        calls["flash-attn varlen"] += 1
         return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=pattern.dropout,
                                       softmax_scale=scaling, causal=pattern.is_causal,
                                       window_size=_flash_window(pattern), softcap=pattern.softcap or 0.0)
@@ -245,6 +251,8 @@ def _cuda_varlen(q, k, v, cu_seqlens, max_seqlen: int, scaling, pattern: _Patter
     if out is None:
         _warn_slow(f"torch {torch.__version__}'s varlen_attn has no window_size (sliding windows), and flash-attn "
                    "is not installed")
+    else:
+        calls["torch varlen_attn"] += 1
     return out
 
 
@@ -315,6 +323,7 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
                          "(a KV cache); run with use_cache=False, or generate with attn_implementation 'sdpa'")
     pattern = _Pattern(bool(is_causal), sliding_window, softcap or None, float(dropout), sinks is not None)
     if attention_mask is not None:
+        calls["padded rows"] += 1
         return _padded(module, query, key, value, attention_mask, scaling, pattern, sinks, kwargs)
     cu_seqlens = _cu_seqlens(query, kwargs)
     batch, heads, length, _ = query.shape
@@ -326,6 +335,7 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
     elif query.is_cuda:
         _warn_slow(f"Flash Attention kernels need fp16/bf16, got {query.dtype}")
     if out is None:
+        calls["grouped SDPA"] += 1
         out = _grouped_varlen(q, k, v, cu_seqlens, scaling, pattern, sinks)
     return out.reshape(batch, length, heads, -1), None
 
