@@ -43,8 +43,9 @@ def test_a_stale_extension_lock_is_named_and_ends_the_launch_within_the_timeout(
     for rank in (0, 1):
         assert re.search(rf"odb: rank {rank}: waiting \d+ s for DeepSpeed's communication op .*: for the lock "
                          rf"{re.escape(str(lock))} of torch's C\+\+ extension build", output), output[-3000:]
-        assert re.search(rf"odb: rank {rank}: {re.escape(str(lock))} has been there for \d+ s with no build "
-                         rf"running .* Delete it \(rm {re.escape(str(lock))}\)", output), output[-3000:]
+    # the first rank to end does (the launcher then stops the other, which may not have said it yet)
+    assert re.search(rf"odb: rank [01]: {re.escape(str(lock))} has been there for \d+ s with no build running .* "
+                     rf"Delete it \(rm {re.escape(str(lock))}\)", output), output[-3000:]
     assert seconds < 120 and lock.exists()  # (odb names the file; deleting it is the user's call)
 
 
