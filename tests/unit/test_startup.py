@@ -61,14 +61,14 @@ def test_fsdp2_on_a_torch_without_its_apis_is_refused_naming_the_fix(monkeypatch
     check_torch("deepspeed")  # DeepSpeed does not use them
 
 
-def test_the_banner_names_the_path_the_probe_found():
+def test_the_banner_names_the_path_the_probe_found(tmp_path):
     for flags, dtype in (([], torch.float32), (["--backend", "fsdp2"], torch.float32)):
-        config = parse_config(flags, defaults=DEFAULTS)
+        config = parse_config([*flags, "--output_dir", str(tmp_path / "out")], defaults=DEFAULTS)
         expected = "odb_varlen: " + attention_path(torch.device("cpu"), dtype)
         assert check_startup(config) == probed_attention(config) == expected
 
 
-def test_a_path_that_cannot_run_stops_the_rank_naming_the_fix(monkeypatch):
+def test_a_path_that_cannot_run_stops_the_rank_naming_the_fix(monkeypatch, tmp_path):
     """What attention_path raises (on CUDA: e.g. a flash-attn that fails to import) reaches the rank as a
     StartupError that keeps the fix."""
     import odb.training.attention as attention
@@ -83,7 +83,7 @@ def test_a_path_that_cannot_run_stops_the_rank_naming_the_fix(monkeypatch):
     try:
         with pytest.raises(StartupError, match=r"packed attention cannot run on cpu in float32: flash-attn .*"
                                                r"`pip uninstall flash-attn`"):
-            check_startup(parse_config([], defaults=DEFAULTS))
+            check_startup(parse_config(["--output_dir", str(tmp_path / "out")], defaults=DEFAULTS))
     finally:
         startup._attention_path.cache_clear()
 
