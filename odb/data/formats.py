@@ -13,15 +13,18 @@
 
 Tool calls and reasoning reach the chat template as the OpenAI / transformers message format has
 them: an assistant turn's ``tool_calls`` (each ``{"type": "function", "function": {"name",
-"arguments"}, "id"?}``; a bare ``{"name", "arguments"}`` is wrapped so; ``arguments`` pass as the
-record gives them: the stock Qwen2.5, Qwen3, Llama-3.1 and Mistral templates render an object with
-``tojson``, DeepSeek-R1's expects a JSON string), with ``content`` null or absent where it calls
-tools only; ``reasoning_content`` (Qwen3, read by its template into ``<think>``), ``thinking`` and
-``reasoning``; a ``tool`` turn (also ``function``, ``observation``, ``ipython``: each becomes
-``tool``) with ``name`` and ``tool_call_id``; a record's ``tools`` list (the functions offered;
-a JSON string too, as LLaMA-Factory writes it; a bare function schema is wrapped in
-``{"type": "function", "function": ...}``), passed as ``apply_chat_template(..., tools=...)``.
-A field set to null (as Parquet fills absent fields) counts as absent.
+"arguments"}, "id"?}``; a bare ``{"name", "arguments"}`` is wrapped so; ``arguments`` given as a
+JSON object in a string, as the OpenAI wire format has them, become that object, which the stock
+Qwen2.5, Qwen3, Llama-3.1 and Mistral templates render with ``tojson``), with ``content`` null or
+absent where it calls tools only (it reaches the template as ``""``); ``reasoning_content`` (Qwen3,
+read by its template into ``<think>``), ``thinking`` and ``reasoning``; a ``tool`` turn (also
+``function``, ``observation``, ``ipython``: each becomes ``tool``) with ``name`` and
+``tool_call_id``; a record's ``tools`` list (the functions offered; a JSON string too, as
+LLaMA-Factory writes it; a bare function schema is wrapped in ``{"type": "function", "function":
+...}``), passed as ``apply_chat_template(..., tools=...)``.
+A field set to null (as Parquet fills absent fields) counts as absent. A template that ignores
+any of these (no tool or reasoning support) skips the record (``template_drops_fields``,
+:mod:`odb.data.labels`) rather than train a tool call as an empty answer.
 
 Images: a record's top-level ``"images"`` (or ``"image"``) fill its placeholders in order (in any
 format: the ``<image>`` of string contents and the image parts without a path), or else its image
@@ -65,8 +68,8 @@ class SkipSample(Exception):
 
 @dataclass
 class Conversation:
-    """A normalized record: its messages (``role``, ``content`` (a string, or None for an
-    assistant turn that only calls tools) and the kept fields), its image paths and its tools."""
+    """A normalized record: its messages (``role``, ``content`` (a string, ``""`` for an assistant
+    turn that only calls tools) and the kept fields), its image paths and its tools."""
 
     messages: list[dict[str, Any]]
     images: list[str] = field(default_factory=list)
@@ -74,7 +77,7 @@ class Conversation:
 
 
 def text_of(message: dict[str, Any]) -> str:
-    """A normalized message's text ('' where its content is None)."""
+    """A normalized message's text."""
     return message.get("content") or ""
 
 
@@ -142,8 +145,22 @@ def _tool_calls(value: Any) -> list[dict[str, Any]]:
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise SkipSample("bad_content", f"a tool call without a function name: {call!r:.60}")
         kept = {k: v for k, v in call.items() if (k != "function" if nested else k == "id") and v is not None}
-        out.append({**kept, "type": call.get("type") or "function", "function": function})
+        out.append({**kept, "type": call.get("type") or "function", "function": _with_object_arguments(function)})
     return out
+
+
+def _with_object_arguments(function: dict[str, Any]) -> dict[str, Any]:
+    """``function`` with ``arguments`` as an object where they come as a JSON object in a string (the
+    OpenAI wire format): the stock Qwen2.5, Qwen3, Llama-3.1 and Mistral templates apply ``tojson`` to
+    them, so a string would be trained double-encoded (``"{\\"city\\": ...}"``)."""
+    arguments = function.get("arguments")
+    if not isinstance(arguments, str):
+        return function
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        return function  # not JSON: left as written
+    return {**function, "arguments": parsed} if isinstance(parsed, dict) else function
 
 
 def _tools(record: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -161,11 +178,12 @@ def _message(turn: dict[str, Any], role: str, text_key: str, part_images: list[s
     """One turn as a message: role, content and the fields templates read."""
     raw_role = turn.get("role", turn.get("from"))
     if raw_role == "function_call":  # ShareGPT (LLaMA-Factory): the value is the call
-        return {"role": "assistant", "content": None, "tool_calls": _tool_calls(turn.get(text_key))}
+        return {"role": "assistant", "content": "", "tool_calls": _tool_calls(turn.get(text_key))}
     message: dict[str, Any] = {"role": role}
     value = turn.get(text_key)
     calls = turn.get("tool_calls")
-    message["content"] = None if value is None and role == "assistant" and calls else _content(value, part_images)
+    # a turn that only calls tools: content "" (transformers drops None keys, and e.g. Qwen3's template reads it)
+    message["content"] = "" if value is None and role == "assistant" and calls else _content(value, part_images)
     if calls:
         if role != "assistant":
             raise SkipSample("bad_content", f"tool_calls on a {role} turn")

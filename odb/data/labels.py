@@ -66,7 +66,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TRAIN_ON", "LabelledChat", "TemplateMismatch", "assistant_char_spans", "encode_chat", "token_spans"]
+__all__ = ["TRAIN_ON", "LabelledChat", "TemplateDropsFields", "TemplateMismatch", "assistant_char_spans", "encode_chat",
+           "token_spans"]
 
 TRAIN_ON = ("assistant", "last", "all")
 """What to label: every assistant turn, the final assistant turn only, or every token."""
@@ -79,6 +80,12 @@ class TemplateMismatch(ValueError):
     """The chat template's renderings of a conversation's prefixes do not extend one another (or it
     drops the system message), so its assistant turns cannot be found in the full rendering. The
     message says where and names the fix."""
+
+
+class TemplateDropsFields(TemplateMismatch):
+    """The chat template renders the conversation the same without a field the record gives (a tool
+    call, a tool result, the tools offered, the final answer's reasoning): a template without tool or
+    reasoning support, which would train a tool call as an empty answer. The message names the field."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,12 @@ class _Renderer:
         """``messages[:end]`` rendered (with the generation prompt after them)."""
         return self.tokenizer.apply_chat_template(self.messages[:end], tools=self.tools, tokenize=False,
                                                   add_generation_prompt=generation_prompt)
+
+    def replaced(self, k: int, message: dict[str, Any] | None = None, *, tools: bool = True) -> str:
+        """The whole conversation rendered with ``messages[k]`` replaced by ``message`` (k < 0: none
+        replaced), and without the tools where ``tools`` is False."""
+        messages = [*self.messages[:k], message, *self.messages[k + 1:]] if k >= 0 else self.messages
+        return self.tokenizer.apply_chat_template(messages, tools=self.tools if tools else None, tokenize=False)
 
     def parting(self, a: str, b: str) -> int:
         """Where ``a`` and ``b`` part: ``len(a)`` if ``b`` extends ``a``; else the end of their common
@@ -161,6 +174,41 @@ def _check_system_kept(messages: Sequence[dict], text: str) -> None:
                 "renders it in place")
 
 
+_REASONING = ("reasoning_content", "thinking", "reasoning")
+
+
+def _check_fields_kept(render: _Renderer, text: str) -> None:
+    """Raises :class:`TemplateDropsFields` where the whole rendering ``text`` stays the same without a
+    field the record gives: an assistant turn's tool calls, a tool turn's result, the tools offered,
+    or the final assistant turn's reasoning (earlier turns' reasoning a template may drop by design,
+    as Qwen3's does). One more rendering per such field; records without them cost nothing."""
+    messages = render.messages
+    last = max((k for k, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+    probes: list[tuple[str, int, dict[str, Any] | None]] = []
+    for k, message in enumerate(messages):
+        if message.get("tool_calls"):
+            probes.append((f"the tool calls of messages[{k}]", k,
+                           {key: value for key, value in message.items() if key != "tool_calls"}))
+        if message["role"] == "tool":
+            probes.append((f"the tool result messages[{k}]", k, {**message, "content": f"{message['content']} #"}))
+        if k == last and any(message.get(key) for key in _REASONING):
+            probes.append((f"the reasoning of messages[{k}]", k,
+                           {key: value for key, value in message.items() if key not in _REASONING}))
+    if render.tools:
+        probes.append(("the tools offered", -1, None))
+    for what, k, changed in probes:
+        try:
+            probe = render.replaced(k, changed, tools=changed is not None)
+        except Exception:  # noqa: BLE001 - the template refuses the conversation without it: it reads the field
+            continue
+        if probe == text:
+            raise TemplateDropsFields(
+                f"the chat template renders this conversation the same without {what}: it has no support for "
+                "them, and training on its rendering would teach the model to answer without them (a tool call "
+                "as an empty answer); use the model's own tool-calling / reasoning template (--tokenizer), or "
+                "drop those fields or turns from the data")
+
+
 def assistant_char_spans(tokenizer, messages: Sequence[dict], *, last_only: bool = False,
                          tools: list[dict[str, Any]] | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The full rendering of ``messages`` and the character spans of its assistant turns.
@@ -189,6 +237,7 @@ def assistant_char_spans(tokenizer, messages: Sequence[dict], *, last_only: bool
     n = len(messages)
     text = render(n)
     _check_system_kept(messages, text)
+    _check_fields_kept(render, text)
     spans: list[tuple[int, int]] = []
     settled = 0  # text[:settled] is fixed: every later rendering extends it
     prompt = render(turns[0], generation_prompt=True) if turns and turns[0] > 0 else ""
@@ -293,8 +342,10 @@ def encode_chat(tokenizer, messages: Sequence[dict], train_on: str = "assistant"
     except TemplateMismatch:
         if train_on != "all":
             raise
-        text, char_spans = _Renderer(tokenizer, messages, tools)(len(messages)), []
+        render = _Renderer(tokenizer, messages, tools)
+        text, char_spans = render(len(messages)), []
         _check_system_kept(messages, text)
+        _check_fields_kept(render, text)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = list(encoded["input_ids"])
     spans = token_spans(encoded["offset_mapping"], char_spans)

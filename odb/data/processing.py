@@ -45,15 +45,15 @@ from odb.batching.config import check_bool, check_int, check_number, check_str, 
 from odb.batching.cost import count_label_tokens
 from odb.data.formats import FORMATS, IMAGE_PLACEHOLDER, SkipSample, normalize, text_of
 from odb.data.images import IMAGE_PAD, VISION_END, VISION_START, ImageProcessor, VisionSpec, expand_placeholders
-from odb.data.labels import TRAIN_ON, LabelledChat, TemplateMismatch, encode_chat
+from odb.data.labels import TRAIN_ON, LabelledChat, TemplateDropsFields, TemplateMismatch, encode_chat
 from odb.data.sources import Source
 
 __all__ = ["SKIP_REASONS", "TRUNCATION", "DataConfig", "SampleDataset", "load_data_config", "sample_sizes"]
 
 SKIP_REASONS = ("not_json", "not_an_object", "no_messages", "bad_role", "bad_content", "empty_content",
                 "no_assistant_turn", "image_placeholder_mismatch", "mixed_image_sources", "image_for_text_model",
-                "missing_image", "unreadable_image", "image_token_mismatch", "template_mismatch", "no_labels",
-                "over_cap", "error")
+                "missing_image", "unreadable_image", "image_token_mismatch", "template_mismatch",
+                "template_drops_fields", "no_labels", "over_cap", "error")
 TRUNCATION = ("turns", "tokens")
 """Where a sample over the token cap is cut (``DataConfig.truncation``)."""
 
@@ -207,6 +207,8 @@ class SampleDataset(Dataset):
             sample.update(pixel_values=pixel_values, image_grid_thw=grids, patches=int(grids.prod(dim=1).sum()))
         try:
             chat = encode_chat(self.tokenizer, messages, self.config.train_on, tools=conversation.tools)
+        except TemplateDropsFields as err:
+            raise SkipSample("template_drops_fields", str(err)) from None
         except TemplateMismatch as err:
             raise SkipSample("template_mismatch", str(err)) from None
         input_ids = torch.tensor(chat.input_ids, dtype=torch.long)

@@ -206,3 +206,41 @@ def test_the_tools_reach_the_template_in_encode_chat():
     without = encode_chat(tokenizer, TOOL_CHAT)
     assert "# Tools" in with_tools.text and "# Tools" not in without.text
     assert with_tools.input_ids == template_ids(tokenizer, TOOL_CHAT, tools=TOOLS)
+
+
+def test_a_turn_that_only_calls_tools_reaches_qwen3_s_template_with_empty_content(tmp_path):
+    """``content: null`` beside tool calls (the OpenAI shape): transformers drops None keys and Qwen3's
+    template reads the content, so odb passes ``""``: the tokens of the template's own rendering of that."""
+    tokenizer = family_tokenizer("qwen3")
+    nulled = [QWEN3_TOOL_CHAT[0], {**QWEN3_TOOL_CHAT[1], "content": None}, *QWEN3_TOOL_CHAT[2:]]
+    sample = sample_of(tmp_path, "qwen3", {"messages": nulled, "tools": TOOLS})
+    assert "skip" not in sample, sample.get("detail")
+    assert sample["input_ids"].tolist() == template_ids(tokenizer, QWEN3_TOOL_CHAT, tools=TOOLS)
+    assert label_runs(tokenizer, sample["input_ids"], sample["labels"]) == TOOL_RUNS["qwen3"][1]
+
+
+def test_openai_string_arguments_are_trained_as_the_json_object_not_double_encoded(tmp_path):
+    """The OpenAI wire format gives ``arguments`` as a JSON string; the stock templates ``tojson``
+    them, so a string would be trained as ``"{\\"city\\": \\"Paris\\"}"``."""
+    tokenizer = family_tokenizer("qwen2_5_tools")
+    wire = {**CALL, "function": {**CALL["function"], "arguments": json.dumps({"city": "Paris"})}}
+    messages = [TOOL_CHAT[0], {**TOOL_CHAT[1], "tool_calls": [wire]}, *TOOL_CHAT[2:]]
+    sample = sample_of(tmp_path, "qwen2_5_tools", {"messages": messages, "tools": TOOLS})
+    assert sample["input_ids"].tolist() == template_ids(tokenizer, TOOL_CHAT, tools=TOOLS)
+    runs = label_runs(tokenizer, sample["input_ids"], sample["labels"])
+    assert runs == TOOL_RUNS["qwen2_5_tools"][1] and '\\"' not in runs[0]
+
+
+@pytest.mark.parametrize("family, messages, field", [
+    ("qwen2_vl", TOOL_CHAT, "tool calls"),
+    ("llama3", TOOL_CHAT, "tool calls"),
+    ("phi3_mini", TOOL_CHAT, "tool calls"),
+    ("qwen2_5", [FIRST[0], {**FIRST[1], "reasoning_content": "I should greet."}], "reasoning"),
+])
+def test_a_template_without_tool_or_reasoning_support_skips_the_record_naming_the_field(tmp_path, family, messages,
+                                                                                         field):
+    """Before, a tool-call turn on such a template trained as an empty answer (``<|im_end|>`` alone)."""
+    tools = TOOLS if any(m.get("tool_calls") for m in messages) else None
+    sample = sample_of(tmp_path, family, {"messages": messages, **({"tools": tools} if tools else {})})
+    assert sample.get("skip") == "template_drops_fields", sample.get("detail", sample.keys())
+    assert field in sample["detail"] and "--tokenizer" in sample["detail"]
