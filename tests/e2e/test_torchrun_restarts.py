@@ -56,8 +56,6 @@ def worker(launcher: psutil.Process, rank: int) -> psutil.Process | None:
     return None
 
 
-@pytest.mark.xfail(strict=False, reason="the process group must form through faults.process_group_kwargs in "
-                   "init_distributed (fsdp2.py / deepspeed_backend.py, not yet): torch's own keys outlive the attempt")
 def test_a_restarted_attempt_resumes_and_does_not_stop_at_the_old_attempts_stop_step(tmp_path):
     """Attempt 0: SIGUSR1 to rank 1 after a few steps; every rank stops at the agreed step, saves and
     exits 75; torchrun starts attempt 1 with the same command. It read attempt 0's stop step from
