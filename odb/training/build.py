@@ -120,8 +120,11 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
         batching = dataclasses.replace(batching, max_tokens=batching.max_tokens - BLANK_IMAGE_TOKENS)
         log(f"odb: vision model: samples packed under max_tokens - {BLANK_IMAGE_TOKENS} "
             f"= {batching.max_tokens} (room for the blank image of imageless micro-batches)")
-    dataset, eval_dataset = _datasets(config, tokenizer, vision,
-                                      truncate_to=batching.max_tokens if batching.over_cap == "truncate" else None)
+    what = f"the data {config.data.path} to be indexed"
+    check = f"a big file on network storage takes time; if this does not move, check it answers: ls {config.data.path}"
+    with announced_wait(what, check, timeout_s=config.run.dist_timeout_s):
+        dataset, eval_dataset = _datasets(config, tokenizer, vision,
+                                          truncate_to=batching.max_tokens if batching.over_cap == "truncate" else None)
     packed = supports_packing(model)
     if not packed:
         log(f"odb: cannot pack {model.config.model_type} correctly (its rotary positions are "
@@ -208,6 +211,7 @@ def shared_settings(config: RunConfig, model_config, dataset: SampleDataset,
         "model.loss_chunk_tokens": config.model.loss_chunk_tokens,
         "data.fingerprint": dataset.fingerprint(),
         "data.processing": dataclasses.asdict(config.data.processing),
+        "data.image_processor": dataclasses.asdict(dataset.vision) if dataset.vision is not None else None,
         "data.eval_fingerprint": eval_dataset.fingerprint() if eval_dataset is not None else None,
         "data.eval_steps": config.data.eval_steps,
         "run": {"epochs": config.run.epochs, "max_steps": config.run.max_steps,

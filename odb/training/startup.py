@@ -5,6 +5,9 @@ group (``Trainer.init``). It stops the rank with :class:`StartupError`, naming w
 
 * torch is older than :data:`TORCH_FLOOR` (setup.py's floor, which says why);
 * the chosen backend needs torch APIs this install lacks (FSDP2: :data:`FSDP2_NEEDS`);
+* the model mixes tokens other than by attention (a state-space, linear-attention or short-convolution
+  layer), so packed samples would leak into each other: :func:`odb.training.support.packing_refusal`,
+  on the model's skeleton (its config on the ``meta`` device, no weights read);
 * odb's packed attention cannot run on this rank's device in the run's precision:
   :func:`odb.training.attention.attention_path` probes it once (on CUDA: one tiny packed call, checked)
   and names it; the start banner shows that name (:func:`probed_attention`).
@@ -46,8 +49,8 @@ import torch
 from odb.training.config import RunConfig
 from odb.training.faults import EXIT_STALLED
 
-__all__ = ["FSDP2_NEEDS", "TORCH_FLOOR", "WAIT_REPORT_ENV", "StartupError", "announced_wait", "check_startup",
-           "check_torch", "probed_attention", "rank_device", "run_dtype", "torch_version"]
+__all__ = ["FSDP2_NEEDS", "TORCH_FLOOR", "WAIT_REPORT_ENV", "StartupError", "announced_wait", "check_packing",
+           "check_startup", "check_torch", "probed_attention", "rank_device", "run_dtype", "torch_version"]
 
 TORCH_FLOOR = (2, 6)
 """The oldest torch odb supports (setup.py states the same, with the reasons)."""
@@ -161,6 +164,16 @@ def probed_attention(config: RunConfig) -> str:
                            f"{error}") from error
 
 
+def check_packing(config: RunConfig) -> None:
+    """Raises :class:`StartupError` where odb cannot pack the run's model exactly (the reason names its
+    layers): :func:`odb.training.support.packing_refusal` on the model's skeleton."""
+    from odb.training.support import packing_refusal, skeleton
+
+    refusal = packing_refusal(skeleton(config.model.path))
+    if refusal is not None:
+        raise StartupError(refusal)
+
+
 def check_startup(config: RunConfig) -> str:
     """Every check above, before any process group; returns the attention path (the banner's words).
 
@@ -168,6 +181,7 @@ def check_startup(config: RunConfig) -> str:
         StartupError: naming the fix.
     """
     check_torch(config.optimization.backend)
+    check_packing(config)
     return probed_attention(config)
 
 

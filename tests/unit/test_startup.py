@@ -88,6 +88,22 @@ def test_a_path_that_cannot_run_stops_the_rank_naming_the_fix(monkeypatch, tmp_p
         startup._attention_path.cache_clear()
 
 
+def test_a_model_that_mixes_tokens_outside_attention_is_refused_before_any_process_group(tmp_path):
+    """A hybrid LFM2 (short convolutions) as a config JSON: refused at start naming its layers; the same
+    family with attention layers only passes (the check reads the config's own layers)."""
+    import json
+
+    layers = {"model_type": "lfm2", "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    hybrid, attention_only = tmp_path / "hybrid.json", tmp_path / "attention.json"
+    hybrid.write_text(json.dumps({**layers, "layer_types": ["conv", "full_attention"]}))
+    attention_only.write_text(json.dumps({**layers, "layer_types": ["full_attention", "full_attention"]}))
+    with pytest.raises(StartupError, match=r"odb cannot pack lfm2: its layers \['Lfm2ShortConv'\] mix tokens"):
+        check_startup(parse_config(["--model", str(hybrid), "--output_dir", str(tmp_path / "a")], defaults=DEFAULTS))
+    check_startup(parse_config(["--model", str(attention_only), "--output_dir", str(tmp_path / "b")],
+                               defaults=DEFAULTS))
+
+
 def test_a_wait_is_reported_while_it_lasts_and_not_after(monkeypatch, capsys):
     monkeypatch.setenv(WAIT_REPORT_ENV, "0.2")
     monkeypatch.setenv("RANK", "3")
