@@ -25,9 +25,16 @@ __all__ = ["DeepSpeedBackend", "deepspeed_shm_buffer", "init_deepspeed_distribut
 
 
 def init_deepspeed_distributed(timeout_s: float) -> None:
-    """Joins the process group as DeepSpeed does (NCCL on GPUs, gloo on CPUs)."""
+    """Joins the process group as DeepSpeed does (NCCL on GPUs, gloo on CPUs). Under torchrun's agent
+    store (``torchrun --max-restarts``), odb forms the group first, through this restart attempt's
+    keys (:func:`odb.training.faults.process_group_kwargs`: torch's own keys outlive an attempt), and
+    DeepSpeed takes it as it is."""
     import deepspeed
 
+    from odb.training.faults import init_process_group, process_group_kwargs
+
+    if process_group_kwargs(timeout_s):
+        init_process_group(timeout_s)
     deepspeed.init_distributed(timeout=timedelta(seconds=timeout_s))
 
 

@@ -64,7 +64,7 @@ from datetime import timedelta
 from typing import Any
 
 __all__ = ["EXIT_PREEMPTED", "EXIT_STALLED", "GracefulStop", "Preempted", "WatchedCommunicator", "Watchdog",
-           "attempt_prefix", "collective_timeout_s", "connect_store", "process_group_kwargs"]
+           "attempt_prefix", "collective_timeout_s", "connect_store", "init_process_group", "process_group_kwargs"]
 
 EXIT_STALLED = 71
 """Exit code of every rank of a run that a frozen, dead or stuck rank stopped (the watchdog)."""
@@ -122,6 +122,21 @@ def process_group_kwargs(timeout_s: float, env: Mapping[str, str] = os.environ) 
         return {}
     return {"store": dist.PrefixStore("process_group", connect_store(timeout_s, env)), "rank": int(env["RANK"]),
             "world_size": int(env["WORLD_SIZE"])}
+
+
+def init_process_group(timeout_s: float) -> None:
+    """Joins the process group the launcher describes: NCCL for the model on GPUs (gloo beside it for
+    CPU tensors, odb's own collective), gloo on CPUs; under torchrun's agent store through this
+    attempt's keys (:func:`process_group_kwargs`)."""
+    import torch
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **process_group_kwargs(timeout_s))
 
 
 def connect_store(timeout_s: float, env: Mapping[str, str] = os.environ):

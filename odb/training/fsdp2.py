@@ -32,8 +32,6 @@ on load. The Hugging Face export gathers full weights on rank 0 (``full_state_di
 from __future__ import annotations
 
 import dataclasses
-import os
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -50,19 +48,10 @@ DCP_FOLDER = "fsdp2"
 
 
 def init_fsdp2_distributed(timeout_s: float) -> None:
-    """Joins the process group torchrun describes: NCCL for the model on GPUs (gloo beside it for
-    CPU tensors, odb's own collective), gloo on CPUs. Under torchrun's agent store, through this
-    restart attempt's keys (:func:`odb.training.faults.process_group_kwargs`)."""
-    import torch.distributed as dist
+    """Joins the process group torchrun describes (:func:`odb.training.faults.init_process_group`)."""
+    from odb.training.faults import init_process_group
 
-    from odb.training.faults import process_group_kwargs
-
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "cpu:gloo,cuda:nccl"
-    else:
-        backend = "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **process_group_kwargs(timeout_s))
+    init_process_group(timeout_s)
 
 
 def _device() -> torch.device:

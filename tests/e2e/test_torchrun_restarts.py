@@ -56,13 +56,14 @@ def worker(launcher: psutil.Process, rank: int) -> psutil.Process | None:
     return None
 
 
-def test_a_restarted_attempt_resumes_and_does_not_stop_at_the_old_attempts_stop_step(tmp_path):
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_a_restarted_attempt_resumes_and_does_not_stop_at_the_old_attempts_stop_step(tmp_path, backend):
     """Attempt 0: SIGUSR1 to rank 1 after a few steps; every rank stops at the agreed step, saves and
     exits 75; torchrun starts attempt 1 with the same command. It read attempt 0's stop step from
     the store and stopped after its first step (exit 75 again, torchrun out of restarts: exit 1).
     Now it resumes from the checkpoint and trains the rest: every sample exactly once over both."""
     out, port = tmp_path / "out", free_port()
-    cmd = [*torchrun_restarting(port), str(TRAIN), "--backend", "fsdp2", "--resume", "auto", "--audit_ids",
+    cmd = [*torchrun_restarting(port), str(TRAIN), "--backend", backend, "--resume", "auto", "--audit_ids",
            "--max_samples", str(SAMPLES), "--odb_config", str(odb_config(tmp_path, max_tokens=256, window=8)),
            "--output_dir", str(out), "--num_workers", "0", "--dist_timeout_s", "60"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
