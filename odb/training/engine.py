@@ -156,16 +156,18 @@ class OdbEngine:
             self.model.get_output_embeddings(), softcap=final_logit_softcap(self.model.config),
             num_chunks=num_loss_chunks(max_tokens, loss_chunk_tokens), fused=fused_loss)
 
-    def _forward_loss(self, samples: Sequence[dict[str, Any]], padded: bool, *,
-                      router: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward_loss(self, samples: Sequence[dict[str, Any]], padded: bool, *, router: bool = False,
+                      truncate: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The summed token loss of ``samples`` in one model call, and with ``router`` (a model with
-        a router loss) its router loss ``aux`` over the samples' own tokens (else None)."""
+        a router loss) its router loss ``aux`` over the samples' own tokens (else None); each sample
+        cut to ``max_tokens`` unless ``truncate`` is False."""
         is_dummy, blank = not samples, self._needs_blank(samples)
         samples = [*samples, self._blank_image()] if blank else samples
+        cap = self.max_tokens if truncate else None
         if padded or not self.packed:
-            batch = collate_padded(samples, pad_token_id=self.pad_token_id, max_tokens=self.max_tokens)
+            batch = collate_padded(samples, pad_token_id=self.pad_token_id, max_tokens=cap)
         else:
-            batch = collate_packed(samples, max_tokens=self.max_tokens)
+            batch = collate_packed(samples, max_tokens=cap)
         batch = _to_device(batch, self.device)
         labels = batch.pop("labels")
         if self.vision is not None and "cu_seq_lens_q" in batch:  # each sample's own M-RoPE, text in row 0
@@ -279,9 +281,11 @@ class OdbEngine:
                           aux_loss=self.router_loss.coef * aux_sum / step_tokens if step_tokens else 0.0)
 
     @torch.no_grad()
-    def eval_step(self, plan: StepPlan, samples: Sequence[Sequence[dict[str, Any]]]) -> tuple[float, int]:
+    def eval_step(self, plan: StepPlan, samples: Sequence[Sequence[dict[str, Any]]], *,
+                  truncate: bool = True) -> tuple[float, int]:
         """Forwards only, no gradients: the plan's micro-batches as :meth:`train_step` runs them
         (dummies too, so every rank enters ZeRO-3's or FSDP2's parameter gathers alike), no backward, no step.
+        ``truncate`` False: samples are scored whole, not cut to ``max_tokens`` (evaluation's over-cap ones).
 
         Returns:
             ``(loss_sum, label_tokens)`` of this rank's real micro-batches: the summed next-token
@@ -295,9 +299,10 @@ class OdbEngine:
             if micro.is_dummy:
                 self._dummy_loss()
                 continue
-            loss_sum += self._forward_loss(micro_samples, micro.padded)[0].double()
+            loss_sum += self._forward_loss(micro_samples, micro.padded, truncate=truncate)[0].double()
+            cap = self.max_tokens if truncate else None
             for sample in micro_samples:
-                label_tokens += int((torch.as_tensor(sample["labels"])[1:self.max_tokens] != -100).sum())
+                label_tokens += int((torch.as_tensor(sample["labels"])[1:cap] != -100).sum())
         return float(loss_sum), label_tokens
 
 

@@ -178,18 +178,14 @@ class Evaluator:
         most = int(aligner.gather_reports(np.array([len(over_cap)], dtype=np.int64))[:, 0].max())
         loss_sum, label_tokens = 0.0, 0
         order = sorted(over_cap, key=lambda s: (-s.tokens, s.uid))
-        engine, cap = self.engine, self.engine.max_tokens
-        engine.max_tokens = None  # the collate and the label count truncate to it: not these samples
-        try:
-            for i in range(most):
-                micro = MicroBatch((order[i],)) if i < len(order) else MicroBatch(())
-                plan = StepPlan(epoch=0, step=i, micro_batches=(micro,), num_label_tokens=0, num_samples=0,
-                                rank_costs=(), rank_tokens=())  # eval_step reads only the micro-batches
-                step_loss, step_tokens = engine.eval_step(plan, [[feed.take(s.uid) for s in micro.samples]])
-                loss_sum += step_loss
-                label_tokens += step_tokens
-        finally:
-            engine.max_tokens = cap
+        for i in range(most):
+            micro = MicroBatch((order[i],)) if i < len(order) else MicroBatch(())
+            plan = StepPlan(epoch=0, step=i, micro_batches=(micro,), num_label_tokens=0, num_samples=0,
+                            rank_costs=(), rank_tokens=())  # eval_step reads only the micro-batches
+            step_loss, step_tokens = self.engine.eval_step(plan, [[feed.take(s.uid) for s in micro.samples]],
+                                                           truncate=False)
+            loss_sum += step_loss
+            label_tokens += step_tokens
         return loss_sum, label_tokens
 
 
