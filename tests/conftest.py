@@ -31,6 +31,17 @@ if TYPE_CHECKING:
 LAYERS = ("unit", "sim", "dist", "e2e")
 
 
+def train_defaults():
+    """The default files of launch/train.py, as it names them (for tests that call parse_config)."""
+    from odb.training.cli import FileDefaults
+
+    configs = ROOT / "configs"
+    return FileDefaults(deepspeed_config=configs / "ds_zero2.json", odb_config=configs / "odb.json",
+                        model=configs / "tiny_model.json", data=ROOT / "data" / "chat.jsonl",
+                        tokenizer=ROOT / "data" / "tokenizer", lora=configs / "lora.json",
+                        fsdp_config=configs / "fsdp2.json")
+
+
 @functools.cache
 def bundled_tokenizer():
     """The bundled tokenizer (data/tokenizer), loaded once per test session."""

@@ -49,7 +49,8 @@ from odb.training.model import hf_model
 from odb.training.moe import router_loss
 from odb.training.mrope import packed_position_ids
 
-__all__ = ["Backend", "OdbEngine", "StepResult", "token_loss_sum", "torch_optimizer", "BLANK_IMAGE_TOKENS"]
+__all__ = ["Backend", "LocalBackend", "OdbEngine", "StepResult", "token_loss_sum", "torch_optimizer",
+           "BLANK_IMAGE_TOKENS"]
 
 BLANK_IMAGE_TOKENS = 3  # vision start, one image pad (a 2x2-merged 4-patch image), vision end
 
@@ -122,6 +123,38 @@ class Backend(Protocol):
     def full_state_dict(self, *, dtype: torch.dtype | None, trainable_only: bool) -> dict[str, torch.Tensor] | None:
         """The model's full weights as CPU tensors on rank 0, None elsewhere (collective), named as
         ``module.state_dict()`` names them; ``dtype`` None: the training precision."""
+
+
+class LocalBackend:
+    """A :class:`Backend` on one process, for checks and tests (check-model, the unit tests): the
+    model's call (its last output kept as ``last``, its batch as ``last_batch``), backward into
+    ``.grad``, and no optimizer step, so the gradients stay for the caller to read; no checkpoints."""
+
+    name = "local"
+
+    def __init__(self, model: torch.nn.Module, device: torch.device | None = None) -> None:
+        self.module, self.device = model, device or torch.device("cpu")
+        self.last: Any = None
+        self.last_batch: dict[str, Any] = {}
+
+    def __call__(self, **batch: Any) -> Any:
+        self.last_batch, self.last = batch, self.module(**batch)
+        return self.last
+
+    def set_lr(self, lr: float) -> None:
+        pass
+
+    def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        pass
+
+    def train(self, mode: bool = True) -> None:
+        self.module.train(mode)
+
+    def release_cache(self) -> None:
+        pass
 
 
 class OdbEngine:

@@ -35,7 +35,7 @@ from odb.batching.cost import SampleCost, count_label_tokens
 from odb.batching.plan import MicroBatch, StepPlan
 from odb.data.images import ImageProcessor, VisionSpec
 from odb.data.processing import DataConfig, SampleDataset
-from odb.training.engine import BLANK_IMAGE_TOKENS, OdbEngine
+from odb.training.engine import BLANK_IMAGE_TOKENS, LocalBackend, OdbEngine
 from odb.training.model import build_model, load_tokenizer, vision_spec
 from odb.training.mrope import supports_packing
 from odb.training.support import packing_refusal, skeleton
@@ -81,37 +81,6 @@ class ModelReport:
         return dataclasses.asdict(self)
 
 
-class _LocalBackend:
-    """What :class:`OdbEngine` uses of a backend, on one process: the model's call (the last one
-    kept), backward into ``.grad``, and no optimizer step."""
-
-    name = "local"
-
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
-        self.module, self.device = model, device
-        self.calls: list[tuple[dict[str, Any], Any]] = []
-
-    def __call__(self, **batch: Any) -> Any:
-        out = self.module(**batch)
-        self.calls.append((batch, out))
-        return out
-
-    def set_lr(self, lr: float) -> None:
-        pass
-
-    def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
-        loss.backward()
-
-    def step(self) -> None:
-        pass
-
-    def train(self, mode: bool = True) -> None:
-        self.module.train(mode)
-
-    def release_cache(self) -> None:
-        pass
-
-
 def check_model(path: str | Path, *, data: str | Path, num_samples: int = 8, max_tokens: int = 4096,
                 data_config: DataConfig | None = None, tokenizer: str | Path | None = None,
                 reference: str = "eager", device: str | torch.device | None = None,
@@ -152,7 +121,7 @@ def check_model(path: str | Path, *, data: str | Path, num_samples: int = 8, max
                             max_samples=num_samples)
     samples = _samples(dataset, report)
     if samples:
-        backend = _LocalBackend(model, device)
+        backend = LocalBackend(model, device)
         try:
             report.max_logit_diff = _logit_diff(model, backend, samples, max_tokens=max_tokens, packed=packed,
                                                 pad_token_id=tok.pad_token_id, reference=reference)
@@ -228,7 +197,7 @@ def _with_attention(model, implementation: str):
 
 
 @torch.no_grad()
-def _logit_diff(model, backend: _LocalBackend, samples, *, max_tokens: int, packed: bool, pad_token_id: int,
+def _logit_diff(model, backend: LocalBackend, samples, *, max_tokens: int, packed: bool, pad_token_id: int,
                 reference: str) -> float:
     """Max |odb's packed logits - each sample alone| over every real token."""
     from odb.training.attention import ATTN_IMPLEMENTATION
@@ -237,11 +206,9 @@ def _logit_diff(model, backend: _LocalBackend, samples, *, max_tokens: int, pack
                        loss_chunk_tokens=None)
     got: list[torch.Tensor] = []
     for pack in _packs(samples, max_tokens - (BLANK_IMAGE_TOKENS if engine.vision is not None else 0)):
-        backend.calls.clear()
         plan = _plan([tuple(_cost(i, samples[i]) for i in pack)])
-        engine.eval_step(plan, [[samples[i] for i in pack]])
-        (batch, out), = backend.calls
-        logits = out.logits.float()
+        engine.eval_step(plan, [[samples[i] for i in pack]])  # one model call: the pack's micro-batch
+        batch, logits = backend.last_batch, backend.last.logits.float()
         if "cu_seq_lens_q" in batch:
             bounds = batch["cu_seq_lens_q"].tolist()
             got += [logits[0, a:b] for a, b in zip(bounds, bounds[1:])][:len(pack)]
@@ -258,7 +225,7 @@ def _logit_diff(model, backend: _LocalBackend, samples, *, max_tokens: int, pack
     return worst
 
 
-def _loss_and_grads(model, backend: _LocalBackend, samples, report: ModelReport, *, max_tokens: int, packed: bool,
+def _loss_and_grads(model, backend: LocalBackend, samples, report: ModelReport, *, max_tokens: int, packed: bool,
                     pad_token_id: int, reference: str) -> None:
     """Each sample as a step of its own: odb's trained objective and gradients against the model's
     own ``loss`` (router loss included where the model has one) and its gradients."""

@@ -10,14 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from odb.training.cli import FileDefaults, parse_config
+from conftest import train_defaults
+from odb.training.cli import parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
-DEFAULTS = FileDefaults(  # as launch/train.py names them
-    deepspeed_config=CONFIGS / "ds_zero2.json", odb_config=CONFIGS / "odb.json", model=CONFIGS / "tiny_model.json",
-    data=ROOT / "data" / "chat.jsonl", tokenizer=ROOT / "data" / "tokenizer", lora=CONFIGS / "lora.json",
-    fsdp_config=CONFIGS / "fsdp2.json")
+DEFAULTS = train_defaults()
 
 
 @pytest.fixture(autouse=True)

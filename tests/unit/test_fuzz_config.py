@@ -24,9 +24,10 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
+from conftest import train_defaults
 from odb.batching.config import OdbConfig, load_json_config, load_odb_config
 from odb.data.processing import DataConfig, load_data_config
-from odb.training.cli import FileDefaults, parse_config
+from odb.training.cli import parse_config
 from odb.training.config import (
     CheckpointSettings,
     DataSettings,
@@ -43,10 +44,7 @@ from odb.training.ds_config import load_ds_config, resolve_ds_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
-DEFAULTS = FileDefaults(  # as launch/train.py names them
-    deepspeed_config=CONFIGS / "ds_zero2.json", odb_config=CONFIGS / "odb.json", model=CONFIGS / "tiny_model.json",
-    data=ROOT / "data" / "chat.jsonl", tokenizer=ROOT / "data" / "tokenizer", lora=CONFIGS / "lora.json",
-    fsdp_config=CONFIGS / "fsdp2.json")
+DEFAULTS = train_defaults()
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 _SCALARS = st.one_of(

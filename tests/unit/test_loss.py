@@ -28,7 +28,7 @@ from conftest import ROOT
 from odb.batching.cost import SampleCost, count_label_tokens
 from odb.batching.plan import MicroBatch, StepPlan
 from odb.training import attention
-from odb.training.engine import OdbEngine, token_loss_sum
+from odb.training.engine import LocalBackend, OdbEngine, token_loss_sum
 from odb.training.loss import (
     HeadLoss,
     chunked_token_loss_sum,
@@ -41,16 +41,6 @@ SOFTCAP = 30.0
 LOSS_RTOL, GRAD_RTOL = 1e-6, 1e-5
 
 
-class LocalEngine:
-    """What OdbEngine uses of a DeepSpeed engine, on one process."""
-
-    def __init__(self, model) -> None:
-        self.module, self.device = model, torch.device("cpu")
-
-    def __call__(self, **batch):
-        return self.module(**batch)
-
-
 def model_of(family: str, **overrides):
     if family == "gemma2":
         overrides.setdefault("final_logit_softcapping", SOFTCAP)
@@ -59,7 +49,7 @@ def model_of(family: str, **overrides):
 
 def forward_loss(model, samples: list[dict], *, max_tokens: int, chunk_tokens: int | None,
                  padded: bool = False) -> torch.Tensor:
-    engine = OdbEngine(LocalEngine(model), world_size=1, max_tokens=max_tokens, pad_token_id=0,
+    engine = OdbEngine(LocalBackend(model), world_size=1, max_tokens=max_tokens, pad_token_id=0,
                        loss_chunk_tokens=chunk_tokens)
     return engine._forward_loss(samples, padded)[0]
 
@@ -151,7 +141,7 @@ def test_eval_step_with_a_dummy_matches(family):
                              patches=0, cost=0) for i, s in enumerate(samples))
     plan = StepPlan(epoch=0, step=0, micro_batches=(MicroBatch(costs), MicroBatch(())), num_label_tokens=0,
                     num_samples=len(samples), rank_costs=(), rank_tokens=())
-    results = {chunk: OdbEngine(LocalEngine(model), world_size=1, max_tokens=256, pad_token_id=0,
+    results = {chunk: OdbEngine(LocalBackend(model), world_size=1, max_tokens=256, pad_token_id=0,
                                 loss_chunk_tokens=chunk).eval_step(plan, [samples, []]) for chunk in (None, 30)}
     (full, tokens), (chunked, chunked_tokens) = results[None], results[30]
     print(f"{family} eval: full {full:.6f}, chunked {chunked:.6f} ({tokens} label tokens)")

@@ -34,32 +34,11 @@ from odb.batching.plan import MicroBatch, StepPlan
 from odb.data.collate import collate_padded
 from odb.telemetry import StepTimes, Telemetry
 from odb.training import attention
-from odb.training.engine import OdbEngine, token_loss_sum
+from odb.training.engine import LocalBackend, OdbEngine, token_loss_sum
 from odb.training.model import build_model, hf_model
 from odb.training.moe import router_loss
 
 LOSS_RTOL, GRAD_RTOL = 1e-6, 1e-5
-
-
-class LocalBackend:
-    """What OdbEngine uses of a backend, on one process: backward accumulates, step keeps the
-    gradients for the test to read."""
-
-    def __init__(self, model) -> None:
-        self.module, self.device = model, torch.device("cpu")
-
-    def __call__(self, **batch):
-        self.last = self.module(**batch)
-        return self.last
-
-    def set_lr(self, lr: float) -> None:
-        pass
-
-    def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
-        loss.backward()
-
-    def step(self) -> None:
-        pass
 
 
 def labelled(samples: list[dict]) -> list[dict]:

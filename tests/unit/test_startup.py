@@ -8,9 +8,10 @@ import time
 import pytest
 import torch
 
+from conftest import train_defaults
 from launch import ROOT
 from odb.training.attention import attention_path
-from odb.training.cli import FileDefaults, parse_config
+from odb.training.cli import parse_config
 from odb.training.faults import EXIT_STALLED
 from odb.training.startup import (
     TORCH_FLOOR,
@@ -23,11 +24,7 @@ from odb.training.startup import (
     torch_version,
 )
 
-DEFAULTS = FileDefaults(
-    deepspeed_config=ROOT / "configs" / "ds_zero2.json", odb_config=ROOT / "configs" / "odb.json",
-    model=ROOT / "configs" / "tiny_model.json", data=ROOT / "data" / "chat.jsonl",
-    tokenizer=ROOT / "data" / "tokenizer", lora=ROOT / "configs" / "lora.json",
-    fsdp_config=ROOT / "configs" / "fsdp2.json")
+DEFAULTS = train_defaults()
 
 
 def test_setup_py_states_the_floor_the_start_up_check_enforces():
