@@ -20,22 +20,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from odb.data.labels import label_runs  # noqa: E402
 from odb.data.processing import SampleDataset, load_data_config  # noqa: E402
 from odb.training.model import load_tokenizer  # noqa: E402
-
-
-def label_runs(tokenizer, input_ids: list[int], labels: list[int]) -> list[str]:
-    """The decoded runs of consecutive labelled tokens."""
-    runs, current = [], []
-    for token, label in zip(input_ids, labels):
-        if label != -100:
-            current.append(token)
-        elif current:
-            runs.append(current)
-            current = []
-    if current:
-        runs.append(current)
-    return [tokenizer.decode(run) for run in runs]
 
 
 def main() -> None:

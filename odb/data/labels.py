@@ -67,7 +67,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["TRAIN_ON", "LabelledChat", "TemplateDropsFields", "TemplateMismatch", "assistant_char_spans", "encode_chat",
-           "token_spans"]
+           "label_runs", "token_spans"]
 
 TRAIN_ON = ("assistant", "last", "all")
 """What to label: every assistant turn, the final assistant turn only, or every token."""
@@ -309,6 +309,20 @@ def token_spans(offsets: Sequence[tuple[int, int]], char_spans: Sequence[tuple[i
         if token > first:
             out.append((first, token))
     return out
+
+
+def label_runs(tokenizer, input_ids: list[int], labels: list[int]) -> list[str]:
+    """The decoded runs of consecutive labelled tokens (``-100``: not a label): what a sample trains on."""
+    runs, current = [], []
+    for token, label in zip(input_ids, labels):
+        if label != -100:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return [tokenizer.decode(run) for run in runs]
 
 
 def encode_chat(tokenizer, messages: Sequence[dict], train_on: str = "assistant",

@@ -34,6 +34,7 @@ import torch
 from odb.batching.cost import SampleCost, count_label_tokens
 from odb.batching.plan import MicroBatch, StepPlan
 from odb.data.images import ImageProcessor, VisionSpec
+from odb.data.labels import label_runs
 from odb.data.processing import DataConfig, SampleDataset
 from odb.training.engine import BLANK_IMAGE_TOKENS, LocalBackend, OdbEngine
 from odb.training.model import build_model, load_tokenizer, vision_spec
@@ -274,15 +275,8 @@ def _has_router_loss(model) -> bool:
 
 
 def _label_runs(tokenizer, sample: dict[str, Any], limit: int = 4, width: int = 120) -> list[str]:
-    """The first ``limit`` runs of labelled tokens of ``sample``, decoded (each cut to ``width``)."""
-    labels = sample["labels"].tolist()
-    runs, start = [], None
-    for i, label in enumerate([*labels, -100]):
-        if label != -100 and start is None:
-            start = i
-        elif label == -100 and start is not None:
-            runs.append(tokenizer.decode(labels[start:i]))
-            start = None
+    """The first ``limit`` label runs of ``sample``, decoded, each cut to ``width`` characters."""
+    runs = label_runs(tokenizer, sample["input_ids"].tolist(), sample["labels"].tolist())
     return [repr(run if len(run) <= width else run[:width] + "...") for run in runs[:limit]]
 
 
