@@ -29,7 +29,13 @@ from odb.training.build import Components
 from odb.training.config import RunConfig
 from odb.training.reshard import LoadPlan, prepare_load
 
-__all__ = ["checkpoint_states", "load_checkpoint", "load_plan", "resolve_tag", "save_checkpoint"]
+__all__ = ["FINISHED", "checkpoint_states", "load_checkpoint", "load_plan", "mark_finished", "resolve_tag",
+           "save_checkpoint"]
+
+FINISHED = "finished"
+"""A file in a checkpoint's tag folder: the run that saved it went on to finish there (evaluation,
+export, summary). A checkpoint of every step without it (a stop at the last step, a failure in
+the end) resumes into the end of the run instead of being refused."""
 
 
 def _folder(config: RunConfig) -> Path:
@@ -42,13 +48,17 @@ def save_checkpoint(parts: Components, config: RunConfig, tag: str) -> None:
     import torch.distributed as dist
 
     folder = _folder(config)
-    parts.engine.save(folder, tag)
     rank = parts.rank
+    # odb's files first: the backend's save ends by naming the tag in 'latest' (after every rank's
+    # part), so 'latest' never names a tag whose odb files a killed save did not write
+    (folder / tag).mkdir(parents=True, exist_ok=True)
+    (folder / tag / FINISHED).unlink(missing_ok=True)
     (folder / tag / f"odb_state.rank{rank}.json").write_text(json.dumps(parts.batcher.state_dict()))
     (folder / tag / f"run_state.rank{rank}.json").write_text(
         json.dumps(parts.telemetry.state_dict(parts.feed.skipped, parts.feed.truncated)))
     if rank == 0:
         (folder / tag / "run_config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    parts.engine.save(folder, tag)
     limit = config.checkpoints.save_total_limit
     if limit is not None:
         dist.barrier()  # every rank's files of ``tag`` are written before older tags go
@@ -56,6 +66,12 @@ def save_checkpoint(parts: Components, config: RunConfig, tag: str) -> None:
             for old in _step_tags(folder)[:-limit]:
                 if old != tag:
                     shutil.rmtree(folder / old)
+
+
+def mark_finished(config: RunConfig, tag: str) -> None:
+    """Marks checkpoint ``tag`` as the end of a finished run (:data:`FINISHED`; rank 0, once the
+    summary is written)."""
+    (_folder(config) / tag / FINISHED).write_text("the run finished here: summary.json written\n")
 
 
 def _step_tags(folder: Path) -> list[str]:
@@ -149,10 +165,13 @@ def load_checkpoint(parts: Components, config: RunConfig, tag: str, plan: LoadPl
     state, epochs = upgrade_state(state), config.run.epochs
     is_join = state["config"]["mode"] == "join"
     # Finished: every step planned AND trained. A checkpoint from inside the last round (its steps
-    # still queued: --save_steps, a preemption) is not finished; it resumes those steps.
-    if is_join and is_finished(state) and state["epoch"] >= epochs:
+    # still queued: --save_steps, a preemption) is not finished; it resumes those steps. One of every
+    # step whose run did not finish there (a stop at its last step, a failure in its end) resumes
+    # into the end: evaluation, final checkpoint, export, summary.
+    trained_all = is_join and is_finished(state) and state["epoch"] >= epochs
+    if trained_all and (folder / tag / FINISHED).is_file():
         raise ValueError(f"--resume: the run in {config.output_dir} already trained all {state['epoch']} "
-                         f"epoch(s); pass --epochs > {state['epoch']} to train more, or start a new "
+                         f"epoch(s) and finished; pass --epochs > {state['epoch']} to train more, or start a new "
                          "--output_dir")
     try:
         parts.engine.load(plan.folder, plan.tag)
@@ -169,4 +188,6 @@ def load_checkpoint(parts: Components, config: RunConfig, tag: str, plan: LoadPl
         else ""
     moved = f", saved by {saved_world} ranks, its untrained samples dealt to {parts.world_size}" \
         if saved_world != parts.world_size else ""
-    log(f"resumed from {folder / tag}: {parts.telemetry.samples_done} samples done{extended}{moved}")
+    ending = "; every step is trained: finishing the run (evaluation, checkpoint, export, summary)" \
+        if trained_all else ""
+    log(f"resumed from {folder / tag}: {parts.telemetry.samples_done} samples done{extended}{moved}{ending}")

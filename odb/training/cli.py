@@ -59,9 +59,11 @@ class FileDefaults:
 
 
 def _parser(defaults: FileDefaults) -> argparse.ArgumentParser:
+    # no abbreviations: launch/slurm.sbatch reads --output_dir, --resume and --overwrite_output_dir by their names
     p = argparse.ArgumentParser(description="Fine-tune a causal LM with odb's online dynamic batching "
                                             "under DeepSpeed (deepspeed --num_gpus N launch/train.py ...) or FSDP2 "
-                                            "(torchrun --nproc_per_node N launch/train.py --backend fsdp2 ...)")
+                                            "(torchrun --nproc_per_node N launch/train.py --backend fsdp2 ...)",
+                                allow_abbrev=False)
     p.add_argument("--backend", choices=BACKENDS, default="deepspeed",
                    help="deepspeed (ZeRO 0-3, launch with deepspeed) or fsdp2 (PyTorch fully_shard, launch with "
                         "torchrun)")
@@ -239,15 +241,24 @@ def _resume(args: argparse.Namespace) -> str | None:
 
     * ``--resume [TAG]``: continue; the folder must hold checkpoints.
     * ``--resume auto``: 'latest' if the folder has it; else a fresh run, replacing an earlier run
-      that saved no checkpoint (a restarted attempt that failed before its first); a folder with
-      checkpoints but no 'latest' (a save that did not finish) is refused, naming its tags.
+      that saved no checkpoint and did not finish (a restarted attempt that failed before its first);
+      a finished run (``summary.json`` or ``hf/``) is refused, as is a folder with checkpoints but no
+      'latest' (a save that did not finish), naming its tags.
     * no ``--resume``: a folder that holds an earlier run (:func:`earlier_run`) is refused unless
       ``--overwrite_output_dir``, which removes it (rank 0): no second run is appended to its
-      metrics.jsonl, no old checkpoint or summary outlives it.
+      metrics.jsonl, no old checkpoint or summary outlives it. In a restarted attempt of the same job
+      (``torchrun --max-restarts``, a SLURM requeue) ``--overwrite_output_dir`` means ``--resume auto``:
+      a restart continues the run the first attempt started, never removes it.
+    * Nothing is removed that the run reads (``--model``, ``--tokenizer``, the data, the configs): a
+      removal that would is refused.
     """
     out = Path(args.output_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--output_dir {out} is a file; pass a folder (created if missing)")
+    if args.overwrite_output_dir and _restart_attempt():
+        print(f"odb: attempt {_restart_attempt()} of this job: --overwrite_output_dir read as --resume auto (a "
+              "restart continues the run, it does not remove it)", flush=True)
+        args.resume, args.overwrite_output_dir = "auto", False
     if args.resume and args.overwrite_output_dir:
         raise ValueError(f"--resume continues the run in --output_dir {out} and --overwrite_output_dir removes it: "
                          "pass one of them")
@@ -265,15 +276,46 @@ def _resume(args: argparse.Namespace) -> str | None:
                                     "run that saved them")
         return args.resume
     found = earlier_run(out)
+    names = ", ".join(str(p.relative_to(out)) for p in found)
     if found and not (args.overwrite_output_dir or args.resume == "auto"):
-        names = ", ".join(str(p.relative_to(out)) for p in found)
         raise ValueError(f"--output_dir {out} holds an earlier run ({names}): pass --resume to continue it, "
                          "--overwrite_output_dir to start over (removes them), or another --output_dir")
+    finished = [p.name for p in found if p.name in ("summary.json", "hf")]
+    if args.resume == "auto" and finished:
+        raise ValueError(f"--resume auto: --output_dir {out} holds a finished run ({', '.join(finished)}) and no "
+                         "checkpoint to continue it from: pass --overwrite_output_dir to replace it, or another "
+                         "--output_dir")
+    _check_not_an_input(args, found)
     if found and os.environ.get("RANK", "0") == "0":
         _remove(found)
         print(f"odb: starting over in {out}: removed the earlier run's "
               f"{', '.join(str(p.relative_to(out)) for p in found)}", flush=True)
     return None
+
+
+def _restart_attempt() -> int:
+    """Which restart of this job this process runs in: torchrun's ``--max-restarts`` count, else
+    SLURM's requeue count (0: the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) or int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+
+
+_INPUTS = ("model", "tokenizer", "data", "eval_data", "data_config", "odb_config", "deepspeed_config",
+           "fsdp_config", "lora")
+
+
+def _check_not_an_input(args: argparse.Namespace, removed: list[Path]) -> None:
+    """Raises ``ValueError`` where a path the run reads lies in what would be removed (a second stage
+    trained from the first stage's export in the same folder, say)."""
+    gone = [p.resolve() for p in removed]
+    for flag in _INPUTS:
+        value = getattr(args, flag, None)
+        if not value or not isinstance(value, str):
+            continue
+        path = Path(value).resolve()
+        hit = next((g for g in gone if path == g or g in path.parents), None)
+        if hit is not None:
+            raise ValueError(f"--{flag} {value} lies in {hit}, which starting over in --output_dir {args.output_dir} "
+                             "would remove: move it out of the folder, or pass another --output_dir")
 
 
 def _remove(paths: list[Path]) -> None:

@@ -31,9 +31,9 @@ def init_deepspeed_distributed(timeout_s: float) -> None:
     DeepSpeed takes it as it is."""
     import deepspeed
 
-    from odb.training.faults import init_process_group, process_group_kwargs
+    from odb.training.faults import init_process_group, uses_agent_store
 
-    if process_group_kwargs(timeout_s):
+    if uses_agent_store():
         init_process_group(timeout_s)
     deepspeed.init_distributed(timeout=timedelta(seconds=timeout_s))
 

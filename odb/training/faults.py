@@ -64,7 +64,8 @@ from datetime import timedelta
 from typing import Any
 
 __all__ = ["EXIT_PREEMPTED", "EXIT_STALLED", "GracefulStop", "Preempted", "WatchedCommunicator", "Watchdog",
-           "attempt_prefix", "collective_timeout_s", "connect_store", "init_process_group", "process_group_kwargs"]
+           "attempt_prefix", "collective_timeout_s", "connect_store", "init_process_group", "process_group_kwargs",
+           "uses_agent_store"]
 
 EXIT_STALLED = 71
 """Exit code of every rank of a run that a frozen, dead or stuck rank stopped (the watchdog)."""
@@ -107,6 +108,11 @@ def attempt_prefix(env: Mapping[str, str] = os.environ) -> str:
     return prefix
 
 
+def uses_agent_store(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether torchrun's agent hosts the rendezvous store, and keeps it across restart attempts."""
+    return env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
 def process_group_kwargs(timeout_s: float, env: Mapping[str, str] = os.environ) -> dict[str, Any]:
     """``init_process_group``'s ``store``, ``rank`` and ``world_size`` for this attempt where torchrun's
     agent hosts the store (``TORCHELASTIC_USE_AGENT_STORE``), else ``{}`` (torch's ``env://``).
@@ -118,7 +124,7 @@ def process_group_kwargs(timeout_s: float, env: Mapping[str, str] = os.environ) 
     (:func:`connect_store`, then ``process_group/``) the group forms again (4 of 4)."""
     import torch.distributed as dist
 
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if not uses_agent_store(env):
         return {}
     return {"store": dist.PrefixStore("process_group", connect_store(timeout_s, env)), "rank": int(env["RANK"]),
             "world_size": int(env["WORLD_SIZE"])}

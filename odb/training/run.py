@@ -20,7 +20,7 @@ import numpy as np
 from odb.batching.plan import StepPlan
 from odb.telemetry import StepTimes
 from odb.training.build import Components, build_components, init_distributed, release_shared_memory
-from odb.training.checkpoint import load_checkpoint, load_plan, resolve_tag, save_checkpoint
+from odb.training.checkpoint import load_checkpoint, load_plan, mark_finished, resolve_tag, save_checkpoint
 from odb.training.config import RunConfig
 from odb.training.export import save_hf
 from odb.training.faults import (
@@ -253,6 +253,8 @@ class Trainer:
         summary["config"] = config.to_dict()
         if self.rank == 0:
             (config.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            if self.saved == final:
+                mark_finished(config, final)  # a resume from it is refused: nothing is left to do
             self.log(f"done: {json.dumps(summary)}")
             if parts.wandb_run is not None:
                 parts.wandb_run.summary.update(summary)

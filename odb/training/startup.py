@@ -8,6 +8,8 @@ group (``Trainer.init``). It stops the rank with :class:`StartupError`, naming w
 * the model mixes tokens other than by attention (a state-space, linear-attention or short-convolution
   layer), so packed samples would leak into each other: :func:`odb.training.support.packing_refusal`,
   on the model's skeleton (its config on the ``meta`` device, no weights read);
+* ranks span nodes under ``torchrun --max-restarts`` (each node's agent counts its own restarts, so
+  the ranks of one attempt would disagree on its store keys: :func:`check_restarts`);
 * odb's packed attention cannot run on this rank's device in the run's precision:
   :func:`odb.training.attention.attention_path` probes it once (on CUDA: one tiny packed call, checked)
   and names it; the start banner shows that name (:func:`probed_attention`).
@@ -50,7 +52,8 @@ from odb.training.config import RunConfig
 from odb.training.faults import EXIT_STALLED
 
 __all__ = ["FSDP2_NEEDS", "TORCH_FLOOR", "WAIT_REPORT_ENV", "StartupError", "announced_wait", "check_packing",
-           "check_startup", "check_torch", "probed_attention", "rank_device", "run_dtype", "torch_version"]
+           "check_restarts", "check_startup", "check_torch", "probed_attention", "rank_device", "run_dtype",
+           "torch_version"]
 
 TORCH_FLOOR = (2, 6)
 """The oldest torch odb supports (setup.py states the same, with the reasons)."""
@@ -174,6 +177,25 @@ def check_packing(config: RunConfig) -> None:
         raise StartupError(refusal)
 
 
+def check_restarts(env=os.environ) -> None:
+    """Raises :class:`StartupError` for ``torchrun --max-restarts N`` (N > 0) over several nodes.
+
+    odb keys its store entries by restart attempt (:func:`odb.training.faults.attempt_prefix`, from
+    ``TORCHELASTIC_RESTART_COUNT``), but each node's agent counts only its own workers' failures: after
+    one node's worker fails, that node starts attempt 1 while the others start attempt 0 again
+    (measured here with two agents: ``odb/restart1`` on one node, ``odb/restart0`` on the other), and
+    no rendezvous forms. One node, or a scheduler's requeue (a new job, a new store), has no such
+    disagreement."""
+    restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS") or 0)
+    world, local = int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
+    if restarts > 0 and local < world:
+        raise StartupError(f"torchrun --max-restarts {restarts} over several nodes ({world} ranks, {local} here): "
+                           "each node's agent counts its own restarts, so the ranks of a restarted attempt would "
+                           "disagree on which attempt it is; run multi-node jobs with --max-restarts 0 and let the "
+                           "scheduler requeue them (sbatch --requeue with launch/slurm.sbatch, which resumes), or "
+                           "use --max-restarts on one node only")
+
+
 def check_startup(config: RunConfig) -> str:
     """Every check above, before any process group; returns the attention path (the banner's words).
 
@@ -181,6 +203,7 @@ def check_startup(config: RunConfig) -> str:
         StartupError: naming the fix.
     """
     check_torch(config.optimization.backend)
+    check_restarts()
     check_packing(config)
     return probed_attention(config)
 

@@ -41,13 +41,14 @@ def test_training_dtype_follows_the_resolved_deepspeed_config():
     assert training_dtype({"bf16": {"enabled": "auto"}}) == torch.float32  # unresolved: never guessed
 
 
-def test_the_gradient_checkpointing_flag_reaches_the_run_config():
+def test_the_gradient_checkpointing_flag_reaches_the_run_config(tmp_path):
     configs = ROOT / "configs"
     defaults = FileDefaults(deepspeed_config=configs / "ds_zero3.json", odb_config=configs / "odb.json",
                             model=configs / "tiny_model.json", data=ROOT / "data" / "chat.jsonl",
                             tokenizer=ROOT / "data" / "tokenizer", lora=configs / "lora.json")
-    assert not parse_config([], defaults=defaults).model.gradient_checkpointing
-    config = parse_config(["--gradient_checkpointing"], defaults=defaults)
+    fresh = ["--output_dir", str(tmp_path / "run")]  # (not runs/default, which a README run may have filled)
+    assert not parse_config(fresh, defaults=defaults).model.gradient_checkpointing
+    config = parse_config(["--gradient_checkpointing", *fresh], defaults=defaults)
     assert config.model.gradient_checkpointing and config.to_dict()["model"]["gradient_checkpointing"] is True
 
 

@@ -73,10 +73,39 @@ def test_resume_with_more_epochs_extends_a_finished_run_and_without_them_refuses
     try:
         deepspeed(common + ["--resume", "--epochs", "2"], timeout=180)
     except AssertionError as err:
-        assert "already trained all 2 epoch(s); pass --epochs > 2" in str(err)
+        assert "already trained all 2 epoch(s) and finished; pass --epochs > 2" in str(err)
     else:
         raise AssertionError("a resume of a finished run with no more epochs must fail, not train 0 steps")
     assert summary(out) == second  # and it leaves the summary alone
+
+
+def test_a_checkpoint_of_every_step_whose_run_did_not_finish_resumes_into_the_end(tmp_path):
+    """A stop on SIGTERM at a run's last step saves that step and exits 75 before the end of the run
+    (evaluation, export, summary); a failure in the end (an export that crashes) leaves the same.
+    Its checkpoint holds every step, and --resume refused it as "already trained": the requeued job
+    failed for ever, the run never got its evaluation, export or summary. Here the state such a stop
+    leaves is made from a finished run (its last checkpoint without the mark of a finished run, no
+    summary); --resume finishes the run, and a further --resume is refused."""
+    out = tmp_path / "out"
+    common = ["--deepspeed_config", str(ds_config(tmp_path, 2)), "--max_samples", "40", "--val_ratio", "0.2",
+              "--odb_config", str(odb_config(tmp_path, max_tokens=512, window=16)), "--output_dir", str(out)]
+    deepspeed(common, nproc=1)
+    first = summary(out)
+    last = (out / "checkpoints" / "latest").read_text().strip()
+    assert (out / "checkpoints" / last / "finished").is_file()
+    (out / "checkpoints" / last / "finished").unlink()
+    (out / "summary.json").unlink()
+    log = deepspeed(common + ["--resume"], nproc=1).stdout
+    assert "every step is trained: finishing the run" in log, log[-3000:]
+    second = summary(out)
+    assert second["steps"] == first["steps"] and second["samples_emitted"] == first["samples_emitted"] == 32
+    assert second["eval_loss"] == first["eval_loss"]  # the same weights, evaluated at the end again
+    try:
+        deepspeed(common + ["--resume"], nproc=1, timeout=180)
+    except AssertionError as err:
+        assert "already trained all 1 epoch(s) and finished" in str(err)
+    else:
+        raise AssertionError("a resume of a finished run must fail, not train 0 steps")
 
 
 def test_quota_mode_labels_each_sample_with_its_own_epoch(tmp_path):

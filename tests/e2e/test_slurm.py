@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -232,3 +233,41 @@ def test_a_one_task_srun_step_trains(tmp_path):
     assert code == 0, output[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 1 and summary["samples_emitted"] == 24
+
+
+def test_a_requeued_job_continues_from_its_latest_checkpoint_not_the_tag_it_was_started_with(tmp_path):
+    """A job started with ``--resume step3`` and ``--requeue``, requeued mid-run (``scontrol
+    requeue``: SLURM_RESTART_COUNT 1): the script kept ``--resume step3`` on every requeue, so each
+    attempt went back to step 3 and trained the steps after it again. Now a requeue continues from
+    the run's latest checkpoint (``--resume auto``): over the three attempts every sample trains
+    exactly once."""
+    out = tmp_path / "requeued"
+    env = env_without_empty({k: v for k, v in job_env(out).items() if k != "ODB_OUTPUT_DIR"})
+    one = ["--nodes=1", "--ntasks-per-node=1"]
+    with SlurmCluster("localhost") as cluster:
+        code, job = cluster.submit(SCRIPT, [*job_args(tmp_path), "--output_dir", str(out), "--max_steps", "3"],
+                                   env=env, timeout=400, sbatch_args=one, cwd=ROOT)
+        assert code == 0, cluster.output(job)[-3000:]
+        cmd = cluster.client("sbatch", "--wait", "--parsable", "--requeue", f"--output={cluster.work}/job-%j.out",
+                             *one, str(SCRIPT), *job_args(tmp_path), "--output_dir", str(out), "--resume", "step3",
+                             "--save_steps", "1")
+        sbatch = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=cluster._env(env), cwd=ROOT)
+        try:
+            deadline = time.monotonic() + 300
+            while steps_trained(out) < 7:
+                assert sbatch.poll() is None and time.monotonic() < deadline, "the job ended before it trained"
+                time.sleep(0.5)
+            [job] = cluster.command("squeue", "-h", "-o", "%i").stdout.split()
+            cluster.command("scontrol", "requeue", job)
+            sbatch.wait(timeout=400)
+        finally:
+            if sbatch.poll() is None:
+                sbatch.kill()
+        output = cluster.output(job)
+    assert sbatch.returncode == 0, output[-4000:]
+    resumed = re.findall(r"resumed from \S+/checkpoints/(step\d+)", output)
+    print(f"requeued job: resumed from {resumed}")
+    assert resumed[0] == "step3" and len(resumed) == 2 and int(resumed[1][4:]) > 3, output[-4000:]
+    rows = audit(out, 1)
+    assert Counter(i for rank_rows in rows for row in rank_rows for i in row["ids"]) == Counter(range(SAMPLES))

@@ -6,6 +6,7 @@ continues from the latest checkpoint if there is one, else starts over."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -107,8 +108,56 @@ def test_resume_auto_continues_from_latest_or_starts_over(tmp_path):
     assert parse(tmp_path / "new", "--resume", "auto").checkpoints.resume is None
     # an attempt that failed before its first checkpoint: nothing to continue, its records replaced
     failed = earlier_run(tmp_path / "failed", checkpoints=False)
+    (failed / "summary.json").unlink()
+    shutil.rmtree(failed / "hf")
     assert parse(failed, "--resume", "auto").checkpoints.resume is None
     assert names(failed) == {"notes.txt", "wandb"}
+
+
+def test_resume_auto_never_replaces_a_finished_run(tmp_path):
+    """A run that finished without a checkpoint (--no_final_checkpoint) submitted again by the same
+    sbatch command (which passes --resume auto): its summary and export were removed and training
+    started over. Now refused, naming --overwrite_output_dir."""
+    out = earlier_run(tmp_path / "run", checkpoints=False)
+    before = names(out)
+    with pytest.raises(ValueError, match=r"holds a finished run \(summary.json, hf\) and no checkpoint.*"
+                                         r"--overwrite_output_dir"):
+        parse(out, "--resume", "auto")
+    assert names(out) == before
+
+
+def test_a_restarted_attempt_reads_overwrite_as_resume_auto(tmp_path, monkeypatch, capsys):
+    """torchrun --max-restarts starts every attempt with the same flags: --overwrite_output_dir removed
+    the first attempt's checkpoints at every restart. In a restart it continues instead."""
+    out = earlier_run(tmp_path / "run")
+    before = names(out)
+    for variable in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        monkeypatch.setenv(variable, "1")
+        assert parse(out, "--overwrite_output_dir").checkpoints.resume == "latest"
+        assert names(out) == before and "read as --resume auto" in capsys.readouterr().out
+        monkeypatch.setenv(variable, "0")
+    assert parse(out, "--overwrite_output_dir").checkpoints.resume is None  # the first attempt starts over
+    assert names(out) == {"notes.txt", "wandb"}
+
+
+def test_nothing_the_run_reads_is_removed(tmp_path):
+    """A second stage trained from the first stage's export in the same folder: starting over would
+    remove the model it is about to load."""
+    out = earlier_run(tmp_path / "run")
+    (out / "hf" / "data.jsonl").write_text((ROOT / "data" / "chat.jsonl").read_text())
+    before = names(out)
+    with pytest.raises(ValueError, match=r"--data .*hf/data.jsonl lies in .*hf, which starting over .* would remove"):
+        parse(out, "--overwrite_output_dir", "--data", str(out / "hf" / "data.jsonl"))
+    assert names(out) == before
+
+
+def test_flags_are_never_abbreviated(tmp_path):
+    """launch/slurm.sbatch reads --output_dir, --resume and --overwrite_output_dir by name: argparse's
+    abbreviations (--overwrite, --output) got past it."""
+    with pytest.raises(SystemExit):
+        parse_config(["--output", str(tmp_path / "run")], defaults=DEFAULTS)
+    with pytest.raises(SystemExit):
+        parse(tmp_path / "run", "--overwrite")
 
 
 def test_resume_auto_refuses_checkpoints_without_latest_naming_them(tmp_path):

@@ -409,9 +409,10 @@ def test_command_line(folder, pairs):
 
 
 @pytest.mark.parametrize("world_size", ["abc", "0", "-2", "", "1.5"])
-def test_a_bad_world_size_names_the_variable(monkeypatch, world_size):
+def test_a_bad_world_size_names_the_variable(monkeypatch, tmp_path, world_size):
     monkeypatch.setenv("WORLD_SIZE", world_size)
+    fresh = ["--output_dir", str(tmp_path / "run")]  # (not runs/default, which a README run may have filled)
     with pytest.raises(ValueError, match=f"WORLD_SIZE must be an integer >= 1, got '{world_size}'"):
-        parse_config([], defaults=DEFAULTS)
+        parse_config(fresh, defaults=DEFAULTS)
     monkeypatch.setenv("WORLD_SIZE", "4")
-    assert parse_config([], defaults=DEFAULTS).optimization.deepspeed["train_batch_size"] == 4
+    assert parse_config(fresh, defaults=DEFAULTS).optimization.deepspeed["train_batch_size"] == 4

@@ -18,6 +18,7 @@ from odb.training.startup import (
     WAIT_REPORT_ENV,
     StartupError,
     announced_wait,
+    check_restarts,
     check_startup,
     check_torch,
     probed_attention,
@@ -99,6 +100,18 @@ def test_a_model_that_mixes_tokens_outside_attention_is_refused_before_any_proce
         check_startup(parse_config(["--model", str(hybrid), "--output_dir", str(tmp_path / "a")], defaults=DEFAULTS))
     check_startup(parse_config(["--model", str(attention_only), "--output_dir", str(tmp_path / "b")],
                                defaults=DEFAULTS))
+
+
+def test_torchrun_restarts_over_several_nodes_are_refused_naming_the_way_out():
+    """Each node's agent counts its own restarts: the ranks of a restarted attempt would disagree on
+    the attempt's store keys. One node, or no restarts, passes."""
+    several = {"TORCHELASTIC_MAX_RESTARTS": "3", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
+    with pytest.raises(StartupError, match=r"--max-restarts 3 over several nodes \(16 ranks, 8 here\).*"
+                                           r"--max-restarts 0 and let the scheduler requeue"):
+        check_restarts(several)
+    check_restarts({**several, "LOCAL_WORLD_SIZE": "16"})
+    check_restarts({**several, "TORCHELASTIC_MAX_RESTARTS": "0"})
+    check_restarts({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"})  # the deepspeed launcher, srun
 
 
 def test_a_wait_is_reported_while_it_lasts_and_not_after(monkeypatch, capsys):
