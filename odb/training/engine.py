@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from odb.batching.plan import StepPlan
 from odb.data.collate import collate_packed, collate_padded
+from odb.training.attention import calls as attention_calls
 from odb.training.loss import DEFAULT_LOSS_CHUNK_TOKENS, HeadLoss, final_logit_softcap, num_loss_chunks
 from odb.training.model import hf_model
 from odb.training.moe import router_loss
@@ -185,6 +186,7 @@ class OdbEngine:
         self.vision = getattr(getattr(self.model, "model", None), "visual", None)
         self._blank: dict[str, torch.Tensor] | None = None
         self.router_loss = router_loss(self.model)  # None: a model without a router loss
+        self._attention_seen = False  # the first model call went through odb's attention (_loss)
         self.head_loss = None if loss_chunk_tokens is None else HeadLoss(
             self.model.get_output_embeddings(), softcap=final_logit_softcap(self.model.config),
             num_chunks=num_loss_chunks(max_tokens, loss_chunk_tokens), fused=fused_loss)
@@ -230,11 +232,22 @@ class OdbEngine:
 
     def _loss(self, batch: dict[str, Any], labels: torch.Tensor, forward=None) -> torch.Tensor:
         """The summed token loss of one model call (through the backend either way; ``forward``:
-        the call, when it is not the plain one)."""
+        the call, when it is not the plain one). The first call checks that the model's attention
+        went through odb's (a model that computes attention its own way would attend across the
+        packed row; :func:`odb.training.support.packing_refusal` refuses those at start)."""
         forward = forward or (lambda: self.backend(**batch, use_cache=False))
+        before = None if self._attention_seen else sum(attention_calls.values())
         if self.head_loss is None:
-            return token_loss_sum(forward().logits, labels)
-        return self.head_loss.forward_loss(forward, labels)
+            summed = token_loss_sum(forward().logits, labels)
+        else:
+            summed = self.head_loss.forward_loss(forward, labels)
+        if before is not None:
+            if sum(attention_calls.values()) == before:
+                raise ValueError(f"{type(self.model).__name__} never called odb's attention in its forward: it "
+                                 "computes attention its own way, so packed samples would attend to each other; "
+                                 "odb cannot train it (check it with tools/check_model.py)")
+            self._attention_seen = True
+        return summed
 
     def _needs_blank(self, samples: Sequence[dict[str, Any]]) -> bool:
         """A micro-batch without images gets one tiny blank image as a sample of its own, the last

@@ -9,8 +9,14 @@ next:
   Nemotron-H, Granite-4 hybrids; RecurrentGemma's RG-LRU; RWKV);
 * linear attention (Qwen3-Next's and Qwen3.5's gated delta-net, Kimi-Linear, MiniMax's lightning
   attention, OLMo-hybrid);
-* short causal convolutions over the sequence (LFM2's ``ShortConv``): a kernel of ``k`` taps lets
-  the first ``k - 1`` tokens of a sample see the end of the previous one.
+* short causal convolutions over the sequence (LFM2's ``ShortConv``, ZAYA's convolved attention
+  projections): a kernel of ``k`` taps lets the first ``k - 1`` tokens of a sample see the end of
+  the previous one; xLSTM's cells.
+
+And a model whose attention does not go through transformers' attention interface (its class
+says ``_supports_attention_backend = False``: BLOOM, MPT, XGLM, Falcon, GPT-Neo, ...) never calls
+odb's attention at all: it would attend across the packed row. The engine checks the same thing
+at the first packed forward (:class:`odb.training.engine.OdbEngine`), for a model that slips past.
 
 transformers' own kernels for some of these take ``cu_seqlens`` on GPU (flash-linear-attention,
 causal-conv1d), but their CPU paths do not, and odb cannot check the GPU ones here. So such a
@@ -30,8 +36,10 @@ import torch
 __all__ = ["packing_refusal", "skeleton", "token_mixers"]
 
 # Class names of token mixers that are not attention (transformers 5.24 spells them so).
-_NOT_ATTENTION = re.compile(r"Mamba\d?Mixer|MambaLayer|^\w*Mixer$|GatedDeltaNet|LinearAttention|LightningAttention"
-                            r"|ShortConv|ShortConvolution|RecurrentBlock|Rglru|^Rwkv\w*Attention$")
+# (Kimi-Linear's ``KimiLinearAttention`` is its full MLA attention; its linear layers are ``...DeltaAttention``.)
+_NOT_ATTENTION = re.compile(r"Mamba\d?Mixer|MambaLayer|^\w*Mixer$|DeltaNet|DeltaAttention|(?<!^Kimi)LinearAttention"
+                            r"|LightningAttention|ShortConv|ShortConvolution|CCAProjection|RecurrentBlock|Rglru"
+                            r"|^Rwkv\w*Attention$|^xLSTMLayer$")
 
 
 def token_mixers(model: torch.nn.Module) -> list[str]:
@@ -41,11 +49,15 @@ def token_mixers(model: torch.nn.Module) -> list[str]:
 
 def packing_refusal(model: torch.nn.Module) -> str | None:
     """Why odb cannot pack ``model`` exactly (a sentence naming its layers and the way out), or None."""
-    found = token_mixers(model)
-    if not found:
-        return None
     config = getattr(model, "config", None)
     name = getattr(config, "model_type", type(model).__name__)
+    found = token_mixers(model)
+    if not found:
+        if getattr(type(model), "_supports_attention_backend", False):
+            return None
+        return (f"odb cannot pack {name}: {type(model).__name__} computes attention its own way, not through "
+                "transformers' attention interface, so odb's per-sample attention would never run and packed samples "
+                "would attend to each other. Fine-tune it with a trainer that pads each sample to its own row")
     return (f"odb cannot pack {name}: its layers {found} mix tokens by recurrence, linear attention or convolution, "
             "so packed samples would leak state into each other (odb keeps samples apart in attention only). "
             "Fine-tune it with a trainer that pads each sample to its own row; odb refuses it rather than train "
