@@ -10,8 +10,9 @@ attention (``eager`` or ``sdpa``) and its own loss (``model(labels=..., output_r
   each sample's logits in the packed row against the sample alone (max absolute difference);
 * **loss and gradients**: each of the first few samples as a step of its own (one sample per
   micro-batch, where odb's trained objective is exactly the model's own loss, router loss
-  included): relative differences of the loss and of every gradient (largest entry difference
-  over the reference gradient's largest entry);
+  included), then the same samples packed in one micro-batch (the token loss, against the model's
+  own losses weighted by label tokens): relative differences of the loss and of every gradient
+  (largest entry difference over the reference gradient's largest entry);
 * **labels**: the label runs of the first sample, decoded (what the run would train on);
 * **image processor** (VL models): odb's ``pixel_values`` against the folder's own processor on
   the same images, with the same pixel bounds.
@@ -228,10 +229,14 @@ def _logit_diff(model, backend: LocalBackend, samples, *, max_tokens: int, packe
 
 def _loss_and_grads(model, backend: LocalBackend, samples, report: ModelReport, *, max_tokens: int, packed: bool,
                     pad_token_id: int, reference: str) -> None:
-    """Each sample as a step of its own: odb's trained objective and gradients against the model's
-    own ``loss`` (router loss included where the model has one) and its gradients."""
-    from odb.training.attention import ATTN_IMPLEMENTATION
+    """odb's trained objective and gradients against the model's own ``loss`` and its gradients:
 
+    * each sample as a step of its own (its own loss: CE mean, plus ``coef * aux`` where the model has
+      a router loss, which is what odb trains with one sample per micro-batch);
+    * the samples packed in one micro-batch, one step: odb's token loss ``sum CE / N`` against the sum
+      of the model's own CE losses weighted by label tokens (the router loss, a product of means and
+      not a sum over samples, is left out of this step on both sides).
+    """
     engine = OdbEngine(backend, world_size=1, max_tokens=max_tokens, pad_token_id=pad_token_id, packed=packed)
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     is_moe = _has_router_loss(model)
@@ -243,29 +248,63 @@ def _loss_and_grads(model, backend: LocalBackend, samples, report: ModelReport, 
         # odb's trained objective of this step: sum CE / N + coef * aux (StepResult.aux_loss; 0 if dense)
         mine_loss = result.loss_sum / max(1, count_label_tokens(sample["labels"].tolist())) + result.aux_loss
         included &= result.aux_sum is not None
-        mine_grads = {name: None if p.grad is None else p.grad.detach().float().clone() for name, p in params}
-        model.zero_grad(set_to_none=True)
-        _with_attention(model, reference)
-        try:
-            extra = {"output_router_logits": True} if is_moe else {}
-            labels = torch.as_tensor(sample["labels"], device=backend.device)[None]
-            theirs = _alone(model, sample, backend.device, labels=labels, **extra).loss
-            theirs.backward()
-        finally:
-            _with_attention(model, ATTN_IMPLEMENTATION)
-        their_loss = theirs.item()
+        mine_grads = _grads(params)
+        their_loss = _own_loss_backward(model, [sample], backend.device, reference, router=is_moe)
         worst_loss = max(worst_loss, abs(mine_loss - their_loss) / max(abs(their_loss), 1e-12))
-        for name, p in params:
-            ours, ref = mine_grads[name], p.grad
-            if ours is None or ref is None:
-                if (ours is None) != (ref is None) and float((ours if ours is not None else ref).abs().max()) > 0:
-                    report.problems.append(f"gradient of {name}: present on one side only")
-                continue
-            scale = max(float(ref.abs().max()), 1e-12)
-            worst_grad = max(worst_grad, float((ours - ref.float()).abs().max()) / scale)
+        worst_grad = max(worst_grad, _grad_diff(mine_grads, params, report))
+    pack = [samples[i] for i in _packs(samples, max_tokens - BLANK_IMAGE_TOKENS)[0]]
+    if len(pack) > 1:
+        model.zero_grad(set_to_none=True)
+        engine.router_loss = None  # the token loss only (see above)
+        plan = _plan([tuple(_cost(i, s) for i, s in enumerate(pack))])
+        result = engine.train_step(plan, [pack], lr=0.0)
+        mine_loss, mine_grads = result.loss_sum / plan.num_label_tokens, _grads(params)
+        their_loss = _own_loss_backward(model, pack, backend.device, reference, router=False)
+        worst_loss = max(worst_loss, abs(mine_loss - their_loss) / max(abs(their_loss), 1e-12))
+        worst_grad = max(worst_grad, _grad_diff(mine_grads, params, report))
     model.zero_grad(set_to_none=True)
     report.loss_rel_diff, report.grad_rel_diff = worst_loss, worst_grad
     report.aux_loss_included = included if is_moe else None
+
+
+def _grads(params) -> dict[str, torch.Tensor | None]:
+    return {name: None if p.grad is None else p.grad.detach().float().clone() for name, p in params}
+
+
+def _own_loss_backward(model, samples, device: torch.device, reference: str, *, router: bool) -> float:
+    """The model's own loss of each sample alone (``labels=``; with ``router``, its router loss too),
+    weighted by its label tokens over theirs together (one sample: its own loss), backed into fresh
+    gradients; returns the weighted loss."""
+    from odb.training.attention import ATTN_IMPLEMENTATION
+
+    model.zero_grad(set_to_none=True)
+    counts = [count_label_tokens(s["labels"].tolist()) for s in samples]
+    total = 0.0
+    _with_attention(model, reference)
+    try:
+        for sample, count in zip(samples, counts):
+            labels = torch.as_tensor(sample["labels"], device=device)[None]
+            extra = {"output_router_logits": True} if router else {}
+            own = _alone(model, sample, device, labels=labels, **extra).loss * (count / max(1, sum(counts)))
+            own.backward()
+            total += own.item()
+    finally:
+        _with_attention(model, ATTN_IMPLEMENTATION)
+    return total
+
+
+def _grad_diff(ours: dict[str, torch.Tensor | None], params, report: ModelReport) -> float:
+    """The largest relative difference of ``ours`` from the parameters' ``.grad`` (each tensor's max
+    absolute difference over the reference's largest entry)."""
+    worst = 0.0
+    for name, p in params:
+        mine, ref = ours[name], p.grad
+        if mine is None or ref is None:
+            if (mine is None) != (ref is None) and float((mine if mine is not None else ref).abs().max()) > 0:
+                report.problems.append(f"gradient of {name}: present on one side only")
+            continue
+        worst = max(worst, float((mine - ref.float()).abs().max()) / max(float(ref.abs().max()), 1e-12))
+    return worst
 
 
 def _has_router_loss(model) -> bool:
