@@ -1,5 +1,5 @@
 """The start-up check (torch, the backend's APIs, the packed attention path) and the announced waits
-(odb/training/startup.py), in one process. tests/e2e/test_startup.py launches them for real."""
+(odb/training/startup.py), in one process. tests/e2e/test_startup_launch.py launches them for real."""
 
 import re
 import threading
