@@ -49,12 +49,12 @@ class RecordingEngine(OdbEngine):
         super().__init__(*args, **kwargs)
         self.seen: list[dict] = []
 
-    def eval_step(self, plan, samples):
+    def eval_step(self, plan, samples, **options):
         forwards: list[tuple[bool, bool]] = []
         hook = self.backend.module.register_forward_pre_hook(
             lambda module, args: forwards.append((module.training, torch.is_grad_enabled())))
         try:
-            result = super().eval_step(plan, samples)
+            result = super().eval_step(plan, samples, **options)
         finally:
             hook.remove()
         self.seen.append({"sizes": [len(m.samples) for m in plan.micro_batches],
