@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Peak host memory per rank of building a random-init model for ZeRO-3: whole, then partitioned
 by ``deepspeed.initialize`` (``--way full``: ``build_model`` without DeepSpeed's config, as odb did
-before), or partitioned as it is constructed (``--way partitioned``: ``build_model(ds_config=...)``).
+before), or partitioned as it is constructed (``--way partitioned``: ``odb.training.backends.deepspeed.build_model``).
 
     python tools/bench_load.py                   # a ~270M-parameter Llama, 2 CPU ranks, both ways
     python tools/bench_load.py --layers 2 --hidden 256 --intermediate 688 --vocab 1024 --heads 4
@@ -92,10 +92,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from odb.training.build import release_shared_memory
+    from odb.training.backends.deepspeed import build_model, initialize_deepspeed, release
     from odb.training.config import OptimizationSettings
-    from odb.training.deepspeed_backend import initialize_deepspeed
-    from odb.training.model import build_model
 
     out = Path(args.worker)
     setup = json.loads((out / "setup.json").read_text())
@@ -120,7 +118,7 @@ def worker(args: argparse.Namespace) -> None:
               "dtype": str(next(engine.module.parameters()).dtype).removeprefix("torch.")}
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     dist.barrier()
-    release_shared_memory()
+    release()
 
 
 def free_port() -> int:
@@ -151,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     import torch
 
-    from odb.training.ds_config import load_ds_config, resolve_ds_config
+    from odb.training.backends.deepspeed import load_ds_config, resolve_ds_config
 
     ds_config = resolve_ds_config(load_ds_config(args.deepspeed_config), gas=1, world_size=args.nproc,
                                   use_bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),

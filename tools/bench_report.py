@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The README's batching table: every policy on every trace, through bench_batching.py.
+"""The batching table of docs/benchmarks.md: every policy on every trace, through bench_batching.py.
 
     python tools/bench_report.py ../shared/traces/*.txt
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The README's training comparison: tools/bench_train.py on each dataset at each world size, one
+"""The training comparison of docs/benchmarks.md: tools/bench_train.py on each dataset at each world size, one
 table and one plot.
 
     python tools/bench_train_report.py ../shared/traces/*.txt bundled --world_sizes 1 2 \\

@@ -254,7 +254,7 @@ def _shared_across_ranks() -> Iterator[None]:
     """Work that every simulated rank repeats identically, done once for all of them.
 
     * ``decide``: every rank decides the round from the same gathered matrix, a pure function of
-      it (DESIGN.md, I3); 1024 ranks would compute one decision 1024 times, O(world^2) per round.
+      it (docs/design.md, I3); 1024 ranks would compute one decision 1024 times, O(world^2) per round.
       The first rank's :class:`~odb.batching.plan.Decision` is handed to the others (keyed by the
       gathered matrix itself and every argument).
     * ``epoch_order``: each rank caches the epoch's permutation of the whole dataset (16 MB at 2M

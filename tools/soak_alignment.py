@@ -369,7 +369,7 @@ def run(argv: list[str] | None = None) -> dict:
 
 
 def table(report: dict) -> str:
-    """The intervals as a markdown table (for the README)."""
+    """The intervals as a markdown table (for docs/benchmarks.md)."""
     traced = report["tracemalloc"]
     head = ("| samples | plan us/sample | CPU us/sample | wall us/sample | RSS MB |"
             + (" traced MB |" if traced else "") + " window samples / queued steps / pending uids (max over ranks) |")

@@ -2,7 +2,7 @@
 
 A packed row holds several samples back to back (``cu_seqlens`` marks where each begins); each
 sample must attend only to itself. transformers' own answer on CPU is a dense ``T x T`` block
-mask, which is slower than padding (DESIGN.md measures 7.4k vs 12-16k tokens/s). This module
+mask, which is slower than padding (docs/design.md, attention semantics). This module
 computes attention per sample instead, and does for each sample what the model asked for:
 
 * ``is_causal`` (the argument, else ``module.is_causal``): decoder layers are causal; the vision
@@ -39,7 +39,7 @@ mask already holds the window; softcap and sinks, which SDPA lacks, take the per
 :func:`attention_path` names the path a device takes (the start banner) after one checked call.
 Any other argument that arrives with a value raises (:data:`HANDLED_KWARGS` lists those handled).
 Always run the model with ``use_cache=False`` when training packed rows: with a cache,
-transformers 5.24 lets packed samples attend to each other on eager/SDPA (measured, DESIGN.md).
+transformers 5.24 lets packed samples attend to each other on eager/SDPA (measured; docs/design.md).
 """
 
 from __future__ import annotations

@@ -25,23 +25,18 @@ from odb.batching.config import OdbConfig
 from odb.data.feed import SampleFeed
 from odb.data.processing import SampleDataset, sample_sizes
 from odb.telemetry import Telemetry
+from odb.training import backends
+from odb.training.backends import Backend
 from odb.training.config import RunConfig
-from odb.training.deepspeed_backend import (
-    DeepSpeedBackend,
-    init_deepspeed_distributed,
-    initialize_deepspeed,
-    release_shared_memory,
-)
-from odb.training.engine import BLANK_IMAGE_TOKENS, Backend, OdbEngine
+from odb.training.engine import BLANK_IMAGE_TOKENS, OdbEngine
 from odb.training.evaluate import Evaluator
 from odb.training.faults import Watchdog, WatchedCommunicator, collective_timeout_s
-from odb.training.fsdp2 import build_fsdp2, init_fsdp2_distributed
-from odb.training.model import build_model, hf_model, load_tokenizer, vision_spec
+from odb.training.model import hf_model, load_tokenizer, vision_spec
 from odb.training.mrope import supports_packing
 from odb.training.schedule import ProgressSchedule
 from odb.training.startup import announced_wait, probed_attention
 
-__all__ = ["Components", "build_backend", "build_components", "init_distributed", "release_shared_memory"]
+__all__ = ["Components", "build_backend", "build_components", "init_distributed"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,34 +79,31 @@ def init_distributed(config: RunConfig) -> tuple[int, int]:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     # a backstop: the watchdog (odb.training.faults) ends a stalled run first, naming the rank
     timeout_s = collective_timeout_s(config.run.dist_timeout_s)
-    fsdp2 = config.optimization.backend == "fsdp2"
+    backend = backends.get(config.optimization.backend)
     address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    what = ("" if fsdp2 else "DeepSpeed's communication op (built once per extension cache), then ") + \
+    what = backend.JOINING + \
         f"the other ranks to join the process group ({os.environ.get('WORLD_SIZE')} ranks, rendezvous at {address})"
     check = (f"every rank must be started with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE and reach {address} "
              f"(a firewall, another job on that port); the process group gives up after {timeout_s:.0f} s")
     with announced_wait(what, check, timeout_s=config.run.dist_timeout_s):
-        if fsdp2:
-            init_fsdp2_distributed(timeout_s)
-        else:
-            init_deepspeed_distributed(timeout_s)
+        backend.init_distributed(timeout_s)
     return dist.get_rank(), dist.get_world_size()
 
 
 def build_components(config: RunConfig, *, rank: int, world_size: int, report: Callable[[], np.ndarray],
                      on_reports: Callable[[np.ndarray], None], log: Callable[[str], None],
-                     watchdog: Watchdog | None = None, ds_config: dict[str, Any] | None = None) -> Components:
+                     watchdog: Watchdog | None = None, load: Any = None) -> Components:
     """Builds the run (collective: every rank, same order).
 
     Args:
         report / on_reports: the batcher's telemetry hooks (called from its first round on).
         log: rank 0's console.
         watchdog: told when odb's collective waits on the other ranks.
-        ds_config: DeepSpeed's config to initialize with instead of the run's (a resume that loads a
-            universal checkpoint: :func:`odb.training.reshard.prepare_load`).
+        load: a resume's plan (the backend's ``plan_load``: a universal checkpoint's DeepSpeed
+            config), which the backend is built for.
     """
     tokenizer = load_tokenizer(config.model.tokenizer)
-    backend = build_backend(config, rank=rank, vocab_size=len(tokenizer), ds_config=ds_config)
+    backend = build_backend(config, rank=rank, vocab_size=len(tokenizer), load=load)
     model = hf_model(backend.module)
     batching = config.batching
     vision = vision_spec(model, config.data.processing, source=config.model.path)
@@ -159,29 +151,16 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
                       telemetry=telemetry, settings=settings, wandb_run=wandb_run, evaluator=evaluator)
 
 
-def build_backend(config: RunConfig, *, rank: int, vocab_size: int, ds_config: dict[str, Any] | None = None
-                  ) -> Backend:
-    """The model, its optimizer and its collectives under the run's backend (collective).
-
-    DeepSpeed: the model built in DeepSpeed's precision (at ZeRO-3 partitioned as it is built),
-    then ``deepspeed.initialize`` (``ds_config`` replaces the run's: a universal-checkpoint resume).
-    FSDP2: :func:`odb.training.fsdp2.build_fsdp2`.
-    """
+def build_backend(config: RunConfig, *, rank: int, vocab_size: int, load: Any = None) -> Backend:
+    """The model, its optimizer and its collectives under the run's backend (collective; ``load``: a
+    resume's plan, the backend's ``plan_load``)."""
+    backend = backends.get(config.optimization.backend)
     model_settings = config.model
-    what = f"the model {model_settings.path} to load and {config.optimization.backend} to set it up"
+    what = f"the model {model_settings.path} to load and {backend.NAME} to set it up"
     check = (f"a large model on network storage takes minutes; if this does not move, check that the storage answers "
              f"(ls {model_settings.path}) and the memory (free -g); the other ranks wait here too")
-    with announced_wait(what, check, timeout_s=config.run.dist_timeout_s, on_exit=release_shared_memory):
-        if config.optimization.backend == "fsdp2":
-            return build_fsdp2(model_settings, config.optimization, seed=config.seed, vocab_size=vocab_size,
-                               rank=rank)
-        optimization = config.optimization if ds_config is None else dataclasses.replace(config.optimization,
-                                                                                          deepspeed=ds_config)
-        model = build_model(model_settings.path, seed=config.seed, vocab_size=vocab_size,
-                            lora=dict(model_settings.lora) if model_settings.lora is not None else None,
-                            ds_config=optimization.deepspeed,
-                            gradient_checkpointing=model_settings.gradient_checkpointing)
-        return DeepSpeedBackend(initialize_deepspeed(optimization, model))
+    with announced_wait(what, check, timeout_s=config.run.dist_timeout_s, on_exit=backend.release):
+        return backend.build(config, rank=rank, vocab_size=vocab_size, load=load)
 
 
 def shared_settings(config: RunConfig, model_config, dataset: SampleDataset,
@@ -191,20 +170,12 @@ def shared_settings(config: RunConfig, model_config, dataset: SampleDataset,
     the keys, instead of hanging or training something else later."""
     import odb
 
-    ds = config.optimization.deepspeed
-    zero = ds.get("zero_optimization", {})
     model = {k: v for k, v in model_config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
     return {
         "odb_version": odb.__version__,
         "backend": config.optimization.backend,
-        "deepspeed.gradient_accumulation_steps": ds.get("gradient_accumulation_steps"),
-        "deepspeed.train_micro_batch_size_per_gpu": ds.get("train_micro_batch_size_per_gpu"),
-        "deepspeed.zero_stage": zero.get("stage", 0),
-        "deepspeed.offload": [zero.get(f"offload_{what}", {}).get("device") for what in ("optimizer", "param")],
-        "deepspeed.precision": {k: ds.get(k, {}).get("enabled", False) for k in ("bf16", "fp16")},
-        "deepspeed.gradient_clipping": ds.get("gradient_clipping"),
-        "deepspeed.optimizer": ds.get("optimizer"),
-        "optimizer": {k: v for k, v in dataclasses.asdict(config.optimization).items() if k != "deepspeed"},
+        **backends.get(config.optimization.backend).shared_settings(config.optimization),
+        "optimizer": {k: v for k, v in dataclasses.asdict(config.optimization).items() if k not in backends.NAMES},
         "model.config": model,
         "model.lora": config.model.lora,
         "model.gradient_checkpointing": config.model.gradient_checkpointing,
@@ -250,11 +221,8 @@ def _datasets(config: RunConfig, tokenizer, vision, *, truncate_to: int | None
 
 def _settings(config: RunConfig, batching: OdbConfig, *, world_size: int, packed: bool, dataset_size: int,
               planned: int) -> dict[str, Any]:
-    ds_config, fsdp2 = config.optimization.deepspeed, config.optimization.fsdp2
     attention = probed_attention(config) if packed else "padded (sdpa)"  # (probed before the process group)
-    backend = {"backend": "deepspeed", "zero_stage": ds_config.get("zero_optimization", {}).get("stage", 0),
-               "bf16": ds_config.get("bf16", {}).get("enabled", False)} if fsdp2 is None else \
-        {"backend": "fsdp2", "bf16": fsdp2.mixed_precision == "bf16", "cpu_offload": fsdp2.cpu_offload}
+    backend = backends.get(config.optimization.backend).describe(config.optimization)
     return {"world_size": world_size, "max_tokens": batching.max_tokens, "window": batching.window,
             "gas": batching.gas, "mode": batching.mode, "policy": batching.policy, **backend, "attention": attention,
             "model": config.model.path, "lora": bool(config.model.lora),

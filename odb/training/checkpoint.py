@@ -25,9 +25,10 @@ from pathlib import Path
 from odb.batching.redeal import redeal_states
 from odb.batching.state import is_finished, upgrade_state
 from odb.telemetry import Telemetry
+from odb.training import backends
+from odb.training.backends.base import CheckpointLoad
 from odb.training.build import Components
 from odb.training.config import RunConfig
-from odb.training.reshard import LoadPlan, prepare_load
 
 __all__ = ["FINISHED", "checkpoint_states", "load_checkpoint", "load_plan", "mark_finished", "resolve_tag",
            "save_checkpoint"]
@@ -95,11 +96,11 @@ def resolve_tag(config: RunConfig, tag: str) -> str:
     return tag
 
 
-def load_plan(config: RunConfig, tag: str, *, rank: int, world_size: int) -> LoadPlan:
+def load_plan(config: RunConfig, tag: str, *, rank: int, world_size: int) -> CheckpointLoad:
     """How the backend loads checkpoint ``tag`` (:func:`resolve_tag`'s) on ``world_size`` ranks, before
-    the engine is built (collective under DeepSpeed: a universal conversion when the world size
-    changed, :func:`odb.training.reshard.prepare_load`; FSDP2's checkpoint loads on any number of
-    ranks as it is). Raises ``ValueError`` for a checkpoint of the other backend."""
+    the engine is built (the backend's ``plan_load``, collective: DeepSpeed converts to a universal
+    checkpoint when the world size changed; FSDP2's loads on any number of ranks as it is). Raises
+    ``ValueError`` for a checkpoint of another backend."""
     folder = _folder(config)
     backend = config.optimization.backend
     saved_config = folder / tag / "run_config.json"
@@ -108,9 +109,7 @@ def load_plan(config: RunConfig, tag: str, *, rank: int, world_size: int) -> Loa
     if saved != backend:
         raise ValueError(f"--resume: {folder / tag} was saved by --backend {saved}, this run is --backend {backend}; "
                          f"resume it with --backend {saved}, or start a new --output_dir")
-    if backend == "fsdp2":
-        return LoadPlan(folder=folder, tag=tag, ds_config={}, is_universal=False)
-    return prepare_load(folder, tag, rank=rank, world_size=world_size, ds_config=config.optimization.deepspeed)
+    return backends.get(backend).plan_load(config, folder, tag, rank=rank, world_size=world_size)
 
 
 def _tags(folder: Path) -> list[str]:
@@ -147,10 +146,10 @@ def checkpoint_states(folder: Path, *, rank: int, world_size: int) -> tuple[dict
     return redeal_states(states, world_size)[rank], Telemetry.redeal_states(runs, world_size)[rank], saved
 
 
-def load_checkpoint(parts: Components, config: RunConfig, tag: str, plan: LoadPlan, log: Callable[[str], None]
+def load_checkpoint(parts: Components, config: RunConfig, tag: str, plan: CheckpointLoad, log: Callable[[str], None]
                     ) -> None:
     """Continues the run from checkpoint ``tag`` (:func:`resolve_tag`'s), whose model and optimizer
-    ``plan`` loads (:func:`odb.training.reshard.prepare_load`: the engine was built for it)
+    ``plan`` loads (:func:`load_plan`'s: the engine was built for it)
     (collective); ``log``: rank 0's console. A checkpoint of another
     number of ranks is re-dealt to this one: odb's states here, the model's by DeepSpeed's universal
     checkpoint.

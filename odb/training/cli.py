@@ -19,6 +19,7 @@ from pathlib import Path
 from odb.batching.config import OdbConfig, load_odb_config, read_json_object
 from odb.data.formats import FORMATS
 from odb.data.processing import load_data_config
+from odb.training import backends
 from odb.training.config import (
     BACKENDS,
     OPTIMIZERS,
@@ -32,11 +33,9 @@ from odb.training.config import (
     RunConfig,
     RunSettings,
     field_names,
-    load_fsdp2_config,
     load_json_config,
     lora_keys,
 )
-from odb.training.ds_config import load_ds_config, resolve_ds_config
 from odb.training.loss import DEFAULT_LOSS_CHUNK_TOKENS
 
 __all__ = ["RUN_RECORDS", "FileDefaults", "earlier_run", "parse_config"]
@@ -338,19 +337,15 @@ def parse_config(argv: list[str] | None = None, *, defaults: FileDefaults) -> Ru
 
     world_size = _world_size()
     use_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    deepspeed, fsdp2 = {}, None
-    if args.backend == "deepspeed":
-        if args.fsdp_config is not None:
-            raise ValueError("--fsdp_config configures --backend fsdp2; pass --backend fsdp2 (under torchrun), "
-                             "or drop --fsdp_config and configure DeepSpeed with --deepspeed_config")
-        source = args.deepspeed_config or str(defaults.deepspeed_config)
-        deepspeed = resolve_ds_config(load_ds_config(source), gas=batching.gas, world_size=world_size,
-                                      use_bf16=use_bf16, source=source)
-    else:
-        if args.deepspeed_config is not None:
-            raise ValueError("--deepspeed_config configures --backend deepspeed; under --backend fsdp2 pass "
-                             "--fsdp_config configs/fsdp2.json (precision, offload, clipping) instead")
-        fsdp2 = load_fsdp2_config(args.fsdp_config or defaults.fsdp_config, use_bf16=use_bf16)
+    backend = backends.get(args.backend)
+    for name in backends.NAMES:
+        other = backends.get(name)
+        if name != backend.NAME and getattr(args, other.CONFIG_FLAG[2:]) is not None:
+            raise ValueError(f"{other.CONFIG_FLAG} configures --backend {name}; pass --backend {name}, or drop "
+                             f"{other.CONFIG_FLAG} and configure --backend {backend.NAME} with {backend.CONFIG_FLAG}")
+    flag = backend.CONFIG_FLAG[2:]  # (FileDefaults names each backend's default file after its flag)
+    backend_settings = backend.load_settings(getattr(args, flag) or getattr(defaults, flag), gas=batching.gas,
+                                             world_size=world_size, use_bf16=use_bf16)
     model = _model(args, defaults)
     if args.save_adapter_only and model.lora is None:
         raise ValueError("--save_adapter_only saves a LoRA adapter: train with --lora, or drop the flag")
@@ -359,8 +354,8 @@ def parse_config(argv: list[str] | None = None, *, defaults: FileDefaults) -> Ru
     return RunConfig(
         model=model, data=data, batching=batching, run=run,
         optimization=OptimizationSettings(optimizer=args.optimizer, lr=args.lr, warmup_ratio=args.warmup_ratio,
-                                          weight_decay=args.weight_decay, backend=args.backend,
-                                          deepspeed=deepspeed, fsdp2=fsdp2),
+                                          weight_decay=args.weight_decay, backend=backend.NAME,
+                                          **{backend.NAME: backend_settings}),
         checkpoints=CheckpointSettings(save_steps=args.save_steps, final=not args.no_final_checkpoint,
                                        resume=resume, save_total_limit=args.save_total_limit,
                                        save_hf=args.save_hf, save_adapter_only=args.save_adapter_only),

@@ -5,7 +5,7 @@ checkpoints, logging); :func:`odb.training.cli.parse_config` builds it from the 
 files, once, before any process group is joined; nothing changes it afterwards. Every JSON config
 of odb (odb's batching, data, LoRA) is read by :func:`load_json_config`, strictly: a key it does
 not know is an error naming the file, the key and the known keys. DeepSpeed's JSON stays
-DeepSpeed's (:mod:`odb.training.ds_config`).
+DeepSpeed's (:mod:`odb.training.backends.deepspeed`).
 
 The resolved config is saved with each checkpoint (``run_config.json``) and in ``summary.json``.
 """
@@ -26,7 +26,7 @@ from odb.data.processing import DataConfig
 from odb.training.loss import DEFAULT_LOSS_CHUNK_TOKENS
 
 __all__ = ["BACKENDS", "CheckpointSettings", "DataSettings", "Fsdp2Settings", "LoggingSettings", "ModelSettings",
-           "OptimizationSettings", "RunConfig", "RunSettings", "load_fsdp2_config", "load_json_config", "lora_keys"]
+           "OptimizationSettings", "RunConfig", "RunSettings", "load_json_config", "lora_keys"]
 
 OPTIMIZERS = ("adamw", "sgd")
 BACKENDS = ("deepspeed", "fsdp2")
@@ -242,7 +242,7 @@ class DataSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class Fsdp2Settings:
-    """FSDP2's settings (``--fsdp_config``, e.g. ``configs/fsdp2.json``; :mod:`odb.training.fsdp2`)."""
+    """FSDP2's settings (``--fsdp_config``, e.g. ``configs/fsdp2.json``; :mod:`odb.training.backends.fsdp2`)."""
 
     mixed_precision: str = "auto"
     """'bf16': forward and backward in bf16 over fp32 sharded parameters (the optimizer's); 'fp32';
@@ -274,20 +274,6 @@ class Fsdp2Settings:
         check_number("--fsdp_config 'gradient_clipping'", self.gradient_clipping, 0)
 
 
-def load_fsdp2_config(path: str | Path | None, *, use_bf16: bool) -> Fsdp2Settings:
-    """FSDP2's settings from the JSON file ``path``, strictly (None: the defaults), with
-    ``mixed_precision: "auto"`` resolved (``use_bf16``: the GPU here has bf16)."""
-    fix = "pass --fsdp_config configs/fsdp2.json"
-    if path is not None and not str(path):
-        raise FileNotFoundError(f"FSDP2 config: the path is empty; {fix}")
-    values = {} if path is None else load_json_config(path, known=field_names(Fsdp2Settings), what="FSDP2 config",
-                                                      fix=fix)
-    settings = Fsdp2Settings(**values)
-    if settings.mixed_precision == "auto":
-        settings = dataclasses.replace(settings, mixed_precision="bf16" if use_bf16 else "fp32")
-    return settings
-
-
 @dataclass(frozen=True, kw_only=True)
 class OptimizationSettings:
     """The optimizer, its learning rate by progress, and the backend's own settings."""
@@ -308,15 +294,18 @@ class OptimizationSettings:
         _check(self.backend in BACKENDS, f"--backend must be one of {BACKENDS}, got {self.backend!r}")
         _check(self.fsdp2 is None or isinstance(self.fsdp2, Fsdp2Settings),
                f"--fsdp_config must give Fsdp2Settings, got {self.fsdp2!r}")
-        _check((self.fsdp2 is not None) == (self.backend == "fsdp2"),
-               f"--fsdp_config (FSDP2's settings) goes with --backend fsdp2, and --backend fsdp2 needs them; "
-               f"got --backend {self.backend} with {self.fsdp2!r}")
         _check(self.optimizer in OPTIMIZERS, f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         check_number("--lr", self.lr, 0)
         check_number("--warmup_ratio", self.warmup_ratio, 0, 1)
         check_number("--weight_decay", self.weight_decay, 0)
         _check(isinstance(self.deepspeed, Mapping),
                f"--deepspeed_config must give a JSON object, got {self.deepspeed!r}")
+        # each backend's settings are the field named after it: the chosen one's given, no other's
+        _check(getattr(self, self.backend) is not None,
+               f"--backend {self.backend} needs its settings ({self.backend}=...)")
+        given = [name for name in BACKENDS if name != self.backend and getattr(self, name)]
+        _check(not given, f"the settings of --backend {', '.join(given)} go with that backend; this run is "
+                          f"--backend {self.backend}")
 
 
 @dataclass(frozen=True, kw_only=True)

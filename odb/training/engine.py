@@ -24,12 +24,11 @@ the final hidden states, never the row's full fp32 logits; ``loss_chunk_tokens=N
 full-logits loss (:func:`token_loss_sum`), the oracle both are tested against.
 
 Gradients are reduced across ranks only in the last backward of a step (``backend.backward(loss,
-sync=m == last)``), then one ``backend.step()``. DESIGN.md records why for DeepSpeed 0.19.8:
+sync=m == last)``), then one ``backend.step()``. docs/design.md (loss math) records why for DeepSpeed 0.19.8:
 uneven micro-batch counts deadlock at every stage, and ``managed_gradient_accumulation: false``
 aborts at ZeRO-2 and hangs at ZeRO-3, while equal counts with explicit boundaries match a
-single-process reference to ~1e-8 at every stage. What a backend must provide is :class:`Backend`;
-the two are :class:`odb.training.deepspeed_backend.DeepSpeedBackend` and
-:class:`odb.training.fsdp2.Fsdp2Backend`.
+single-process reference to ~1e-8 at every stage. What a backend must provide is
+:class:`odb.training.backends.Backend`; the backends are the modules of :mod:`odb.training.backends`.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,13 +44,13 @@ import torch.nn.functional as F
 from odb.batching.plan import StepPlan
 from odb.data.collate import collate_packed, collate_padded
 from odb.training.attention import calls as attention_calls
+from odb.training.backends.base import Backend
 from odb.training.loss import DEFAULT_LOSS_CHUNK_TOKENS, HeadLoss, final_logit_softcap, num_loss_chunks
 from odb.training.model import hf_model
 from odb.training.moe import router_loss
 from odb.training.mrope import packed_position_ids
 
-__all__ = ["Backend", "LocalBackend", "OdbEngine", "StepResult", "token_loss_sum", "torch_optimizer",
-           "BLANK_IMAGE_TOKENS"]
+__all__ = ["OdbEngine", "StepResult", "token_loss_sum", "BLANK_IMAGE_TOKENS"]
 
 BLANK_IMAGE_TOKENS = 3  # vision start, one image pad (a 2x2-merged 4-patch image), vision end
 
@@ -75,87 +74,6 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     (-100 ignored; the shift happens here: logits at t predict labels at t + 1)."""
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                            ignore_index=-100, reduction="sum")
-
-
-def torch_optimizer(name: str, params: list[torch.nn.Parameter], *, lr: float,
-                    weight_decay: float) -> torch.optim.Optimizer:
-    """The run's torch optimizer (``--optimizer``: 'adamw' or 'sgd') over ``params``, either backend's."""
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    return torch.optim.SGD(params, lr=lr)
-
-
-class Backend(Protocol):
-    """What odb's step loop, evaluation and checkpoints use of a training backend; nothing else
-    knows which backend runs. Every method that talks to the other ranks is collective: every
-    rank calls it, in the same order."""
-
-    name: str
-    """'deepspeed' or 'fsdp2'."""
-    module: torch.nn.Module
-    """The model as trained (a PEFT model under LoRA), for its config, its head and its mode."""
-    device: torch.device
-
-    def __call__(self, **batch: Any) -> Any:
-        """The model's forward through the backend (collective: parameter gathers)."""
-
-    def set_lr(self, lr: float) -> None: ...
-
-    def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
-        """Accumulates ``grad(loss)``; ``sync``: this is the step's last backward, whose gradients
-        are reduced over the ranks (collective)."""
-
-    def step(self) -> None:
-        """One optimizer step on the accumulated gradients (clipped as configured), which it then
-        clears (collective)."""
-
-    def train(self, mode: bool = True) -> None: ...
-
-    def release_cache(self) -> None:
-        """Frees what forwards without a backward (evaluation) left gathered."""
-
-    def save(self, folder: Path, tag: str) -> None:
-        """The model's and optimizer's state in ``folder / tag``, and ``folder / 'latest'`` naming
-        ``tag`` (collective)."""
-
-    def load(self, folder: Path, tag: str) -> None:
-        """Loads :meth:`save`'s state (collective); ``FileNotFoundError`` if there is none."""
-
-    def full_state_dict(self, *, dtype: torch.dtype | None, trainable_only: bool) -> dict[str, torch.Tensor] | None:
-        """The model's full weights as CPU tensors on rank 0, None elsewhere (collective), named as
-        ``module.state_dict()`` names them; ``dtype`` None: the training precision."""
-
-
-class LocalBackend:
-    """A :class:`Backend` on one process, for checks and tests (check-model, the unit tests): the
-    model's call (its last output kept as ``last``, its batch as ``last_batch``), backward into
-    ``.grad``, and no optimizer step, so the gradients stay for the caller to read; no checkpoints."""
-
-    name = "local"
-
-    def __init__(self, model: torch.nn.Module, device: torch.device | None = None) -> None:
-        self.module, self.device = model, device or torch.device("cpu")
-        self.last: Any = None
-        self.last_batch: dict[str, Any] = {}
-
-    def __call__(self, **batch: Any) -> Any:
-        self.last_batch, self.last = batch, self.module(**batch)
-        return self.last
-
-    def set_lr(self, lr: float) -> None:
-        pass
-
-    def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
-        loss.backward()
-
-    def step(self) -> None:
-        pass
-
-    def train(self, mode: bool = True) -> None:
-        self.module.train(mode)
-
-    def release_cache(self) -> None:
-        pass
 
 
 class OdbEngine:

@@ -5,7 +5,8 @@ Two doors, one writer:
 * :func:`save_hf` (collective) gathers the live model's weights on rank 0 through its training
   backend (DeepSpeed at any ZeRO stage, or FSDP2), in the training precision;
 * :func:`export_checkpoint` (one process, no process group) rebuilds the fp32 weights from a saved
-  checkpoint (``OUTPUT_DIR/checkpoints/<tag>``) with DeepSpeed's ``zero_to_fp32``;
+  checkpoint (``OUTPUT_DIR/checkpoints/<tag>``) through the backend that saved it (DeepSpeed's
+  ``zero_to_fp32``, FSDP2's DCP folder);
 * both hand a full state dict (keys as ``engine.module.state_dict()`` names them) to one writer,
   which builds an empty model on the ``meta`` device, *assigns* the weights to it (no second copy),
   and saves with ``save_pretrained`` (safetensors):
@@ -32,19 +33,16 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from odb.data.images import VisionSpec, vision_spec_for
-from odb.training.fsdp2 import DCP_FOLDER
-from odb.training.model import load_tokenizer, training_dtype
+from odb.training import backends
+from odb.training.model import load_tokenizer
 
-__all__ = ["consolidated_state_dict", "export_checkpoint", "find_checkpoint", "gather_state_dict", "save_hf",
-           "write_hf"]
+__all__ = ["consolidated_state_dict", "export_checkpoint", "find_checkpoint", "save_hf", "write_hf"]
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -58,71 +56,18 @@ def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
-def gather_state_dict(module: torch.nn.Module, *, dtype: torch.dtype, rank: int,
-                      keep: Callable[[str, torch.nn.Parameter], bool] | None = None) -> dict[str, torch.Tensor] | None:
-    """The full weights of ``module`` as CPU copies in ``dtype`` on rank 0 (None elsewhere); collective.
-
-    Under ZeRO-3 the parameters are partitioned: each module's own parameters are gathered with
-    ``deepspeed.zero.GatheredParameters`` (read-only, ``modifier_rank=None``: repartitioned on exit,
-    nothing broadcast back), copied to the CPU on rank 0, and released before the next module. So
-    rank 0 holds one full copy (in ``dtype``) plus one module's gathered parameters, the other ranks
-    only the latter. At ZeRO 0-2 the parameters are whole on every rank and the context is a no-op.
-    Shared parameters (tied embeddings) are gathered once and appear under each of their names, one
-    tensor. Persistent buffers are copied too. The live parameters are never written to.
-
-    Args:
-        module: ``engine.module``: the HF model or a PEFT model wrapping it.
-        dtype: of the floating-point copies.
-        rank: this process's rank (rank 0 keeps the copies).
-        keep: which parameters to include (by name and parameter; the same answer on every rank),
-            e.g. the trainable ones for an adapter; default all, and then the buffers too.
-    """
-    import deepspeed
-
-    state_dict: dict[str, torch.Tensor] | None = {} if rank == 0 else None
-    seen: dict[tuple[str, int], str] = {}  # parameter identity -> the first name it was copied under
-
-    def visit(mod: torch.nn.Module, prefix: str) -> None:
-        named = [(prefix + n, p) for n, p in mod.named_parameters(recurse=False)
-                 if keep is None or keep(prefix + n, p)]
-        fresh = [p for _, p in named if _identity(p) not in seen]
-        with deepspeed.zero.GatheredParameters(fresh, modifier_rank=None) if fresh else nullcontext():
-            for key, param in named:
-                first = seen.setdefault(_identity(param), key)
-                if state_dict is not None:
-                    state_dict[key] = state_dict[first] if first != key else _cpu_copy(param, dtype)
-            if state_dict is not None and keep is None:
-                for name, buf in mod.named_buffers(recurse=False):
-                    if name not in mod._non_persistent_buffers_set:
-                        state_dict[prefix + name] = _cpu_copy(buf, dtype)
-        for name, child in mod.named_children():
-            visit(child, prefix + name + ".")
-
-    visit(module, "")
-    return state_dict
-
-
-def _identity(param: torch.nn.Parameter) -> tuple[str, int]:
-    return ("ds_id", param.ds_id) if hasattr(param, "ds_id") else ("id", id(param))
-
-
-def _cpu_copy(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # a copy even on the CPU: the writer merges LoRA into it in place, and ZeRO-3 frees what it gathered
-    return tensor.detach().to("cpu", dtype=dtype if tensor.is_floating_point() else tensor.dtype, copy=True)
-
-
 def save_hf(backend, *, model_path: str | Path, lora: dict[str, Any] | None, tokenizer: Any, out: str | Path,
             adapter_only: bool = False, dtype: torch.dtype | str | None = None,
             vision: VisionSpec | None = None) -> None:
     """Saves the live model as a Hugging Face folder ``out`` (collective: every rank calls it).
 
-    Rank 0 gathers the weights (the backend's ``full_state_dict``: :func:`gather_state_dict` under
-    DeepSpeed, the sharded parameters gathered under FSDP2; with ``adapter_only`` only the
+    Rank 0 gathers the weights (the backend's ``full_state_dict``: ZeRO-3's partitions gathered module
+    by module under DeepSpeed, the shards gathered under FSDP2; with ``adapter_only`` only the
     trainable ones) and writes ``out`` (:func:`write_hf`); every rank returns once it has, and
     raises if rank 0 failed. The live model and its training continue unchanged.
 
     Args:
-        backend: the run's :class:`odb.training.engine.Backend` (``OdbEngine.backend``).
+        backend: the run's :class:`odb.training.backends.Backend` (``OdbEngine.backend``).
         model_path: the run's ``--model`` (a config JSON or an HF folder): the config to save.
         lora: the run's LoRA settings, or None for full fine-tuning.
         tokenizer: the training tokenizer, or its folder.
@@ -330,36 +275,21 @@ def find_checkpoint(path: str | Path) -> Path:
                 raise FileNotFoundError(f"{folder / 'latest'} names {tag.name}, but {tag} has no run_config.json; "
                                         f"{fix}")
             return tag
-    if any(path.glob("*model_states.pt")):
-        raise FileNotFoundError(f"{path} holds DeepSpeed files but no run_config.json (odb writes it with each "
+    if (backend := backends.for_checkpoint(path)) is not None:
+        raise FileNotFoundError(f"{path} holds {backend.NAME} files but no run_config.json (odb writes it with each "
                                 f"checkpoint, rank 0); {fix}")
     raise FileNotFoundError(f"{path} is not a checkpoint (no run_config.json, no 'latest' file); {fix}")
 
 
-def consolidated_state_dict(tag_folder: Path, *, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
-    """The full weights of a checkpoint, in one process. DeepSpeed's: fp32 master weights from ZeRO
-    1-3's optimizer partitions (``zero_to_fp32``; ``exclude_frozen``: only the trained ones); at
-    ZeRO-0 the module's own (``mp_rank_00``, in the training precision). FSDP2's: the fp32 shards of
-    its ``torch.distributed.checkpoint`` folder put together (under LoRA the trained weights only)."""
-    if (tag_folder / DCP_FOLDER / ".metadata").is_file():
-        import tempfile
-
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        with tempfile.TemporaryDirectory() as tmp:
-            dcp_to_torch_save(tag_folder / DCP_FOLDER, Path(tmp) / "model.pt")
-            return torch.load(Path(tmp) / "model.pt", map_location="cpu", weights_only=False)["model"]
-    if any(tag_folder.glob("*_optim_states.pt")):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        return get_fp32_state_dict_from_zero_checkpoint(str(tag_folder.parent), tag=tag_folder.name,
-                                                        exclude_frozen_parameters=exclude_frozen)
-    states = tag_folder / "mp_rank_00_model_states.pt"
-    if not states.is_file():
-        raise FileNotFoundError(f"{tag_folder} has no DeepSpeed model states (mp_rank_00_model_states.pt or "
-                                "*_optim_states.pt): the save did not finish; export another tag")
-    # mmap: the optimizer states in the same file stay on disk
-    return dict(torch.load(states, map_location="cpu", mmap=True, weights_only=False)["module"])
+def consolidated_state_dict(tag_folder: Path, *, run: dict[str, Any], model_path: str | Path,
+                            exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
+    """The full weights of a checkpoint, in one process, put together by the backend that saved it
+    (its ``consolidated_state_dict``: DeepSpeed's ``zero_to_fp32``, FSDP2's DCP folder)."""
+    backend = backends.for_checkpoint(tag_folder)
+    if backend is None:
+        raise FileNotFoundError(f"{tag_folder} has no checkpoint files of any backend ({', '.join(backends.NAMES)}): "
+                                "the save did not finish; export another tag")
+    return backend.consolidated_state_dict(tag_folder, run=run, model_path=model_path, exclude_frozen=exclude_frozen)
 
 
 def export_checkpoint(checkpoint_dir: str | Path, out: str | Path, *, adapter_only: bool = False,
@@ -383,9 +313,7 @@ def export_checkpoint(checkpoint_dir: str | Path, out: str | Path, *, adapter_on
     model = run["model"]
     _check_adapter(adapter_only, model["lora"])
     optimization = run["optimization"]
-    fsdp2 = optimization.get("fsdp2")
-    dtype = _as_dtype(dtype) or (training_dtype(optimization["deepspeed"]) if fsdp2 is None else
-                                 _as_dtype(fsdp2["mixed_precision"]))
+    dtype = _as_dtype(dtype) or backends.get(optimization.get("backend", "deepspeed")).saved_dtype(optimization)
     tokenizer = Path(tokenizer or model["tokenizer"])
     if not tokenizer.is_dir():
         raise FileNotFoundError(f"tokenizer {tokenizer} (model.tokenizer in {tag_folder / 'run_config.json'}) "
@@ -393,14 +321,8 @@ def export_checkpoint(checkpoint_dir: str | Path, out: str | Path, *, adapter_on
     processing = run["data"]["processing"]
     vision = vision_spec_for(_export_config(model_path or model["path"]), model_path or model["path"],
                              min_pixels=processing.get("min_pixels"), max_pixels=processing.get("max_pixels"))
-    state_dict = consolidated_state_dict(tag_folder, exclude_frozen=adapter_only)
-    if fsdp2 is not None and model["lora"] is not None and not adapter_only:
-        # FSDP2's LoRA checkpoint holds the adapter: the frozen weights are --model's, as the run built them
-        from odb.training.model import build_model
-
-        base = build_model(model_path or model["path"], seed=run["batching"]["seed"], vocab_size=0,
-                           lora=model["lora"]).state_dict()
-        state_dict = {**base, **state_dict}
+    state_dict = consolidated_state_dict(tag_folder, run=run, model_path=model_path or model["path"],
+                                         exclude_frozen=adapter_only)
     return write_hf(state_dict, model_path=model_path or model["path"],
                     lora=model["lora"], tokenizer=tokenizer, out=out, adapter_only=adapter_only, dtype=dtype,
                     vision=vision)

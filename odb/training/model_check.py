@@ -37,7 +37,8 @@ from odb.batching.plan import MicroBatch, StepPlan
 from odb.data.images import ImageProcessor, VisionSpec
 from odb.data.labels import label_runs
 from odb.data.processing import DataConfig, SampleDataset
-from odb.training.engine import BLANK_IMAGE_TOKENS, LocalBackend, OdbEngine
+from odb.training.backends import LocalBackend
+from odb.training.engine import BLANK_IMAGE_TOKENS, OdbEngine
 from odb.training.model import build_model, load_tokenizer, vision_spec
 from odb.training.mrope import supports_packing
 from odb.training.support import packing_refusal, skeleton

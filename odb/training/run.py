@@ -19,7 +19,8 @@ import numpy as np
 
 from odb.batching.plan import StepPlan
 from odb.telemetry import StepTimes
-from odb.training.build import Components, build_components, init_distributed, release_shared_memory
+from odb.training import backends
+from odb.training.build import Components, build_components, init_distributed
 from odb.training.checkpoint import load_checkpoint, load_plan, mark_finished, resolve_tag, save_checkpoint
 from odb.training.config import RunConfig
 from odb.training.export import save_hf
@@ -56,14 +57,14 @@ class Trainer:
         trainer = cls(config, rank=rank, world_size=world_size)
         timeout = config.run.dist_timeout_s
         trainer.watchdog = Watchdog(connect_store(timeout), rank=rank, world_size=world_size, timeout_s=timeout,
-                                    on_exit=release_shared_memory).start()
+                                    on_exit=backends.get(config.optimization.backend).release).start()
         trainer.stop = GracefulStop(connect_store(collective_timeout_s(timeout)), rank=rank).install()
         config.output_dir.mkdir(parents=True, exist_ok=True)
         return trainer
 
     def build(self) -> Trainer:
         """Builds every component (collective); resumes from a checkpoint if asked to, also one that
-        another number of ranks saved (DeepSpeed's universal checkpoint, odb.training.reshard; FSDP2's
+        another number of ranks saved (DeepSpeed's universal checkpoint, odb.training.backends.universal; FSDP2's
         checkpoints reshard as they load)."""
         config, plan = self.config, None
         if config.checkpoints.resume:
@@ -71,7 +72,7 @@ class Trainer:
             plan = load_plan(config, tag, rank=self.rank, world_size=self.world_size)
         self.parts = build_components(config, rank=self.rank, world_size=self.world_size,
                                       report=self._report, on_reports=self._on_reports, log=self.log,
-                                      watchdog=self.watchdog, ds_config=plan.ds_config if plan else None)
+                                      watchdog=self.watchdog, load=plan)
         if plan is not None:
             load_checkpoint(self.parts, config, tag, plan, self.log)
         self.log("odb: " + ", ".join(f"{k} {v}" for k, v in self.parts.settings.items()))
@@ -292,7 +293,7 @@ class Trainer:
             run = parts.wandb_run
             steps.append(("finishing the W&B run", lambda: _finish_wandb(run, error)))
         steps.append(("leaving the process group", _leave_process_group))
-        steps.append(("removing DeepSpeed's shared-memory buffer", release_shared_memory))
+        steps.append(("the backend's clean-up", backends.get(self.config.optimization.backend).release))
         for what, step in steps:
             try:
                 step()

@@ -48,10 +48,11 @@ from types import FrameType
 
 import torch
 
+from odb.training import backends
 from odb.training.config import RunConfig
 from odb.training.faults import EXIT_STALLED
 
-__all__ = ["FSDP2_NEEDS", "TORCH_FLOOR", "WAIT_REPORT_ENV", "StartupError", "announced_wait", "check_packing",
+__all__ = ["TORCH_FLOOR", "WAIT_REPORT_ENV", "StartupError", "announced_wait", "check_packing",
            "check_restarts", "check_startup", "check_torch", "probed_attention", "rank_device", "run_dtype",
            "torch_version"]
 
@@ -59,22 +60,6 @@ TORCH_FLOOR = (2, 6)
 """The oldest torch odb supports (setup.py states the same, with the reasons)."""
 WAIT_REPORT_ENV = "ODB_WAIT_REPORT_S"
 """Seconds between two reports of a wait (default 30); tests set less."""
-FSDP2_NEEDS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("torch.distributed.fsdp", ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy",
-                                "OffloadPolicy")),
-    ("torch.distributed.fsdp.FSDPModule", ("set_requires_gradient_sync", "reshard")),
-    ("torch.distributed.checkpoint.state_dict", ("StateDictOptions", "get_state_dict", "set_state_dict",
-                                                 "get_model_state_dict", "set_model_state_dict")),
-    ("torch.distributed.checkpoint.state_dict.StateDictOptions", ("full_state_dict", "cpu_offload",
-                                                                  "ignore_frozen_params", "strict",
-                                                                  "broadcast_from_rank0")),
-    ("torch.distributed.checkpoint.format_utils", ("dcp_to_torch_save",)),
-)
-"""What ``--backend fsdp2`` uses of torch (:mod:`odb.training.fsdp2`, the export): each a module or
-class and the names it must have. All public in torch.distributed.fsdp since torch 2.6."""
-_FSDP2_TORCH = "2.6"
-
-
 class StartupError(RuntimeError):
     """This rank cannot run the configuration; the message names the fix."""
 
@@ -110,7 +95,7 @@ def _has(owner, name: str) -> bool:
 
 def check_torch(backend: str) -> None:
     """Raises :class:`StartupError` naming the torch to install when this one is older than
-    :data:`TORCH_FLOOR` or lacks what ``backend`` (``"deepspeed"`` or ``"fsdp2"``) uses."""
+    :data:`TORCH_FLOOR` or lacks what ``backend`` uses (its module's ``TORCH_NEEDS``)."""
     floor = ".".join(map(str, TORCH_FLOOR))
     if torch_version() < TORCH_FLOOR:
         raise StartupError(f"odb needs torch >= {floor} (transformers 5.2x refuses older torch; FSDP2's fully_shard "
@@ -119,12 +104,13 @@ def check_torch(backend: str) -> None:
     if not torch.distributed.is_available():
         raise StartupError(f"this torch build ({torch.__version__}) has no torch.distributed: install a standard "
                            "torch build (pip install torch)")
-    if backend == "fsdp2":
-        missing = [f"{owner}.{name}" for owner, names in FSDP2_NEEDS
-                   for name in names if (found := _resolve(owner)) is None or not _has(found, name)]
-        if missing:
-            raise StartupError(f"--backend fsdp2 needs {', '.join(missing)}, which torch {torch.__version__} lacks: "
-                               f"pip install 'torch>={_FSDP2_TORCH}', or train with --backend deepspeed")
+    chosen = backends.get(backend)
+    missing = [f"{owner}.{name}" for owner, names in chosen.TORCH_NEEDS
+               for name in names if (found := _resolve(owner)) is None or not _has(found, name)]
+    if missing:
+        others = " or ".join(f"--backend {name}" for name in backends.NAMES if name != backend)
+        raise StartupError(f"--backend {backend} needs {', '.join(missing)}, which torch {torch.__version__} lacks: "
+                           f"pip install 'torch>={chosen.TORCH_FLOOR}', or train with {others}")
 
 
 def rank_device() -> torch.device:
@@ -135,15 +121,8 @@ def rank_device() -> torch.device:
 
 
 def run_dtype(config: RunConfig) -> torch.dtype:
-    """The precision the model computes in: DeepSpeed's JSON, or FSDP2's mixed precision."""
-    fsdp2 = config.optimization.fsdp2
-    if fsdp2 is not None:
-        from odb.training.fsdp2 import param_dtype
-
-        return param_dtype(fsdp2)
-    from odb.training.model import training_dtype
-
-    return training_dtype(config.optimization.deepspeed)
+    """The precision the model computes in, as the run's backend sets it."""
+    return backends.get(config.optimization.backend).compute_dtype(config.optimization)
 
 
 @lru_cache(maxsize=4)

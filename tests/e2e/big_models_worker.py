@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
 from odb.data.collate import collate_packed  # noqa: E402
-from odb.training.build import release_shared_memory  # noqa: E402
+from odb.training.backends import deepspeed as ds_backend  # noqa: E402
 from odb.training.model import build_model  # noqa: E402
 from odb.training.mrope import packed_position_ids  # noqa: E402
 
@@ -63,7 +63,7 @@ def compare_builds(path: Path, lora, report: dict, name: str) -> None:
 
     whole = build_model(path, seed=0, vocab_size=VOCAB, lora=lora)
     expected, draws_after_whole = gathered(whole), torch.rand(4)
-    parted = build_model(path, seed=0, vocab_size=VOCAB, lora=lora, ds_config=ZERO3)
+    parted = ds_backend.build_model(path, seed=0, vocab_size=VOCAB, lora=lora, ds_config=ZERO3)
     report[f"{name}_same_random_stream"] = torch.equal(torch.rand(4), draws_after_whole)
     report[f"{name}_partitioned"] = is_partitioned(parted)
     report[f"{name}_max_diff"] = max_diff(gathered(parted), expected)
@@ -80,7 +80,7 @@ def compare_folders(out: Path, report: dict, rank: int) -> None:
             build_model(path, seed=5, vocab_size=VOCAB).save_pretrained(folder)
         dist.barrier()
         expected = gathered(build_model(folder, seed=0, vocab_size=VOCAB))
-        parted = build_model(folder, seed=0, vocab_size=VOCAB, lora=lora, ds_config=ZERO3)
+        parted = ds_backend.build_model(folder, seed=0, vocab_size=VOCAB, lora=lora, ds_config=ZERO3)
         report[f"{name}_partitioned"] = is_partitioned(parted)
         loaded = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
                   for k, v in gathered(parted).items() if "lora_" not in k}
@@ -90,7 +90,7 @@ def compare_folders(out: Path, report: dict, rank: int) -> None:
 def precisions(report: dict) -> None:
     for name, extra in (("bf16_zero3", {"bf16": {"enabled": True}}), ("fp16_zero3", {"fp16": {"enabled": True}}),
                         ("bf16_zero2", {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}})):
-        model = build_model(TINY, seed=0, vocab_size=VOCAB, ds_config={**ZERO3, **extra})
+        model = ds_backend.build_model(TINY, seed=0, vocab_size=VOCAB, ds_config={**ZERO3, **extra})
         report[f"{name}_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
         report[f"{name}_partitioned"] = is_partitioned(model)
 
@@ -119,7 +119,7 @@ def one_step(path: Path, lora, rank: int, checkpointing: bool) -> tuple[dict[str
     first vision block's) started."""
     import deepspeed
 
-    model = build_model(path, seed=0, vocab_size=VOCAB, lora=lora, ds_config=ZERO3,
+    model = ds_backend.build_model(path, seed=0, vocab_size=VOCAB, lora=lora, ds_config=ZERO3,
                         gradient_checkpointing=checkpointing)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     watched = {"layer": getattr(base.model, "language_model", base.model).layers[0].mlp}
@@ -171,7 +171,7 @@ def main(out: Path) -> None:
     if rank == 0:
         (out / "report.json").write_text(json.dumps(gathered_reports, indent=2))
     dist.destroy_process_group()  # (not left to the interpreter's exit: see save_hf_worker.py)
-    release_shared_memory()
+    ds_backend.release()
 
 
 if __name__ == "__main__":

@@ -32,8 +32,7 @@ from odb.batching.batcher import OnlineBatcher  # noqa: E402
 from odb.batching.config import OdbConfig  # noqa: E402
 from odb.data.feed import SampleFeed  # noqa: E402
 from odb.data.processing import DataConfig, SampleDataset, sample_sizes  # noqa: E402
-from odb.training.build import release_shared_memory  # noqa: E402
-from odb.training.deepspeed_backend import DeepSpeedBackend  # noqa: E402
+from odb.training.backends.deepspeed import DeepSpeedBackend, release  # noqa: E402
 from odb.training.engine import BLANK_IMAGE_TOKENS, OdbEngine  # noqa: E402
 from odb.training.evaluate import Evaluator  # noqa: E402
 from odb.training.model import build_model, load_tokenizer, vision_spec  # noqa: E402
@@ -134,7 +133,7 @@ def main() -> None:
         (Path(scenario["out"]) / f"rank{rank}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
-        release_shared_memory()
+        release()
 
 
 if __name__ == "__main__":

@@ -32,8 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's 
 from odb.batching.cost import SampleCost, count_label_tokens  # noqa: E402
 from odb.batching.plan import MicroBatch, StepPlan  # noqa: E402
 from odb.training.attention import register  # noqa: E402
-from odb.training.build import release_shared_memory  # noqa: E402
-from odb.training.deepspeed_backend import DeepSpeedBackend  # noqa: E402
+from odb.training.backends.deepspeed import DeepSpeedBackend, release  # noqa: E402
 from odb.training.engine import OdbEngine  # noqa: E402
 
 TEXT = {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -126,7 +125,7 @@ def main() -> None:
         (out / f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
-        release_shared_memory()
+        release()
 
 
 if __name__ == "__main__":

@@ -12,12 +12,12 @@ run in turn, each with an engine of its own, and works in ``ROOT/<case>/`` where
 * ``save``: trains 2 optimizer steps, dumps the full state to ``saved.pt``, saves DeepSpeed's
   checkpoint as ``ckpt/step2``, trains a third step and dumps ``saved_step3.pt``: the
   uninterrupted run.
-* ``load``: loads ``ckpt/step2`` the way odb resumes (:func:`odb.training.reshard.prepare_load`:
+* ``load``: loads ``ckpt/step2`` the way odb resumes (:func:`odb.training.backends.universal.prepare_load`:
   rank 0 converts where the world size changed, the engine is built from the plan's config),
   dumps ``loaded.pt``, trains the third step and dumps ``loaded_step3.pt``.
 * ``plain``: loads ``ckpt/step2`` as it is, without a conversion, and writes what that raised
   (or null) to ``plain.json``: DeepSpeed's own answer to a changed world size.
-* ``unconvertible``: :func:`odb.training.reshard.prepare_load` on a checkpoint that cannot be
+* ``unconvertible``: :func:`odb.training.backends.universal.prepare_load` on a checkpoint that cannot be
   converted; writes what each rank raised (or null) to ``unconvertible.json``.
 
 The batches of a step are the same at every world size: 6 fixed random rows of 24 tokens, rank r
@@ -47,13 +47,17 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # this checkout's odb, installed or not
 
-from odb.training.build import release_shared_memory  # noqa: E402
+from odb.training.backends.deepspeed import (  # noqa: E402
+    build_model,
+    initialize_deepspeed,
+    load_ds_config,
+    release,
+    resolve_ds_config,
+)
+from odb.training.backends.universal import prepare_load  # noqa: E402
 from odb.training.config import OptimizationSettings  # noqa: E402
-from odb.training.deepspeed_backend import initialize_deepspeed  # noqa: E402
-from odb.training.ds_config import load_ds_config, resolve_ds_config  # noqa: E402
 from odb.training.engine import token_loss_sum  # noqa: E402
-from odb.training.model import build_model, load_tokenizer  # noqa: E402
-from odb.training.reshard import prepare_load  # noqa: E402
+from odb.training.model import load_tokenizer  # noqa: E402
 
 TAG = "step2"
 ROWS, TOKENS = 6, 24  # rows divide among 2 and 3 ranks
@@ -187,7 +191,7 @@ def main() -> None:
             gc.collect()
     finally:
         dist.destroy_process_group()
-        release_shared_memory()
+        release()
 
 
 if __name__ == "__main__":

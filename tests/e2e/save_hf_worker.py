@@ -21,8 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
-from odb.training.build import release_shared_memory  # noqa: E402
-from odb.training.deepspeed_backend import DeepSpeedBackend  # noqa: E402
+from odb.training.backends.deepspeed import DeepSpeedBackend, release  # noqa: E402
 from odb.training.engine import token_loss_sum  # noqa: E402
 from odb.training.export import save_hf  # noqa: E402
 from odb.training.model import build_model, load_tokenizer  # noqa: E402
@@ -97,7 +96,7 @@ def main(out: Path) -> None:
     # left to the interpreter's exit, gloo's threads were destroyed still running now and then
     # ("terminate called without an active exception", exit -6; seen once on a loaded machine)
     dist.destroy_process_group()
-    release_shared_memory()
+    release()
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 (tests/e2e/reshard_worker.py, three launches for all cases: 2 ranks, 3 ranks, 2 ranks).
 
 Each case trains 2 steps at W1 and saves; the load at W2 goes through
-:func:`odb.training.reshard.prepare_load` (a universal conversion at ZeRO-1/2/3, the checkpoint as
+:func:`odb.training.backends.universal.prepare_load` (a universal conversion at ZeRO-1/2/3, the checkpoint as
 it is at ZeRO-0). Every fp32 weight, both Adam moments of every trained weight, Adam's step and
 hyperparameters and DeepSpeed's step count must come back exactly, and the next step (the same
 global batch, split over W2 ranks instead of W1) must land where the uninterrupted W1 run's did,

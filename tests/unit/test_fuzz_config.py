@@ -27,6 +27,8 @@ from hypothesis import strategies as st
 from conftest import train_defaults
 from odb.batching.config import OdbConfig, load_json_config, load_odb_config
 from odb.data.processing import DataConfig, load_data_config
+from odb.training.backends import fsdp2
+from odb.training.backends.deepspeed import load_ds_config, resolve_ds_config
 from odb.training.cli import parse_config
 from odb.training.config import (
     CheckpointSettings,
@@ -37,10 +39,8 @@ from odb.training.config import (
     OptimizationSettings,
     RunConfig,
     RunSettings,
-    load_fsdp2_config,
     lora_keys,
 )
-from odb.training.ds_config import load_ds_config, resolve_ds_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -111,7 +111,7 @@ LOADERS = {  # name -> (load a path, its flag, the valid file to start from, its
              [f.name for f in dataclasses.fields(DataConfig)]),
     "lora": (_lora, "--lora", CONFIGS / "lora.json", None),  # (peft's keys, read when first needed)
     "deepspeed": (_ds, "--deepspeed_config", CONFIGS / "ds_zero2.json", None),
-    "fsdp2": (partial(load_fsdp2_config, use_bf16=True), "--fsdp_config", CONFIGS / "fsdp2.json",
+    "fsdp2": (partial(fsdp2.load_settings, gas=1, world_size=1, use_bf16=True), "--fsdp_config", CONFIGS / "fsdp2.json",
               [f.name for f in dataclasses.fields(Fsdp2Settings)]),
 }
 

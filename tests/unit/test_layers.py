@@ -4,6 +4,7 @@ Each check runs in a fresh interpreter (this one has torch and odb.data loaded b
 with torch blocked: ``sys.modules["torch"] = None`` makes any ``import torch`` raise.
 """
 
+import ast
 import json
 import pkgutil
 import subprocess
@@ -42,3 +43,51 @@ def test_batching_module_imports_only_stdlib_numpy_and_its_own_floor(module):
     above = [m for m in loaded["modules"] if m.startswith(ABOVE)]
     assert not above, f"{module} imports a floor above odb.batching: {above}"
     assert not loaded["outside"], f"{module} imports more than the stdlib and numpy: {loaded['outside']}"
+
+
+# ---- the backends own everything backend-specific -------------------------------------------------
+
+BACKEND_APIS = ("deepspeed", "torch.distributed.fsdp", "torch.distributed.checkpoint")
+"""What only ``odb/training/backends/`` may import: DeepSpeed, FSDP2 and its checkpoint format."""
+
+
+def _outside_backends() -> list[Path]:
+    backends = ROOT / "odb" / "training" / "backends"
+    return sorted(p for p in (ROOT / "odb").rglob("*.py") if backends not in p.parents)
+
+
+def _imported(tree: ast.AST) -> list[tuple[int, str]]:
+    """Every module an ``import`` or ``from ... import`` names, at any depth (function-local ones too)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found += [(node.lineno, node.module), *((node.lineno, f"{node.module}.{a.name}") for a in node.names)]
+    return found
+
+
+def test_only_the_backends_import_deepspeed_or_fsdp2():
+    wrong = [f"{path.relative_to(ROOT)}:{line} imports {name}" for path in _outside_backends()
+             for line, name in _imported(ast.parse(path.read_text()))
+             if any(name == api or name.startswith(api + ".") for api in BACKEND_APIS)]
+    assert not wrong, "backend-specific imports outside odb/training/backends/:\n" + "\n".join(wrong)
+
+
+def test_no_module_outside_the_backends_branches_on_a_backend_name():
+    from odb.training.backends import NAMES
+
+    wrong = []
+    for path in _outside_backends():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                constants = [c for c in (node.left, *node.comparators) if isinstance(c, ast.Constant)]
+                if any(c.value in NAMES for c in constants):
+                    wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not wrong, "comparisons with a backend's name outside odb/training/backends/: " + ", ".join(wrong)
+
+
+def test_the_checker_sees_a_local_import_and_a_branch(tmp_path):
+    tree = ast.parse("def f(b):\n    from deepspeed.utils import x\n    return b == 'fsdp2'\n")
+    assert (2, "deepspeed.utils") in _imported(tree)
+    assert any(isinstance(n, ast.Compare) and n.comparators[0].value == "fsdp2" for n in ast.walk(tree))

@@ -28,7 +28,8 @@ from conftest import ROOT
 from odb.batching.cost import SampleCost, count_label_tokens
 from odb.batching.plan import MicroBatch, StepPlan
 from odb.training import attention
-from odb.training.engine import LocalBackend, OdbEngine, token_loss_sum
+from odb.training.backends import LocalBackend
+from odb.training.engine import OdbEngine, token_loss_sum
 from odb.training.loss import (
     HeadLoss,
     chunked_token_loss_sum,

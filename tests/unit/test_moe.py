@@ -34,7 +34,8 @@ from odb.batching.plan import MicroBatch, StepPlan
 from odb.data.collate import collate_padded
 from odb.telemetry import StepTimes, Telemetry
 from odb.training import attention
-from odb.training.engine import LocalBackend, OdbEngine, token_loss_sum
+from odb.training.backends import LocalBackend
+from odb.training.engine import OdbEngine, token_loss_sum
 from odb.training.model import build_model, hf_model
 from odb.training.moe import router_loss
 

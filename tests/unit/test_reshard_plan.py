@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from odb.training.reshard import (
+from odb.training.backends.universal import (
     UNIVERSAL,
     plan_load,
     saved_world_size,

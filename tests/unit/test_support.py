@@ -18,7 +18,8 @@ from conftest import bundled_tokenizer
 from odb.batching.cost import SampleCost
 from odb.batching.plan import MicroBatch, StepPlan
 from odb.training.attention import register
-from odb.training.engine import LocalBackend, OdbEngine
+from odb.training.backends import LocalBackend
+from odb.training.engine import OdbEngine
 from odb.training.support import packing_refusal
 
 REFUSED = {  # model type: what the refusal names

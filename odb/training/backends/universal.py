@@ -186,7 +186,7 @@ def prepare_load(folder: str | Path, tag: str, *, rank: int, world_size: int, ds
     The others wait in a broadcast on a gloo group of its own (CPU: no accelerator device needs to
     be chosen yet), for up to ``timeout_s``, not the run's ``--dist_timeout_s``: a conversion reads
     and writes the whole checkpoint. Convert beforehand in one process
-    (``python -m odb.training.reshard FOLDER TAG``) where that takes longer; this then finds it done.
+    (``python -m odb.training.backends.universal FOLDER TAG``) where that takes longer; this then finds it done.
     """
     import torch.distributed as dist
 
@@ -209,7 +209,7 @@ def prepare_load(folder: str | Path, tag: str, *, rank: int, world_size: int, ds
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m odb.training.reshard FOLDER TAG``: converts ``FOLDER/TAG`` once, in this process."""
+    """``python -m odb.training.backends.universal FOLDER TAG``: converts ``FOLDER/TAG`` once, in this process."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)

@@ -26,32 +26,132 @@ optimizer step. The loss math is the engine's
 
 Checkpoints are ``torch.distributed.checkpoint`` folders (each rank writes its shards; under LoRA
 only the trained weights and their optimizer state), loadable on any number of ranks: DCP reshards
-on load. The Hugging Face export gathers full weights on rank 0 (``full_state_dict``).
+on load. The Hugging Face export gathers full weights on rank 0 (``full_state_dict``), or, from a
+saved checkpoint, puts its folder together in one process (:func:`consolidated_state_dict`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from odb.training.config import Fsdp2Settings, ModelSettings, OptimizationSettings
-from odb.training.engine import torch_optimizer
+from odb.batching.config import load_json_config
+from odb.training.backends.base import torch_optimizer
+from odb.training.config import Fsdp2Settings, ModelSettings, OptimizationSettings, field_names
 from odb.training.model import build_model, hf_model
 
-__all__ = ["DCP_FOLDER", "Fsdp2Backend", "build_fsdp2", "init_fsdp2_distributed"]
+if TYPE_CHECKING:
+    from odb.training.config import RunConfig
+
+__all__ = ["CONFIG_FLAG", "DCP_FOLDER", "Fsdp2Backend", "NAME", "build", "build_fsdp2", "init_distributed",
+           "load_settings", "param_dtype"]
+
+NAME = "fsdp2"
+CONFIG_FLAG = "--fsdp_config"
+JOINING = ""
+TORCH_NEEDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("torch.distributed.fsdp", ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy",
+                                "OffloadPolicy")),
+    ("torch.distributed.fsdp.FSDPModule", ("set_requires_gradient_sync", "reshard")),
+    ("torch.distributed.checkpoint.state_dict", ("StateDictOptions", "get_state_dict", "set_state_dict",
+                                                 "get_model_state_dict", "set_model_state_dict")),
+    ("torch.distributed.checkpoint.state_dict.StateDictOptions", ("full_state_dict", "cpu_offload",
+                                                                  "ignore_frozen_params", "strict",
+                                                                  "broadcast_from_rank0")),
+    ("torch.distributed.checkpoint.format_utils", ("dcp_to_torch_save",)),
+)
+"""What this backend and its export use of torch: each a module or class and the names it must have.
+All public in torch.distributed.fsdp since torch 2.6."""
+TORCH_FLOOR = "2.6"
 
 DCP_FOLDER = "fsdp2"
 """The ``torch.distributed.checkpoint`` folder inside a checkpoint's tag folder."""
 
 
-def init_fsdp2_distributed(timeout_s: float) -> None:
+def load_settings(path: str | Path | None, *, gas: int, world_size: int, use_bf16: bool) -> Fsdp2Settings:
+    """FSDP2's settings from the JSON file ``path``, strictly (None: the defaults), with
+    ``mixed_precision: "auto"`` resolved (``use_bf16``: the GPU here has bf16)."""
+    fix = "pass --fsdp_config configs/fsdp2.json"
+    if path is not None and not str(path):
+        raise FileNotFoundError(f"FSDP2 config: the path is empty; {fix}")
+    values = {} if path is None else load_json_config(path, known=field_names(Fsdp2Settings), what="FSDP2 config",
+                                                      fix=fix)
+    settings = Fsdp2Settings(**values)
+    if settings.mixed_precision == "auto":
+        settings = dataclasses.replace(settings, mixed_precision="bf16" if use_bf16 else "fp32")
+    return settings
+
+
+def init_distributed(timeout_s: float) -> None:
     """Joins the process group torchrun describes (:func:`odb.training.faults.init_process_group`)."""
     from odb.training.faults import init_process_group
 
     init_process_group(timeout_s)
+
+
+def compute_dtype(optimization: OptimizationSettings) -> torch.dtype:
+    return param_dtype(optimization.fsdp2)
+
+
+def saved_dtype(optimization: Mapping[str, Any]) -> torch.dtype:
+    return torch.bfloat16 if optimization["fsdp2"]["mixed_precision"] == "bf16" else torch.float32
+
+
+def describe(optimization: OptimizationSettings) -> dict[str, Any]:
+    return {"backend": NAME, "bf16": optimization.fsdp2.mixed_precision == "bf16",
+            "cpu_offload": optimization.fsdp2.cpu_offload}
+
+
+def shared_settings(optimization: OptimizationSettings) -> dict[str, Any]:
+    return {"fsdp2": dataclasses.asdict(optimization.fsdp2)}
+
+
+def release() -> None:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadPlan:
+    """A DCP checkpoint loads on any number of ranks as it is (DCP reshards on load)."""
+
+    folder: Path
+    tag: str
+
+
+def plan_load(config: RunConfig, folder: Path, tag: str, *, rank: int, world_size: int) -> LoadPlan:
+    return LoadPlan(folder=folder, tag=tag)
+
+
+def build(config: RunConfig, *, rank: int, vocab_size: int, load: LoadPlan | None = None) -> Fsdp2Backend:
+    """:func:`build_fsdp2` with the run's settings (collective)."""
+    return build_fsdp2(config.model, config.optimization, seed=config.seed, vocab_size=vocab_size, rank=rank)
+
+
+def holds_checkpoint(tag_folder: Path) -> bool:
+    return (tag_folder / DCP_FOLDER / ".metadata").is_file()
+
+
+def consolidated_state_dict(tag_folder: Path, *, run: Mapping[str, Any], model_path: str | Path,
+                            exclude_frozen: bool) -> dict[str, torch.Tensor]:
+    """The fp32 shards of the checkpoint's ``torch.distributed.checkpoint`` folder put together. Under
+    LoRA it holds the trained weights only: unless ``exclude_frozen``, the frozen ones are
+    ``model_path``'s, as the run built them."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(tag_folder / DCP_FOLDER, Path(tmp) / "model.pt")
+        state_dict = torch.load(Path(tmp) / "model.pt", map_location="cpu", weights_only=False)["model"]
+    lora = run["model"]["lora"]
+    if lora is not None and not exclude_frozen:
+        base = build_model(model_path, seed=run["batching"]["seed"], vocab_size=0, lora=lora).state_dict()
+        state_dict = {**base, **state_dict}
+    return state_dict
 
 
 def _device() -> torch.device:

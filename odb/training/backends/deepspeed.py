@@ -1,0 +1,451 @@
+"""The DeepSpeed backend (``deepspeed launch/train.py``, the default): ZeRO 0-3 over a transformers model.
+
+Settings: DeepSpeed's JSON stays DeepSpeed's (``--deepspeed_config``). odb packs each micro-batch
+into one row, so DeepSpeed sees ``train_micro_batch_size_per_gpu = 1``, ``gradient_accumulation_steps
+= GAS`` (odb's) and ``train_batch_size = GAS * world`` packed rows per step; the samples in them vary
+from step to step. ``"auto"`` resolves to those; a fixed value that disagrees is an error naming the
+fix, raised before any process group is joined.
+
+Build: the model is built in DeepSpeed's training precision (:func:`training_dtype`) and, at ZeRO-3,
+partitioned while it is constructed (``deepspeed.zero.Init``): a rank holds its partition and, for
+a moment, one module whole, never the whole model. A folder loads through transformers' DeepSpeed
+integration (rank 0 memory-maps the checkpoint and fills each module's parameters, gathered, then
+partitioned again; the other ranks read only the shapes); a random init draws exactly the numbers
+a plain ``from_config`` draws (:func:`_zero3_random_init`), so a seed gives the same weights at
+every ZeRO stage and on one process.
+
+Checkpoints are DeepSpeed's own, resumable on another number of ranks through its universal
+checkpoint (:mod:`odb.training.backends.universal`); an export gathers full weights module by
+module (:func:`gather_state_dict`) or, from a saved checkpoint, with DeepSpeed's ``zero_to_fp32``.
+:class:`DeepSpeedBackend` is what :class:`odb.training.engine.OdbEngine` drives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from odb.batching.config import read_json_object
+from odb.training.backends.base import torch_optimizer
+from odb.training.backends.universal import LoadPlan, prepare_load
+from odb.training.model import build_model as build_hf_model
+
+if TYPE_CHECKING:
+    from odb.training.config import OptimizationSettings, RunConfig
+
+__all__ = ["CONFIG_FLAG", "DeepSpeedBackend", "NAME", "build", "build_model", "deepspeed_shm_buffer",
+           "gather_state_dict", "init_distributed", "initialize_deepspeed", "is_zero3", "load_ds_config",
+           "release", "resolve_ds_config", "training_dtype"]
+
+NAME = "deepspeed"
+CONFIG_FLAG = "--deepspeed_config"
+JOINING = "DeepSpeed's communication op (built once per extension cache), then "
+TORCH_NEEDS: tuple[tuple[str, tuple[str, ...]], ...] = ()
+TORCH_FLOOR = "2.6"
+
+
+# ---- settings -------------------------------------------------------------------------------------
+
+def load_settings(path: str | Path | None, *, gas: int, world_size: int, use_bf16: bool) -> dict[str, Any]:
+    """DeepSpeed's JSON ``path``, resolved (:func:`resolve_ds_config`)."""
+    source = str(path)
+    return resolve_ds_config(load_ds_config(source), gas=gas, world_size=world_size, use_bf16=use_bf16,
+                             source=source)
+
+
+def load_ds_config(path: str | Path) -> dict[str, Any]:
+    return read_json_object(path, "DeepSpeed config",
+                            "pass --deepspeed_config configs/ds_zero2.json (or ds_zero0/1/3.json)")
+
+
+def resolve_ds_config(config: dict[str, Any], *, gas: int, world_size: int, use_bf16: bool,
+                      source: str = "DeepSpeed config") -> dict[str, Any]:
+    """A copy of ``config`` with odb's values for the batch keys and ``"auto"`` precision."""
+    out = json.loads(json.dumps(config))
+    wanted = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
+              "train_batch_size": gas * world_size}
+    why = {"train_micro_batch_size_per_gpu": "odb packs each micro-batch into one row",
+           "gradient_accumulation_steps": f"odb's gas is {gas} (set 'gas' in the odb config instead)",
+           "train_batch_size": f"odb runs world_size x gas = {world_size} x {gas} packed micro-batches "
+                               "per step, each holding a varying number of samples"}
+    for key, value in wanted.items():
+        given = out.get(key, "auto")
+        if given != "auto" and (given != value or isinstance(given, bool)):
+            raise ValueError(f"{source}: {key}={given!r} cannot hold: {why[key]}; set it to \"auto\"")
+        out[key] = value
+    if "scheduler" in out:
+        raise ValueError(f"{source}: remove \"scheduler\": odb sets the learning rate by progress "
+                         "(samples trained over the planned total), since the number of steps is "
+                         "not known up front; use --lr and --warmup_ratio")
+    _check_blocks(out, source)
+    for precision in ("bf16", "bfloat16", "fp16"):
+        block = out.get(precision)
+        if block is not None and block.get("enabled") == "auto":
+            block["enabled"] = use_bf16 if precision != "fp16" else False
+    return out
+
+
+def _check_blocks(config: dict[str, Any], source: str) -> None:
+    """The blocks odb itself reads (precision, ZeRO stage) have the shape it reads them in; DeepSpeed
+    checks the rest of its JSON itself."""
+    for precision in ("bf16", "bfloat16", "fp16"):
+        if precision not in config:
+            continue
+        block = config[precision]
+        if not isinstance(block, dict):
+            raise ValueError(f"{source}: \"{precision}\" must be an object such as {{\"enabled\": \"auto\"}}, "
+                             f"got {block!r}")
+        enabled = block.get("enabled", False)
+        if not (isinstance(enabled, bool) or enabled == "auto"):
+            raise ValueError(f"{source}: \"{precision}\": {{\"enabled\": ...}} must be true, false or \"auto\", "
+                             f"got {enabled!r}")
+    if "zero_optimization" in config:
+        block = config["zero_optimization"]
+        stage = block.get("stage", 0) if isinstance(block, dict) else None
+        if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+            raise ValueError(f"{source}: \"zero_optimization\" must be an object with a \"stage\" of 0, 1, 2 or 3, "
+                             f"got {block!r}")
+
+
+def training_dtype(ds_config: Mapping[str, Any] | None) -> torch.dtype:
+    """DeepSpeed's training precision: bf16 or fp16 where its (resolved) JSON enables one, else fp32."""
+    if ds_config is not None:
+        for keys, dtype in ((("bf16", "bfloat16"), torch.bfloat16), (("fp16",), torch.float16)):
+            if any((ds_config.get(key) or {}).get("enabled") is True for key in keys):
+                return dtype
+    return torch.float32
+
+
+def is_zero3(ds_config: Mapping[str, Any] | None) -> bool:
+    return ds_config is not None and (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3
+
+
+def _stage(ds_config: Mapping[str, Any]) -> int:
+    return (ds_config.get("zero_optimization") or {}).get("stage", 0)
+
+
+def compute_dtype(optimization: OptimizationSettings) -> torch.dtype:
+    return training_dtype(optimization.deepspeed)
+
+
+def saved_dtype(optimization: Mapping[str, Any]) -> torch.dtype:
+    return training_dtype(optimization["deepspeed"])
+
+
+def describe(optimization: OptimizationSettings) -> dict[str, Any]:
+    ds = optimization.deepspeed
+    return {"backend": NAME, "zero_stage": _stage(ds), "bf16": ds.get("bf16", {}).get("enabled", False)}
+
+
+def shared_settings(optimization: OptimizationSettings) -> dict[str, Any]:
+    ds = optimization.deepspeed
+    zero = ds.get("zero_optimization", {})
+    return {
+        "deepspeed.gradient_accumulation_steps": ds.get("gradient_accumulation_steps"),
+        "deepspeed.train_micro_batch_size_per_gpu": ds.get("train_micro_batch_size_per_gpu"),
+        "deepspeed.zero_stage": zero.get("stage", 0),
+        "deepspeed.offload": [zero.get(f"offload_{what}", {}).get("device") for what in ("optimizer", "param")],
+        "deepspeed.precision": {k: ds.get(k, {}).get("enabled", False) for k in ("bf16", "fp16")},
+        "deepspeed.gradient_clipping": ds.get("gradient_clipping"),
+        "deepspeed.optimizer": ds.get("optimizer"),
+    }
+
+
+# ---- process group, build ---------------------------------------------------------------------------
+
+def init_distributed(timeout_s: float) -> None:
+    """Joins the process group as DeepSpeed does (NCCL on GPUs, gloo on CPUs). Under torchrun's agent
+    store (``torchrun --max-restarts``), odb forms the group first, through this restart attempt's
+    keys (:func:`odb.training.faults.process_group_kwargs`: torch's own keys outlive an attempt), and
+    DeepSpeed takes it as it is."""
+    import deepspeed
+
+    from odb.training.faults import init_process_group, uses_agent_store
+
+    if uses_agent_store():
+        init_process_group(timeout_s)
+    deepspeed.init_distributed(timeout=timedelta(seconds=timeout_s))
+
+
+def initialize_deepspeed(opt: OptimizationSettings, model):
+    """``deepspeed.initialize`` (collective) with a torch optimizer, unless DeepSpeed's JSON declares one."""
+    import deepspeed
+
+    ds_config = dict(opt.deepspeed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = None
+    if "optimizer" not in ds_config:  # a torch optimizer: no DeepSpeed op to compile
+        optimizer = torch_optimizer(opt.optimizer, params, lr=opt.lr, weight_decay=opt.weight_decay)
+        if opt.optimizer == "sgd":
+            ds_config.setdefault("zero_allow_untested_optimizer", True)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer, config=ds_config)
+    return engine
+
+
+def deepspeed_shm_buffer(rank: int) -> Path:
+    """The shared-memory file DeepSpeed's CPU all-reduce makes for ``rank`` when every rank is on
+    one machine (``LOCAL_SIZE`` = world size), named after the user, the master address and port."""
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}"
+    return Path("/dev/shm") / f"{name}_{os.environ.get('MASTER_PORT', '')}_{rank}"
+
+
+def release() -> None:
+    """Removes this rank's DeepSpeed all-reduce buffer, which DeepSpeed never removes: each CPU run
+    would otherwise leave 64 MiB of RAM per rank in ``/dev/shm`` until the machine restarts (330
+    runs filled a 24 GiB machine). Every peer mapped it at initialization, so removing the name
+    leaves their mappings intact. No-op where there is none (GPUs, several machines)."""
+    if "RANK" in os.environ:
+        deepspeed_shm_buffer(int(os.environ["RANK"])).unlink(missing_ok=True)
+
+
+class _Zero3Construction:
+    """ZeRO-3's way to construct a model (:class:`odb.training.model.Construction`)."""
+
+    def __init__(self, ds_config: Mapping[str, Any]) -> None:
+        self.ds_config = ds_config
+
+    def random_init(self):  # (not transformers' own ZeRO-3 path: it would draw other numbers)
+        return _zero3_random_init(self.ds_config)
+
+    def pretrained(self):  # transformers builds it under zero.Init, then fills each parameter gathered
+        return _hf_zero3(self.ds_config)
+
+
+def build_model(path: str | Path, *, seed: int, vocab_size: int, ds_config: Mapping[str, Any] | None,
+                lora: Mapping[str, Any] | None = None, gradient_checkpointing: bool = False):
+    """:func:`odb.training.model.build_model` in DeepSpeed's precision and, at ZeRO-3, partitioned as
+    it is constructed (collective at ZeRO-3: every rank, after the process group is joined)."""
+    return build_hf_model(path, seed=seed, vocab_size=vocab_size, lora=lora,
+                          gradient_checkpointing=gradient_checkpointing, dtype=training_dtype(ds_config),
+                          construction=_Zero3Construction(ds_config) if is_zero3(ds_config) else None)
+
+
+def build(config: RunConfig, *, rank: int, vocab_size: int, load: LoadPlan | None = None) -> DeepSpeedBackend:
+    """The model built in DeepSpeed's precision (at ZeRO-3 partitioned as it is built), then
+    ``deepspeed.initialize`` (collective); ``load``: a resume's plan, whose DeepSpeed config the
+    engine is built with (a universal checkpoint's)."""
+    optimization = config.optimization
+    if load is not None:
+        optimization = dataclasses.replace(optimization, deepspeed=load.ds_config)
+    model_settings = config.model
+    model = build_model(model_settings.path, seed=config.seed, vocab_size=vocab_size,
+                        lora=dict(model_settings.lora) if model_settings.lora is not None else None,
+                        ds_config=optimization.deepspeed, gradient_checkpointing=model_settings.gradient_checkpointing)
+    return DeepSpeedBackend(initialize_deepspeed(optimization, model))
+
+
+def plan_load(config: RunConfig, folder: Path, tag: str, *, rank: int, world_size: int) -> LoadPlan:
+    """:func:`odb.training.backends.universal.prepare_load` (collective: a conversion when the world
+    size changed)."""
+    return prepare_load(folder, tag, rank=rank, world_size=world_size, ds_config=config.optimization.deepspeed)
+
+
+@contextmanager
+def _hf_zero3(ds_config: Mapping[str, Any]) -> Iterator[None]:
+    """transformers' and PEFT's ZeRO-3 code paths on (``is_deepspeed_zero3_enabled()``), while the
+    model is built only: transformers looks the config up through a weak reference to this object."""
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    held = HfDeepSpeedConfig(dict(ds_config))
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+        del held
+
+
+@contextmanager
+def _zero3_random_init(ds_config: Mapping[str, Any]) -> Iterator[None]:
+    """``from_config`` under ``deepspeed.zero.Init``, drawing the numbers a plain ``from_config`` draws.
+
+    A plain build interleaves two inits, in this order: torch's default init of each module as it is
+    constructed, and transformers' ``initialize_weights`` at the end of each sub-model's constructor
+    (children first). ``zero.Init`` runs the first on each module's whole tensors before it
+    partitions them; transformers' own ZeRO-3 path skips both and re-initializes afterwards, which
+    draws other numbers. Here ``PreTrainedModel.initialize_weights`` is replaced, while the model is
+    constructed, by one that gathers each module's parameters while it initializes them, on every
+    rank (the same numbers drawn everywhere, rank 0's kept): the random stream is the plain build's,
+    one module whole at a time. (No causal LM of transformers 5.24 overrides ``initialize_weights``.)
+    """
+    import deepspeed
+    from transformers import PreTrainedModel
+    from transformers.integrations.deepspeed import prevent_arange_dtype_change
+
+    plain = PreTrainedModel.initialize_weights
+    PreTrainedModel.initialize_weights = _initialize_weights_gathered
+    try:
+        with prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=dict(ds_config)):
+            yield
+    finally:
+        PreTrainedModel.initialize_weights = plain
+
+
+@torch.no_grad()
+def _initialize_weights_gathered(model) -> None:
+    """``PreTrainedModel.initialize_weights`` on ZeRO-3 partitions: each module's ``_initialize_weights``
+    (a sub-model's own for its modules), children first, with the module's parameters and those of
+    its plain children gathered (transformers' ``initialize_weights_zero3``, but on every rank)."""
+    import deepspeed
+    from transformers import PreTrainedModel
+    from transformers.initialization import guard_torch_init_functions
+
+    custom = model.is_custom_code()
+
+    def visit(module: torch.nn.Module, init) -> None:
+        for child in module.children():
+            visit(child, child._initialize_weights if isinstance(child, PreTrainedModel) else init)
+        if getattr(module, "_is_hf_initialized", False):
+            return  # done by a sub-model's own constructor: ``_initialize_weights`` would skip it
+        plain_children = [c for c in module.children() if not isinstance(c, PreTrainedModel)]
+        params = [*module.parameters(recurse=False), *(p for c in plain_children for p in c.parameters(recurse=False))]
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+            init(module, custom)
+
+    with guard_torch_init_functions():
+        visit(model, model._initialize_weights)
+
+
+
+class DeepSpeedBackend:
+    """A DeepSpeed engine as odb's :class:`~odb.training.engine.Backend`.
+
+    Args:
+        engine: what ``deepspeed.initialize`` returned (:func:`initialize_deepspeed`).
+    """
+
+    name = "deepspeed"
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.module = engine.module
+        self.device = engine.device
+
+    def __call__(self, **batch: Any) -> Any:
+        return self.engine(**batch)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+
+    def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
+        # the boundary decides DeepSpeed's reduction; it stays set once set, so it is set every time
+        self.engine.set_gradient_accumulation_boundary(sync)
+        self.engine.backward(loss, scale_wrt_gas=False)  # odb's loss is already scaled for the step
+
+    def step(self) -> None:
+        self.engine.step()
+
+    def train(self, mode: bool = True) -> None:
+        self.engine.train(mode)
+
+    def release_cache(self) -> None:
+        # ZeRO-3 keeps parameters a forward gathered for reuse (up to stage3_max_live_parameters)
+        # until a backward releases them
+        self.engine.empty_partition_cache()
+
+    def save(self, folder: Path, tag: str) -> None:
+        self.engine.save_checkpoint(str(folder), tag=tag)  # (writes ``folder / 'latest'`` too)
+
+    def load(self, folder: Path, tag: str) -> None:
+        path, _ = self.engine.load_checkpoint(str(folder), tag=tag)
+        if path is None:
+            raise FileNotFoundError(f"--resume: no DeepSpeed checkpoint {folder / tag}")
+
+    def full_state_dict(self, *, dtype: torch.dtype | None, trainable_only: bool) -> dict[str, torch.Tensor] | None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        dtype = dtype or next(self.module.parameters()).dtype
+        optimizer = getattr(self.engine, "optimizer", None)
+        if hasattr(optimizer, "checkpoint_event_prologue"):  # ZeRO-3: every parameter partitioned first
+            optimizer.checkpoint_event_prologue()
+        keep = (lambda _, p: p.requires_grad) if trainable_only else None
+        state_dict = gather_state_dict(self.module, dtype=dtype, rank=rank, keep=keep)
+        if hasattr(optimizer, "checkpoint_event_epilogue"):
+            optimizer.checkpoint_event_epilogue()
+        return state_dict
+
+
+# ---- export -----------------------------------------------------------------------------------------
+
+def gather_state_dict(module: torch.nn.Module, *, dtype: torch.dtype, rank: int,
+                      keep: Callable[[str, torch.nn.Parameter], bool] | None = None) -> dict[str, torch.Tensor] | None:
+    """The full weights of ``module`` as CPU copies in ``dtype`` on rank 0 (None elsewhere); collective.
+
+    Under ZeRO-3 the parameters are partitioned: each module's own parameters are gathered with
+    ``deepspeed.zero.GatheredParameters`` (read-only, ``modifier_rank=None``: repartitioned on exit,
+    nothing broadcast back), copied to the CPU on rank 0, and released before the next module. So
+    rank 0 holds one full copy (in ``dtype``) plus one module's gathered parameters, the other ranks
+    only the latter. At ZeRO 0-2 the parameters are whole on every rank and the context is a no-op.
+    Shared parameters (tied embeddings) are gathered once and appear under each of their names, one
+    tensor. Persistent buffers are copied too. The live parameters are never written to.
+
+    Args:
+        module: ``engine.module``: the HF model or a PEFT model wrapping it.
+        dtype: of the floating-point copies.
+        rank: this process's rank (rank 0 keeps the copies).
+        keep: which parameters to include (by name and parameter; the same answer on every rank),
+            e.g. the trainable ones for an adapter; default all, and then the buffers too.
+    """
+    import deepspeed
+
+    state_dict: dict[str, torch.Tensor] | None = {} if rank == 0 else None
+    seen: dict[tuple[str, int], str] = {}  # parameter identity -> the first name it was copied under
+
+    def visit(mod: torch.nn.Module, prefix: str) -> None:
+        named = [(prefix + n, p) for n, p in mod.named_parameters(recurse=False)
+                 if keep is None or keep(prefix + n, p)]
+        fresh = [p for _, p in named if _identity(p) not in seen]
+        with deepspeed.zero.GatheredParameters(fresh, modifier_rank=None) if fresh else nullcontext():
+            for key, param in named:
+                first = seen.setdefault(_identity(param), key)
+                if state_dict is not None:
+                    state_dict[key] = state_dict[first] if first != key else _cpu_copy(param, dtype)
+            if state_dict is not None and keep is None:
+                for name, buf in mod.named_buffers(recurse=False):
+                    if name not in mod._non_persistent_buffers_set:
+                        state_dict[prefix + name] = _cpu_copy(buf, dtype)
+        for name, child in mod.named_children():
+            visit(child, prefix + name + ".")
+
+    visit(module, "")
+    return state_dict
+
+
+def _identity(param: torch.nn.Parameter) -> tuple[str, int]:
+    return ("ds_id", param.ds_id) if hasattr(param, "ds_id") else ("id", id(param))
+
+
+def _cpu_copy(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # a copy even on the CPU: the writer merges LoRA into it in place, and ZeRO-3 frees what it gathered
+    return tensor.detach().to("cpu", dtype=dtype if tensor.is_floating_point() else tensor.dtype, copy=True)
+
+
+
+def holds_checkpoint(tag_folder: Path) -> bool:
+    return any(tag_folder.glob("*_optim_states.pt")) or (tag_folder / "mp_rank_00_model_states.pt").is_file()
+
+
+def consolidated_state_dict(tag_folder: Path, *, run: Mapping[str, Any], model_path: str | Path,
+                            exclude_frozen: bool) -> dict[str, torch.Tensor]:
+    """fp32 master weights from ZeRO 1-3's optimizer partitions (``zero_to_fp32``; ``exclude_frozen``:
+    only the trained ones); at ZeRO-0 the module's own (``mp_rank_00``, in the training precision)."""
+    if any(tag_folder.glob("*_optim_states.pt")):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(tag_folder.parent), tag=tag_folder.name,
+                                                        exclude_frozen_parameters=exclude_frozen)
+    states = tag_folder / "mp_rank_00_model_states.pt"
+    if not states.is_file():
+        raise FileNotFoundError(f"{tag_folder} has no DeepSpeed model states (mp_rank_00_model_states.pt or "
+                                "*_optim_states.pt): the save did not finish; export another tag")
+    # mmap: the optimizer states in the same file stay on disk
+    return dict(torch.load(states, map_location="cpu", mmap=True, weights_only=False)["module"])
