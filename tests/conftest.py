@@ -1,10 +1,12 @@
 """Shared test helpers (invariant checks over simulated ranks) and the test layers.
 
 Every test is marked with its layer, the folder it lives in: ``unit``, ``sim``, ``dist`` or ``e2e``
-(declared in pyproject.toml). A test that runs ``launch/train.py`` (it calls a helper of
-tests/launch.py that does: ``deepspeed``, ``plain``, ...) is ``e2e`` wherever it lives, and so is
-one marked ``@pytest.mark.e2e`` by hand (do that when the launch happens in a fixture or in a
-helper of the test module). The fast inner loop is ``pytest -m "not e2e"``; ``pytest`` runs
+(declared in pyproject.toml). A test that starts a process through tests/launch.py (it calls a
+helper marked ``@launches`` there: ``deepspeed``, ``torchrun``, ``plain``, ``Run``, ... directly,
+through a helper of its module or a function nested in it, or through a fixture) is ``e2e``
+wherever it lives, and so is one marked ``@pytest.mark.e2e`` by hand. Such tests live in
+tests/e2e: tests/unit/test_layers_of_tests.py fails on one found in tests/unit or tests/sim. The
+fast inner loop is ``pytest tests/unit tests/sim`` (or ``pytest -m "not e2e"``); ``pytest`` runs
 every layer.
 """
 
@@ -55,33 +57,120 @@ def tokenizer():
     return bundled_tokenizer()
 
 
-def _is_launcher(value: object) -> bool:
-    """A helper of tests/launch.py that runs launch/train.py: its code names ``TRAIN``."""
+TESTS = Path(__file__).resolve().parent
+_TRAINER = str(ROOT / "launch" / "train.py")  # (a str: the detector's own code must not look like a launch)
+
+
+def _launches(value: object) -> bool:
+    """A helper of tests/launch.py that starts a process (marked ``@launches`` there), or the
+    trainer's path (a test's own helper that runs launch/train.py names it)."""
+    if isinstance(value, Path):
+        return str(value) == _TRAINER
+    try:
+        return getattr(value, "__launches__", False) is True
+    except Exception:  # an object whose attribute access itself fails is no helper of ours
+        return False
+
+
+def _in_tests(value: object) -> bool:
+    """Whether ``value`` (a function, class or module) is code of tests/ (whose calls are followed;
+    odb's and the libraries' are not)."""
     code = getattr(value, "__code__", None)
-    return getattr(value, "__module__", None) == "launch" and code is not None and "TRAIN" in code.co_names
+    if code is not None:
+        filename = code.co_filename
+    else:
+        module = value if inspect.ismodule(value) else sys.modules.get(getattr(value, "__module__", None) or "")
+        filename = getattr(module, "__file__", None)
+    if not isinstance(filename, str):
+        return False
+    try:
+        return Path(filename).resolve().is_relative_to(TESTS)
+    except (OSError, ValueError):
+        return False
 
 
-def _runs_the_trainer(item: pytest.Item) -> bool:
-    """Whether the test function (or a function nested in it) calls a launcher of tests/launch.py."""
+def _launching(start: list[object], scope: type | None = None) -> object | None:
+    """The first ``@launches`` helper (or launch/train.py's path) that the functions in ``start``
+    reach, None if none does, following the calls of tests' own code: the names each function's
+    code (and the functions nested in it) uses, resolved in its module (module-level helpers,
+    classes, imported helpers, attributes of an imported test module, the helpers held in a
+    module-level dict, list or tuple), its default arguments and closure, and the methods of
+    ``scope`` (the test's class)."""
+    stack, seen = list(start), set()
+    while stack:
+        value = stack.pop()
+        if _launches(value):
+            return value
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, functools.partial):
+            stack.extend([value.func, *value.args, *value.keywords.values()])
+            continue
+        if isinstance(value, (dict, list, tuple, set, frozenset)):
+            stack.extend(list(value.values() if isinstance(value, dict) else value)[:10_000])
+            continue
+        if isinstance(value, (staticmethod, classmethod, property)):
+            stack.extend(f for f in (getattr(value, "__func__", None), getattr(value, "fget", None)) if f)
+            continue
+        if inspect.isclass(value):
+            if _in_tests(value):
+                stack.extend(vars(value).values())
+            continue
+        try:
+            function = inspect.unwrap(value) if callable(value) else None
+        except ValueError:
+            continue
+        code = getattr(function, "__code__", None)
+        if code is None or not _in_tests(function):
+            continue
+        names, codes = set(), [code]
+        while codes:
+            c = codes.pop()
+            names.update(c.co_names)
+            codes.extend(k for k in c.co_consts if isinstance(k, CodeType))
+        namespace = getattr(function, "__globals__", {})
+        for name in names:
+            if name in namespace:
+                stack.append(namespace[name])
+            if scope is not None and name in vars(scope):
+                stack.append(vars(scope)[name])
+        for module in [v for v in namespace.values() if inspect.ismodule(v) and _in_tests(v)]:
+            stack.extend(getattr(module, name) for name in names if hasattr(module, name))
+        stack.extend(function.__defaults__ or ())
+        stack.extend((function.__kwdefaults__ or {}).values())
+        for cell in function.__closure__ or ():
+            try:
+                stack.append(cell.cell_contents)
+            except ValueError:  # a cell not filled yet
+                pass
+    return None
+
+
+def launcher_of(item: pytest.Item) -> object | None:
+    """The ``@launches`` helper of tests/launch.py that the test ``item`` reaches: from its
+    function, its parameters, or any fixture it uses (fixtures' own fixtures included); None if
+    it starts no process that way."""
     function = getattr(item, "function", None)
     if function is None:
-        return False
-    codes, names = [inspect.unwrap(function).__code__], set()
-    while codes:
-        code = codes.pop()
-        names.update(code.co_names)
-        codes.extend(c for c in code.co_consts if isinstance(c, CodeType))
-    module = getattr(item, "module", None)
-    return any(_is_launcher(getattr(module, name, None)) for name in names)
+        return None
+    start: list[object] = [function]
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None:
+        start.extend(callspec.params.values())
+    definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    for name in getattr(item, "fixturenames", ()):
+        start.extend(definition.func for definition in definitions.get(name, ()))
+    return _launching(start, getattr(item, "cls", None))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Marks each test with its layer: an explicit layer marker wins, then e2e for a test that runs
-    the trainer, then the folder under tests/."""
+    """Marks each test with its layer: an explicit layer marker wins, then e2e for a test that
+    starts a process through tests/launch.py (:func:`launcher_of`), then the folder under tests/."""
     tests = Path(__file__).resolve().parent
     for item in items:
         layers = {layer for layer in LAYERS if item.get_closest_marker(layer)}
-        if _runs_the_trainer(item):
+        if launcher_of(item) is not None:
             layers.add("e2e")
         if not layers:
             parts = item.path.resolve().relative_to(tests).parts

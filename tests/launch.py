@@ -11,11 +11,25 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TypeVar
 
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "launch" / "train.py"
+
+LAUNCHERS: list[object] = []  # every helper below that starts a process (registered by @launches)
+_Launcher = TypeVar("_Launcher")
+
+
+def launches(helper: _Launcher) -> _Launcher:
+    """Registers ``helper`` as one that starts a process (launch/train.py or a test's worker):
+    a test that calls it, directly, through a helper or through a fixture, is an ``e2e`` test
+    (tests/conftest.py follows the calls), and tests/unit and tests/sim may not import it
+    (tests/unit/test_layers_of_tests.py)."""
+    helper.__launches__ = True
+    LAUNCHERS.append(helper)
+    return helper
 
 
 def free_port() -> int:
@@ -50,6 +64,7 @@ def shm_leftovers(port: int) -> list[str]:
     return [path.name for path in left]
 
 
+@launches
 def deepspeed(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Path = TRAIN
               ) -> subprocess.CompletedProcess:
     """``script`` (launch/train.py, or a test's worker) on ``nproc`` CPU ranks under the deepspeed
@@ -66,6 +81,7 @@ def deepspeed(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Pa
     return proc
 
 
+@launches
 def torchrun(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Path = TRAIN
              ) -> subprocess.CompletedProcess:
     """``script`` on ``nproc`` CPU ranks under torchrun (the FSDP2 backend's launcher); it must succeed."""
@@ -77,6 +93,7 @@ def torchrun(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Pat
     return proc
 
 
+@launches
 def plain(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     """One process, no launcher (the bad-input tests: they must fail before any process group)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -89,6 +106,7 @@ def audit(out: Path, world: int) -> list[list[dict]]:
             for r in range(world)]
 
 
+@launches
 def deepspeed_watched(args: list[str], *, nproc: int = 2, timeout: int = 300
                       ) -> tuple[int, str, list[tuple[psutil.Process, int, str]]]:
     """The launcher, watched: its exit code, its output, and every process seen under it while it
@@ -116,6 +134,7 @@ def deepspeed_watched(args: list[str], *, nproc: int = 2, timeout: int = 300
         return proc.returncode, output.read(), list(seen.values())
 
 
+@launches
 class Run:
     """A run started in the background, to be signalled while it trains: under the deepspeed
     launcher (one node), or ``apart``: each rank its own process with its own environment, no

@@ -8,8 +8,9 @@ import pytest
 import torch
 from PIL import Image
 
+from bad_records import BAD, bad_data
 from conftest import bundled_tokenizer, check_caps
-from launch import ROOT, deepspeed, ds_config, odb_config
+from launch import ROOT
 from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import OdbConfig
 from odb.batching.simulate import run_ranks
@@ -271,30 +272,6 @@ def test_augmentation_makes_lengths_known_only_after_processing_and_is_determini
     assert epoch0 == [len(dataset[i]["input_ids"]) for i in range(size)]  # same uid, same sample
 
 
-BAD = [
-    ("not json {", "not_json"),
-    ({"text": "no conversation"}, "no_messages"),
-    ({"messages": [{"role": "user", "content": "apple"}]}, "no_assistant_turn"),
-    ({"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "b"}]}, "empty_content"),
-    ({"image": "missing.png", "conversations": [{"from": "human", "value": "<image>a"},
-                                                {"from": "gpt", "value": "b"}]}, "missing_image"),
-    ({"image": "broken.png", "conversations": [{"from": "human", "value": "<image>a"},
-                                               {"from": "gpt", "value": "b"}]}, "unreadable_image"),
-    ({"image": "big.png", "conversations": [{"from": "human", "value": "apple " * 40 + "<image>"},
-                                            {"from": "gpt", "value": "b"}]}, "over_cap"),
-    ({"images": ["big.png"], "messages": [{"role": "user", "content": [{"type": "image", "image": "big.png"}]},
-                                          {"role": "assistant", "content": "b"}]}, "mixed_image_sources"),
-]
-
-
-def bad_data(tmp_path):
-    (tmp_path / "broken.png").write_bytes(b"not a png")
-    Image.new("RGB", (448, 448)).save(tmp_path / "big.png")
-    good = {"messages": [{"role": "user", "content": "apple"}, {"role": "assistant", "content": "Hello"}]}
-    rows = [good] + [row for row, _ in BAD] + [good]
-    return write_jsonl(tmp_path / "bad.jsonl", rows)
-
-
 def test_bad_records_are_skipped_and_counted_by_reason(tmp_path):
     model = build_model(VL, seed=0, vocab_size=len(TOKENIZER))
     dataset = SampleDataset(bad_data(tmp_path), TOKENIZER, vision=vision_spec(model, DataConfig()),
@@ -365,30 +342,6 @@ def test_packed_multimodal_rows_equal_each_sample_alone():
             alone = model(input_ids=ids, pixel_values=sample["pixel_values"], image_grid_thw=sample["image_grid_thw"],
                           mm_token_type_ids=(ids == IMAGE_PAD).int(), use_cache=False).logits[0]
             assert torch.allclose(packed[0, start:end], alone, atol=1e-5, rtol=1e-5)
-
-
-def test_tiny_qwen2_vl_trains_packed_at_zero3_and_its_loss_falls(tmp_path):
-    out = tmp_path / "vl"
-    deepspeed(["--model", str(VL), "--data", str(ROOT / "data" / "mm" / "train.jsonl"),
-               "--deepspeed_config", str(ds_config(tmp_path, 3)),
-               "--odb_config", str(odb_config(tmp_path, max_tokens=256, window=16, gas=2, max_patches=1024)),
-               "--max_samples", "24", "--epochs", "12", "--lr", "5e-3", "--warmup_ratio", "0",
-               "--output_dir", str(out), "--no_final_checkpoint"])
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["samples_emitted"] == 24 * 12 and summary["padding_ratio"] == 0
-    assert summary["loss_last"] < 0.7 * summary["loss_first"] and summary["loss_last"] == summary["loss_last"]
-
-
-def test_bad_records_in_a_training_run_are_counted_in_the_summary_and_strict_stops_every_rank(tmp_path):
-    data = bad_data(tmp_path)
-    common = ["--model", str(VL), "--data", str(data), "--deepspeed_config", str(ds_config(tmp_path, 2)),
-              "--odb_config", str(odb_config(tmp_path, max_tokens=64, window=4)), "--no_final_checkpoint"]
-    deepspeed(common + ["--output_dir", str(tmp_path / "skip")])
-    summary = json.loads((tmp_path / "skip" / "summary.json").read_text())
-    assert summary["skipped"] == dict(Counter(reason for _, reason in BAD))
-    assert summary["samples_emitted"] == 2
-    with pytest.raises(AssertionError, match=r"DataError: \S+bad\.jsonl:\d+: \w+.*without --strict"):
-        deepspeed(common + ["--output_dir", str(tmp_path / "strict"), "--strict"], timeout=180)  # no hang
 
 
 def test_turn_sampling_drops_the_images_of_the_turns_it_leaves_out(tmp_path):
