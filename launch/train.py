@@ -21,11 +21,7 @@ from odb.training.faults import EXIT_PREEMPTED, Preempted  # noqa: E402
 from odb.training.run import Trainer  # noqa: E402
 from odb.training.startup import StartupError, check_startup  # noqa: E402
 
-DEFAULTS = FileDefaults(
-    deepspeed_config=REPO / "configs" / "ds_zero2.json", odb_config=REPO / "configs" / "odb.json",
-    model=REPO / "configs" / "tiny_model.json", data=REPO / "data" / "chat.jsonl",
-    tokenizer=REPO / "data" / "tokenizer", lora=REPO / "configs" / "lora.json",
-    fsdp_config=REPO / "configs" / "fsdp2.json")
+DEFAULTS = FileDefaults.bundled(REPO)
 
 
 def main() -> None:

@@ -46,7 +46,7 @@ import numpy as np
 
 from odb.batching.plan import StepPlan
 from odb.batching.wire import Layout
-from odb.data.processing import SKIP_REASONS
+from odb.data.formats import SKIP_REASONS
 
 __all__ = ["TOTALS", "StepTimes", "Telemetry", "report_layout"]
 
@@ -63,7 +63,7 @@ TRUNCATION_WARNING_SHARE = 0.05
 def report_layout(max_steps: int) -> Layout:
     """A rank's report for one round, room for ``max_steps`` steps: the steps it trained since the
     last round (``num_steps`` from ``first_step``, each a slot of every per-step array) and its
-    whole-run record counts (``skipped`` by reason, in :data:`odb.data.processing.SKIP_REASONS`
+    whole-run record counts (``skipped`` by reason, in :data:`odb.data.formats.SKIP_REASONS`
     order, ``fetched``, ``lost``, ``truncated_samples``, ``truncated_tokens``)."""
     return Layout(scalars=("num_steps", "first_step", *_RECORDS),
                   arrays={"skipped": len(SKIP_REASONS), **dict.fromkeys(_STEP_FIELDS, max_steps)})

@@ -7,58 +7,18 @@ are loaded strictly: an unknown key is an error that lists the known keys.
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OdbConfig", "check_bool", "check_int", "check_number", "check_str", "load_json_config", "load_odb_config",
-           "read_json_object"]
+from odb.settings import check_bool, check_int, check_number, load_json_config
+
+__all__ = ["OdbConfig", "load_odb_config"]
 
 _POLICIES = ("odb", "fixed", "gmt", "bmt")
 _MODES = ("join", "quota")
 _OVER_CAP = ("truncate", "drop", "error")
 _SHARDING = ("dynamic", "static")
-_INT_LIMIT = 2**63
-"""Integers odb reads from a config stay below this: ranks exchange them (and sums of them) as int64."""
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_int(name: str, value: Any, minimum: int) -> None:
-    """Raises a ValueError naming ``name`` unless ``value`` is an int (not a bool) in [minimum, 2**63)."""
-    if not _is_int(value):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if value >= _INT_LIMIT:
-        raise ValueError(f"{name} must be < 2**63 (odb exchanges it as int64), got {value}")
-
-
-def check_number(name: str, value: Any, low: float, high: float | None = None) -> None:
-    """Raises a ValueError naming ``name`` unless ``value`` is a finite int or float (not a bool)
-    within [low, high] (``high`` None: no upper bound)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if high is not None and not low <= value <= high:
-        raise ValueError(f"{name} must be within [{low}, {high}], got {value}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-
-
-def check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false, got {value!r}")
-
-
-def check_str(name: str, value: Any) -> None:
-    """Raises a ValueError naming ``name`` unless ``value`` is a non-empty string."""
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{name} must be a non-empty string, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +51,7 @@ class OdbConfig:
     attn_coef: float = 0.0
     """Cost = tokens + attn_coef * sum(sample_tokens^2) + patch_coef * patches."""
     patch_coef: float = 0.0
+    """The cost of one vision-encoder patch (see attn_coef)."""
     min_fill: float = 0.99
     """A bin at least this full (fraction of max_tokens) may be trained now; emptier ones wait."""
     max_carry: float = 0.5
@@ -110,6 +71,7 @@ class OdbConfig:
     """Set by the trainer when the model cannot pack; bins then hold len(samples) * longest <=
     max_tokens and are marked padded (the baselines pad anyway)."""
     seed: int = 0
+    """The run's one seed: the sample order of every epoch, augmentation, a random init, LoRA's init."""
 
     def __post_init__(self) -> None:
         for name, minimum in (("max_tokens", 1), ("window", 1), ("gas", 1), ("batch_size", 1), ("bucket_size", 1),
@@ -155,40 +117,6 @@ class OdbConfig:
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
-
-
-def read_json_object(path: str | Path, what: str, fix: str) -> dict[str, Any]:
-    """A JSON object from ``path``; a missing file or bad JSON is an error naming ``fix``."""
-    path = Path(path)
-    if path.is_dir():
-        raise FileNotFoundError(f"{what} {path} is a folder, not a JSON file; {fix}")
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} {path} does not exist; {fix}")
-    try:
-        values = json.loads(path.read_bytes())
-    except (ValueError, RecursionError) as err:  # bad JSON, not UTF-8, a 5000-digit number, nesting too deep
-        raise ValueError(f"{what} {path} is not valid JSON: {err}; {fix}") from err
-    if not isinstance(values, dict):
-        raise ValueError(f"{what} {path} must hold a JSON object {{\"key\": value, ...}}, got "
-                         f"{json.dumps(values)[:60]}; {fix}")
-    return values
-
-
-def load_json_config(path: str | Path, *, known: Iterable[str], what: str, fix: str) -> dict[str, Any]:
-    """The JSON object in ``path``, every key one of ``known``: the one strict loader of every odb
-    JSON config (odb, data, LoRA).
-
-    Raises:
-        FileNotFoundError: no such file (the message says ``fix``).
-        ValueError: not a JSON object, or a key not in ``known`` (the message names the file, the
-            key and the known keys).
-    """
-    values = read_json_object(path, what, fix)
-    known = list(known)
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise ValueError(f"{what} {path}: unknown key(s) {unknown}; known keys are {known}")
-    return values
 
 
 def load_odb_config(path: str | Path, **overrides: Any) -> OdbConfig:

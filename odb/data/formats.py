@@ -47,7 +47,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FORMATS", "IMAGE_PLACEHOLDER", "Conversation", "SkipSample", "detect_format", "normalize", "text_of"]
+__all__ = ["FORMATS", "IMAGE_PLACEHOLDER", "SKIP_REASONS", "Conversation", "SkipSample", "detect_format", "normalize",
+           "text_of"]
 
 IMAGE_PLACEHOLDER = "<image>"
 FORMATS = ("auto", "messages", "sharegpt", "llava")
@@ -56,6 +57,13 @@ _ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "ass
           "ipython": "tool", "function_call": "assistant"}
 _TEXT_FIELDS = ("reasoning_content", "thinking", "reasoning", "name", "tool_call_id")
 """Per-message string fields the stock templates read, kept as they are."""
+
+
+SKIP_REASONS = ("not_json", "not_an_object", "no_messages", "bad_role", "bad_content", "empty_content",
+                "no_assistant_turn", "image_placeholder_mismatch", "mixed_image_sources", "image_for_text_model",
+                "missing_image", "unreadable_image", "image_token_mismatch", "template_mismatch",
+                "template_drops_fields", "no_labels", "over_cap", "error")
+"""Every :class:`SkipSample` reason, in the order the run's totals count them (metrics, summary)."""
 
 
 class SkipSample(Exception):

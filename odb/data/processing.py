@@ -2,7 +2,7 @@
 
 The true cost of a sample (tokens after templating, augmentation and image -> visual-token
 expansion; vision patches) is known only here; the batcher sees it through :func:`sample_sizes`.
-A record that cannot be a sample is skipped and counted by reason (:data:`SKIP_REASONS`); with
+A record that cannot be a sample is skipped and counted by reason (:data:`odb.data.formats.SKIP_REASONS`); with
 ``strict`` it stops the run with its file, line and reason instead, on every rank. A text model
 (``vision=None``) skips records with images (``image_for_text_model``) rather than training on
 their text alone, and reads ``<image>`` as text.
@@ -33,7 +33,7 @@ import hashlib
 import json
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
 from typing import Any
@@ -41,19 +41,15 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from odb.batching.config import check_bool, check_int, check_number, check_str, load_json_config
 from odb.batching.cost import count_label_tokens
 from odb.data.formats import FORMATS, IMAGE_PLACEHOLDER, SkipSample, normalize, text_of
 from odb.data.images import IMAGE_PAD, VISION_END, VISION_START, ImageProcessor, VisionSpec, expand_placeholders
 from odb.data.labels import TRAIN_ON, LabelledChat, TemplateDropsFields, TemplateMismatch, encode_chat
 from odb.data.sources import Source
+from odb.settings import check_bool, check_int, check_number, check_str, flag, load_json_config
 
-__all__ = ["SKIP_REASONS", "TRUNCATION", "DataConfig", "SampleDataset", "load_data_config", "sample_sizes"]
+__all__ = ["TRUNCATION", "DataConfig", "SampleDataset", "load_data_config", "sample_sizes"]
 
-SKIP_REASONS = ("not_json", "not_an_object", "no_messages", "bad_role", "bad_content", "empty_content",
-                "no_assistant_turn", "image_placeholder_mismatch", "mixed_image_sources", "image_for_text_model",
-                "missing_image", "unreadable_image", "image_token_mismatch", "template_mismatch",
-                "template_drops_fields", "no_labels", "over_cap", "error")
 TRUNCATION = ("turns", "tokens")
 """Where a sample over the token cap is cut (``DataConfig.truncation``)."""
 
@@ -62,8 +58,8 @@ TRUNCATION = ("turns", "tokens")
 class DataConfig:
     """How records become samples (``configs/data.json``, ``--data_config``)."""
 
-    format: str = "auto"
-    """'auto' (per record), 'messages', 'sharegpt' or 'llava'."""
+    format: str = field(default="auto", metadata=flag("--data_format", choices=FORMATS))
+    """The records' format: auto (detected per record), messages, sharegpt or llava."""
     train_on: str = "assistant"
     """'assistant': labels on every assistant turn (answer and end-of-turn token), found with any chat
     template; 'last': on the final assistant turn only, for templates that rewrite past turns (e.g.

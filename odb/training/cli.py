@@ -16,27 +16,20 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from odb.batching.config import OdbConfig, load_odb_config, read_json_object
-from odb.data.formats import FORMATS
-from odb.data.processing import load_data_config
+from odb.batching.config import OdbConfig, load_odb_config
+from odb.data.processing import DataConfig, load_data_config
+from odb.settings import add_flags, field_docs, flag_values, load_json_config, read_json_object
 from odb.training import backends
 from odb.training.config import (
-    BACKENDS,
-    OPTIMIZERS,
-    REPORT_TO,
     CheckpointSettings,
     DataSettings,
-    Fsdp2Settings,
     LoggingSettings,
     ModelSettings,
     OptimizationSettings,
     RunConfig,
     RunSettings,
-    field_names,
-    load_json_config,
-    lora_keys,
 )
-from odb.training.loss import DEFAULT_LOSS_CHUNK_TOKENS
+from odb.training.lora import lora_keys
 
 __all__ = ["RUN_RECORDS", "FileDefaults", "earlier_run", "parse_config"]
 
@@ -56,85 +49,56 @@ class FileDefaults:
     fsdp_config: Path | None = None
     """FSDP2's settings under ``--backend fsdp2`` (None: the built-in defaults)."""
 
+    @classmethod
+    def bundled(cls, root: Path) -> FileDefaults:
+        """The files the repository bundles, under its checkout ``root`` (``launch/train.py``'s)."""
+        configs = root / "configs"
+        return cls(deepspeed_config=configs / "ds_zero2.json", odb_config=configs / "odb.json",
+                   model=configs / "tiny_model.json", data=root / "data" / "chat.jsonl",
+                   tokenizer=root / "data" / "tokenizer", lora=configs / "lora.json",
+                   fsdp_config=configs / "fsdp2.json")
 
-def _parser(defaults: FileDefaults) -> argparse.ArgumentParser:
+
+def parser(defaults: FileDefaults) -> argparse.ArgumentParser:
+    """The run's flags, made from the settings dataclasses (:func:`odb.settings.add_flags`: each
+    field's name, type, default and docstring), besides the files they are read from."""
     # no abbreviations: launch/slurm.sbatch reads --output_dir, --resume and --overwrite_output_dir by their names
     p = argparse.ArgumentParser(description="Fine-tune a causal LM with odb's online dynamic batching "
                                             "under DeepSpeed (deepspeed --num_gpus N launch/train.py ...) or FSDP2 "
                                             "(torchrun --nproc_per_node N launch/train.py --backend fsdp2 ...)",
                                 allow_abbrev=False)
-    p.add_argument("--backend", choices=BACKENDS, default="deepspeed",
-                   help="deepspeed (ZeRO 0-3, launch with deepspeed) or fsdp2 (PyTorch fully_shard, launch with "
-                        "torchrun)")
-    p.add_argument("--deepspeed_config", default=None,
-                   help=f"DeepSpeed JSON (--backend deepspeed; default {defaults.deepspeed_config}); batch keys "
-                        "may be \"auto\" (odb fills them in)")
-    p.add_argument("--fsdp_config", default=None,
-                   help="FSDP2 settings JSON (--backend fsdp2; default "
-                        f"{defaults.fsdp_config or 'built in'}): {', '.join(field_names(Fsdp2Settings))}")
-    p.add_argument("--odb_config", default=str(defaults.odb_config),
-                   help="odb settings JSON (max_tokens, window, gas, mode, quota, over_cap, ...)")
-    p.add_argument("--model", default=str(defaults.model),
-                   help="a local HF model folder, or a model config JSON (random init)")
-    p.add_argument("--tokenizer", default=None,
-                   help=f"tokenizer folder (default: the model folder, else {defaults.tokenizer})")
-    p.add_argument("--data", default=str(defaults.data),
-                   help="JSONL / JSON / Parquet file or folder: messages, ShareGPT or LLaVA records")
-    p.add_argument("--data_config", default=None,
-                   help="data settings JSON (format, train_on: assistant/last/all, truncation: turns/tokens, "
-                        "augmentation, image sizes, strict)")
-    p.add_argument("--data_format", choices=FORMATS, default=None, help="override the detected format")
-    p.add_argument("--strict", action="store_true", default=None,
-                   help="stop at the first bad record (file, line, reason) instead of skipping it")
-    p.add_argument("--eval_data", default=None, help="validation records (same formats as --data)")
-    p.add_argument("--val_ratio", type=float, default=0.0,
-                   help="hold out this share of --data for validation (a seeded split)")
-    p.add_argument("--eval_steps", type=int, default=0,
-                   help="evaluate every N steps (0: at the end only); needs --eval_data or --val_ratio")
-    p.add_argument("--output_dir", default="runs/default")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--max_samples", type=int, default=None, help="use only the first N samples")
-    p.add_argument("--max_steps", type=int, default=None, help="stop after N optimizer steps")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup_ratio", type=float, default=0.03)
-    p.add_argument("--weight_decay", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None, help="default: the odb config's seed (0)")
-    p.add_argument("--lora", nargs="?", const=str(defaults.lora), default=None,
-                   help="train PEFT LoRA adapters (rank, alpha, targets from this JSON)")
-    p.add_argument("--gradient_checkpointing", action="store_true",
-                   help="recompute activations in the backward pass (less memory, ~1 more forward of compute)")
-    p.add_argument("--loss_chunk_tokens", type=int, default=DEFAULT_LOSS_CHUNK_TOKENS,
-                   help="apply the LM head and the loss to this many tokens at a time, never materializing the "
-                        "whole micro-batch's fp32 logits (0: the model's full logits)")
-    p.add_argument("--resume", nargs="?", const="latest", default=None,
-                   help="continue from OUTPUT_DIR/checkpoints: latest (the default), a tag such as step20, or auto "
-                        "(the latest if there is one, else start over: for torchrun --max-restarts and requeued "
-                        "jobs)")
-    p.add_argument("--overwrite_output_dir", action="store_true",
-                   help="start over in an --output_dir that holds an earlier run: its "
-                        f"{', '.join(RUN_RECORDS)} are removed first (nothing else there)")
-    p.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (and at the end)")
-    p.add_argument("--no_final_checkpoint", action="store_true", help="skip the checkpoint at the end")
-    p.add_argument("--save_total_limit", type=int, default=None, help="keep only the newest N checkpoints")
-    p.add_argument("--save_hf", action="store_true",
-                   help="write a Hugging Face model (from_pretrained) to OUTPUT_DIR/hf at the end; LoRA merged")
-    p.add_argument("--save_adapter_only", action="store_true",
-                   help="with --save_hf and --lora: write the PEFT adapter instead of the merged model")
-    p.add_argument("--audit_ids", action="store_true",
-                   help="write emitted_ids.rank<R>.jsonl: the dataset indices of every micro-batch")
-    p.add_argument("--num_workers", type=int, default=1, help="DataLoader workers per rank")
-    p.add_argument("--prefetch_factor", type=int, default=4)
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
-    p.add_argument("--report_to", choices=REPORT_TO, default="none",
-                   help="also log metrics to Weights & Biases (rank 0, one run; WANDB_MODE=offline works)")
-    p.add_argument("--wandb_project", default="odb")
-    p.add_argument("--run_name", default=None, help="W&B run name (default: the output_dir's name)")
-    p.add_argument("--wandb_tags", default="", help="comma-separated W&B tags")
-    p.add_argument("--dist_timeout_s", type=int, default=600,
-                   help="every rank stops (exit 71) when any rank has had no heartbeat or no progress this long "
-                        "(frozen, killed, stuck loading data); longer than your slowest step or checkpoint save")
+    files = p.add_argument_group("settings files")
+    files.add_argument("--odb_config", default=str(defaults.odb_config),
+                       help=f"odb's batching settings JSON: the batching keys (default: {defaults.odb_config})")
+    files.add_argument("--data_config", default=None,
+                       help="data settings JSON: the data keys (format, labels, truncation, augmentation, image "
+                            "sizes, strict) (default: none, the built-in values)")
+    for name in backends.NAMES:
+        backend = backends.get(name)
+        default = getattr(defaults, backend.CONFIG_FLAG[2:])
+        files.add_argument(backend.CONFIG_FLAG, default=None,
+                           help=f"{backend.CONFIG_HELP} (default: {default or 'none, the built-in values'})")
+    files.add_argument("--lora", nargs="?", const=str(defaults.lora), default=None,
+                       help=f"{field_docs(ModelSettings)['lora']} The flag alone reads {defaults.lora}.")
+    add_flags(p.add_argument_group("model"), ModelSettings, skip=("lora",), defaults={"path": str(defaults.model)})
+    data = p.add_argument_group("data")
+    add_flags(data, DataSettings, skip=("processing",), defaults={"path": str(defaults.data)})
+    add_flags(data, DataConfig, only=_DATA_OVERRIDES, override=True)
+    add_flags(p.add_argument_group("batching: odb's keys, over --odb_config's"), OdbConfig, override=True)
+    add_flags(p.add_argument_group("optimization"), OptimizationSettings, skip=backends.NAMES)
+    add_flags(p.add_argument_group("run"), RunSettings)
+    checkpoints = p.add_argument_group("checkpoints and export")
+    add_flags(checkpoints, CheckpointSettings)
+    checkpoints.add_argument("--overwrite_output_dir", action="store_true",
+                             help="start over in an --output_dir that holds an earlier run: its "
+                                  f"{', '.join(RUN_RECORDS)} are removed first (nothing else there)")
+    add_flags(p.add_argument_group("logging"), LoggingSettings)
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by launchers
     return p
+
+
+_DATA_OVERRIDES = ("format", "strict")
+"""The data settings that are also flags, over --data_config's."""
 
 
 def _need_file(path: str | Path, what: str, fix: str) -> Path:
@@ -164,9 +128,8 @@ def _model(args: argparse.Namespace, defaults: FileDefaults) -> ModelSettings:
     lora = None
     if args.lora:
         lora = load_json_config(args.lora, known=lora_keys(), what="LoRA config", fix="pass --lora configs/lora.json")
-    return ModelSettings(path=str(model), tokenizer=tokenizer, lora=lora,
-                         gradient_checkpointing=args.gradient_checkpointing,
-                         loss_chunk_tokens=args.loss_chunk_tokens or None)
+    return ModelSettings(**{**flag_values(ModelSettings, args, skip=("lora",)), "path": str(model),
+                            "tokenizer": tokenizer, "lora": lora})
 
 
 def _check_model_config(path: Path, fix: str) -> None:
@@ -194,17 +157,16 @@ def _world_size() -> int:
 
 def _batching(args: argparse.Namespace) -> OdbConfig:
     path = _need_file(args.odb_config, "odb config", "pass --odb_config configs/odb.json")
-    return load_odb_config(path, seed=args.seed)
+    return load_odb_config(path, **flag_values(OdbConfig, args, override=True))
 
 
 def _data(args: argparse.Namespace) -> DataSettings:
     _need_file(args.data, "data path", "pass --data data/chat.jsonl, or your own file or folder")
     if args.eval_data is not None:
         _need_file(args.eval_data, "--eval_data", "pass a validation file or folder, or --val_ratio R instead")
-    processing = load_data_config(args.data_config, format=args.data_format, strict=args.strict)
-    return DataSettings(path=args.data, processing=processing, max_samples=args.max_samples,
-                        num_workers=args.num_workers, prefetch_factor=args.prefetch_factor,
-                        eval_path=args.eval_data, val_ratio=args.val_ratio, eval_steps=args.eval_steps)
+    processing = load_data_config(args.data_config, **flag_values(DataConfig, args, only=_DATA_OVERRIDES,
+                                                                  override=True))
+    return DataSettings(processing=processing, **flag_values(DataSettings, args, skip=("processing",)))
 
 
 RUN_RECORDS = ("checkpoints/", "metrics.jsonl", "summary.json", "emitted_ids.rank*.jsonl", "hf/")
@@ -329,9 +291,8 @@ def _remove(paths: list[Path]) -> None:
 
 def parse_config(argv: list[str] | None = None, *, defaults: FileDefaults) -> RunConfig:
     """The run's config from ``argv`` (default: ``sys.argv[1:]``); raises naming the fix."""
-    args = _parser(defaults).parse_args(argv)
-    run = RunSettings(output_dir=args.output_dir, epochs=args.epochs, max_steps=args.max_steps,
-                      dist_timeout_s=args.dist_timeout_s)
+    args = parser(defaults).parse_args(argv)
+    run = RunSettings(**flag_values(RunSettings, args))
     batching = _batching(args)
     import torch
 
@@ -353,12 +314,7 @@ def parse_config(argv: list[str] | None = None, *, defaults: FileDefaults) -> Ru
     resume = _resume(args)
     return RunConfig(
         model=model, data=data, batching=batching, run=run,
-        optimization=OptimizationSettings(optimizer=args.optimizer, lr=args.lr, warmup_ratio=args.warmup_ratio,
-                                          weight_decay=args.weight_decay, backend=backend.NAME,
+        optimization=OptimizationSettings(**flag_values(OptimizationSettings, args, skip=backends.NAMES),
                                           **{backend.NAME: backend_settings}),
-        checkpoints=CheckpointSettings(save_steps=args.save_steps, final=not args.no_final_checkpoint,
-                                       resume=resume, save_total_limit=args.save_total_limit,
-                                       save_hf=args.save_hf, save_adapter_only=args.save_adapter_only),
-        logging=LoggingSettings(report_to=args.report_to, wandb_project=args.wandb_project, run_name=args.run_name,
-                                wandb_tags=tuple(t for t in args.wandb_tags.split(",") if t),
-                                audit_ids=args.audit_ids))
+        checkpoints=CheckpointSettings(**{**flag_values(CheckpointSettings, args), "resume": resume}),
+        logging=LoggingSettings(**flag_values(LoggingSettings, args)))

@@ -58,7 +58,8 @@ from odb.batching.config import OdbConfig
 from odb.batching.cost import SampleCost
 from odb.batching.plan import MicroBatch, StepPlan
 from odb.data.feed import SampleFeed
-from odb.data.processing import SKIP_REASONS, SampleDataset, sample_sizes
+from odb.data.formats import SKIP_REASONS
+from odb.data.processing import SampleDataset, sample_sizes
 from odb.training.engine import OdbEngine
 
 __all__ = ["EvalResult", "Evaluator", "eval_batching"]
@@ -74,7 +75,7 @@ class EvalResult:
         label_tokens: label tokens scored, over all ranks.
         samples: samples scored, over all ranks (those over the cap included).
         skipped: records not scored, by reason, over all ranks: those the data layer skipped
-            (:data:`~odb.data.processing.SKIP_REASONS`). ``samples + sum(skipped.values())`` is the
+            (:data:`~odb.data.formats.SKIP_REASONS`). ``samples + sum(skipped.values())`` is the
             dataset size.
         seconds: wall time of the evaluation (the slowest rank).
         over_cap: of ``samples``, those over ``max_tokens`` (or ``max_patches``), each scored whole

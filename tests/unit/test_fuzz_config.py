@@ -25,8 +25,9 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from conftest import train_defaults
-from odb.batching.config import OdbConfig, load_json_config, load_odb_config
+from odb.batching.config import OdbConfig, load_odb_config
 from odb.data.processing import DataConfig, load_data_config
+from odb.settings import load_json_config
 from odb.training.backends import fsdp2
 from odb.training.backends.deepspeed import load_ds_config, resolve_ds_config
 from odb.training.cli import parse_config
@@ -39,8 +40,8 @@ from odb.training.config import (
     OptimizationSettings,
     RunConfig,
     RunSettings,
-    lora_keys,
 )
+from odb.training.lora import lora_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"

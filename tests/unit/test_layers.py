@@ -29,6 +29,21 @@ print(json.dumps({"modules": added, "outside": outside}))
 """
 
 
+TORCH_FREE = ("odb.settings", "odb.telemetry", "odb.data.formats", "odb.data.labels", "odb.data.sources")
+"""Modules above the core that need no torch either: the settings plumbing, the run's metrics, and
+the record formats, labels and sources (tools and tests use them without a model)."""
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_torch_free_module_imports_no_torch_and_nothing_above_it(module):
+    proc = subprocess.run([sys.executable, "-c", PROBE, module], capture_output=True, text=True, cwd=ROOT,
+                          timeout=60)
+    assert proc.returncode == 0, f"importing {module} with torch blocked failed:\n{proc.stderr[-2000:]}"
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not [m for m in loaded["modules"] if m.startswith("odb.training")], f"{module} imports odb.training"
+    assert not loaded["outside"], f"{module} imports more than the stdlib and numpy: {loaded['outside']}"
+
+
 def test_every_core_module_is_found():
     assert {"odb.batching.batcher", "odb.batching.stream", "odb.batching.plan", "odb.batching.wire",
             "odb.batching.state", "odb.batching.align"} <= set(BATCHING)

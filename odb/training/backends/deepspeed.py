@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from odb.batching.config import read_json_object
+from odb.settings import read_json_object
 from odb.training.backends.base import torch_optimizer
 from odb.training.backends.universal import LoadPlan, prepare_load
 from odb.training.model import build_model as build_hf_model
@@ -47,6 +47,7 @@ __all__ = ["CONFIG_FLAG", "DeepSpeedBackend", "NAME", "build", "build_model", "d
 
 NAME = "deepspeed"
 CONFIG_FLAG = "--deepspeed_config"
+CONFIG_HELP = "DeepSpeed JSON (--backend deepspeed); its batch keys may be \"auto\" (odb fills them in)"
 JOINING = "DeepSpeed's communication op (built once per extension cache), then "
 TORCH_NEEDS: tuple[tuple[str, tuple[str, ...]], ...] = ()
 TORCH_FLOOR = "2.6"

@@ -39,9 +39,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from odb.batching.config import load_json_config
+from odb.settings import field_names, load_json_config
 from odb.training.backends.base import torch_optimizer
-from odb.training.config import Fsdp2Settings, ModelSettings, OptimizationSettings, field_names
+from odb.training.config import Fsdp2Settings, ModelSettings, OptimizationSettings
 from odb.training.model import build_model, hf_model
 
 if TYPE_CHECKING:
@@ -52,6 +52,7 @@ __all__ = ["CONFIG_FLAG", "DCP_FOLDER", "Fsdp2Backend", "NAME", "build", "build_
 
 NAME = "fsdp2"
 CONFIG_FLAG = "--fsdp_config"
+CONFIG_HELP = f"FSDP2 settings JSON (--backend fsdp2): {', '.join(field_names(Fsdp2Settings))}"
 JOINING = ""
 TORCH_NEEDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("torch.distributed.fsdp", ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy",
