@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -34,7 +35,7 @@ from odb.batching.state import Snapshot, decode_state, encode_state
 from odb.batching.stream import UidStream, epoch_order
 from odb.batching.wire import Proposal
 
-__all__ = ["Feed", "OnlineBatcher", "epoch_order"]  # epoch_order lives in odb.batching.stream
+__all__ = ["BatcherStats", "Feed", "OnlineBatcher", "epoch_order"]  # epoch_order lives in odb.batching.stream
 
 
 class Feed(Protocol):
@@ -49,6 +50,40 @@ class Feed(Protocol):
 
     def forget(self, uids: list[int]) -> None:
         """Fetched uids that will not be trained (skipped, or dropped over the cap)."""
+
+
+@dataclass(frozen=True)
+class BatcherStats:
+    """What a rank's batcher has counted so far (:attr:`OnlineBatcher.stats`): this rank's, over
+    the run (resumes included) unless said otherwise."""
+
+    rounds: int
+    """The run's rounds (the same on every rank)."""
+    fetch_s: float
+    """This process's seconds waiting for processed samples."""
+    plan_s: float
+    """This process's seconds in odb's own planning: packing, decisions, dealing."""
+    collective_s: float
+    """This process's seconds inside odb's collectives."""
+    observed_samples: int
+    """Samples admitted into the window."""
+    skipped: int
+    """Records the data workers could not make a sample of."""
+    dropped: int
+    """Samples over the cap dropped (``over_cap: "drop"``)."""
+    truncated: int
+    """Samples the cost model cut to ``max_tokens``, and the tokens it cut (``truncated_tokens``)."""
+    truncated_tokens: int
+
+    @property
+    def fetched(self) -> int:
+        """Records processed: admitted, skipped or dropped."""
+        return self.observed_samples + self.lost
+
+    @property
+    def lost(self) -> int:
+        """Records processed that will never train."""
+        return self.skipped + self.dropped
 
 
 class OnlineBatcher:
@@ -104,6 +139,23 @@ class OnlineBatcher:
     @property
     def epoch(self) -> int:
         return self.stream.epoch
+
+    @property
+    def stats(self) -> BatcherStats:
+        """What this rank's batcher has counted so far (a snapshot)."""
+        return BatcherStats(rounds=self.round_index, fetch_s=self.fetch_s, plan_s=self.plan_s,
+                            collective_s=self.aligner.collective_s, observed_samples=self.observed_samples,
+                            **self.counts)
+
+    def gather_reports(self, values) -> np.ndarray:
+        """The run's final collective (:meth:`odb.batching.align.Aligner.gather_reports`): every
+        rank's ``values`` (telemetry riding on no round)."""
+        return self.aligner.gather_reports(values)
+
+    @property
+    def last_reports(self) -> np.ndarray:
+        """Every rank's telemetry of the last round gathered (empty before the first)."""
+        return self.aligner.reports
 
     @property
     def is_done(self) -> bool:

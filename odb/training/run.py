@@ -100,16 +100,17 @@ class Trainer:
         watchdog.arm()
         while True:
             began = time.perf_counter()
-            spent = (batcher.fetch_s, batcher.plan_s, batcher.aligner.collective_s)
-            watchdog.progress("fetching samples and planning", step=telemetry.steps_done, round=batcher.round_index)
+            before = batcher.stats
+            watchdog.progress("fetching samples and planning", step=telemetry.steps_done, round=before.rounds)
             plan = next(plans, None)  # a round may run here: fetching, planning, one collective
             if plan is None:
                 break
             watchdog.progress(f"training ({len(plan.micro_batches)} micro-batches)", step=plan.step)
             samples = [[parts.feed.take(uid) for uid in micro.uids] for micro in plan.micro_batches]
             result = parts.engine.train_step(plan, samples, self._lr())
-            times = StepTimes(wait=batcher.fetch_s - spent[0], plan=batcher.plan_s - spent[1],
-                              collective=batcher.aligner.collective_s - spent[2], step=time.perf_counter() - began,
+            after = batcher.stats
+            times = StepTimes(wait=after.fetch_s - before.fetch_s, plan=after.plan_s - before.plan_s,
+                              collective=after.collective_s - before.collective_s, step=time.perf_counter() - began,
                               ended=time.time())
             telemetry.record(plan, loss_sum=result.loss_sum, lr=result.lr, times=times, aux_sum=result.aux_sum)
             self._audit(plan)
@@ -160,7 +161,7 @@ class Trainer:
     def _on_reports(self, reports: np.ndarray) -> None:
         telemetry = self._built().telemetry
         telemetry.on_reports(reports)
-        if telemetry.this_process["rounds"] == 1 and not self.config.checkpoints.resume:
+        if telemetry.rounds == 1 and not self.config.checkpoints.resume:
             _check_labels(telemetry.skipped, telemetry.fetched)  # every rank has the same figures
 
     def _record_counts(self) -> dict[str, int]:
@@ -168,11 +169,10 @@ class Trainer:
         (``lost``), and those cut to fit (``truncated_samples``, ``truncated_tokens``: by the data
         workers or by the cost model)."""
         parts = self._built()
-        counts, feed, before = parts.batcher.counts, parts.feed.truncated, parts.telemetry.truncated_before
-        lost = counts["skipped"] + counts["dropped"]
-        return {"fetched": parts.batcher.observed_samples + lost, "lost": lost,
-                "truncated_samples": counts["truncated"] + feed["samples"] + before["samples"],
-                "truncated_tokens": counts["truncated_tokens"] + feed["tokens"] + before["tokens"]}
+        stats, workers = parts.batcher.stats, parts.telemetry.truncated_records(parts.feed.truncated)
+        return {"fetched": stats.fetched, "lost": stats.lost,
+                "truncated_samples": stats.truncated + workers["samples"],
+                "truncated_tokens": stats.truncated_tokens + workers["tokens"]}
 
     def _audit(self, plan: StepPlan) -> None:
         if self.audit is None:
@@ -248,7 +248,7 @@ class Trainer:
             print(f"rank {self.rank} skipped records, e.g.: " + "; ".join(parts.feed.examples), flush=True)
         summary = telemetry.summary(totals, world_size=self.world_size,
                                     epochs=config.run.epochs if parts.batching.mode == "join" else None,
-                                    rounds=batcher.round_index, collectives=parts.comm.num_collectives,
+                                    rounds=batcher.stats.rounds, collectives=parts.comm.num_collectives,
                                     policy=parts.batching.policy)
         summary["this_process"]["peak_memory_mb"] = _peak_memory_mb()
         summary["config"] = config.to_dict()
@@ -267,8 +267,8 @@ class Trainer:
         """The one gather of run totals (collective), which also completes the last round's metrics."""
         parts = self._built()
         vector = parts.telemetry.final_report(parts.feed.skipped, **self._record_counts(),
-                                              dropped=parts.batcher.counts["dropped"])
-        return parts.telemetry.on_final_reports(parts.batcher.aligner.gather_reports(vector))
+                                              dropped=parts.batcher.stats.dropped)
+        return parts.telemetry.on_final_reports(parts.batcher.gather_reports(vector))
 
     def shutdown(self, error: BaseException | None = None) -> None:
         """Local and safe after any error (``error``: what stopped the run, if anything): writes the
@@ -281,7 +281,7 @@ class Trainer:
             watchdog = self.watchdog
             steps.append(("stopping the watchdog", lambda: watchdog.stop(error)))
         if parts is not None and error is not None:  # the failed round's gather completes the steps it reported
-            reports = parts.batcher.aligner.reports
+            reports = parts.batcher.last_reports
             steps.append(("completing the failed round's metrics", lambda: parts.telemetry.complete_gathered(reports)))
         if parts is not None:
             steps.append(("closing metrics.jsonl", parts.telemetry.close))

@@ -1,0 +1,227 @@
+"""Per-step metrics and run totals, with no collective of their own: each rank's figures ride on
+the next round.
+
+Every step's structure is known to every rank from its plan (tokens and costs of every rank's
+micro-batches, samples, N_step). What only a rank knows (its loss, padding, time waiting for data,
+in odb's planning and in the collective; its skipped records) goes into a fixed-size int64 report
+(:mod:`odb.telemetry.reports`) that :class:`odb.batching.batcher.OnlineBatcher` appends to its next
+round's vector; when that round's gather arrives, rank 0 completes the steps reported in it
+(:mod:`odb.telemetry.rows`) and writes them to ``metrics.jsonl`` and W&B
+(:mod:`odb.telemetry.writer`). The steps of the last round are completed by the run's one final
+collective (:meth:`odb.batching.batcher.OnlineBatcher.gather_reports`), whose vector is the report
+followed by the rank's run totals (:mod:`odb.telemetry.totals`).
+
+``fetched`` counts the records the ranks have processed over the whole run, ``lost`` those of them
+that will never train (skipped, or dropped over the cap), ``truncated`` the samples cut to fit
+``max_tokens`` and the tokens cut from them, wherever the cut happened (in the data workers, or by
+the cost model). Every rank gets every report, so these run-wide figures are identical on every
+rank and may steer the run (the learning-rate schedule plans by what will train).
+
+Run totals: each rank counts what it trained over the whole run (kept across resumes through
+:meth:`Telemetry.state_dict`) and, apart, in this process; the final gather sums them into
+``summary.json`` (:meth:`Telemetry.summary`). Evaluations (:meth:`Telemetry.record_eval`) are
+rows of their own in ``metrics.jsonl`` (``eval_loss``), written after the training rows of the
+steps before them.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from odb.batching.plan import StepPlan
+from odb.data.formats import SKIP_REASONS
+from odb.telemetry.reports import STEP_FIELDS, TOTALS, Step, StepReports, StepTimes, report_layout
+from odb.telemetry.rows import eval_row, step_loss, step_row
+from odb.telemetry.totals import TRUNCATION_WARNING_SHARE, RunTotals
+from odb.telemetry.writer import MetricsWriter
+
+__all__ = ["TOTALS", "StepTimes", "Telemetry", "report_layout"]
+
+
+class Telemetry:
+    """One rank's side of the metrics and run totals; rank 0 also writes the metrics.
+
+    Args:
+        max_steps_per_round: the most steps a round can plan (window + lookahead over GAS, + 1).
+        max_tokens: the micro-batch budget (for budget fill).
+        dataset_size: for epochs done.
+        output_dir: where rank 0 writes ``metrics.jsonl``.
+        sink: rank 0's extra consumer of each metrics dict (e.g. W&B's ``log``), or None.
+    """
+
+    def __init__(self, *, rank: int, max_steps_per_round: int, max_tokens: int, dataset_size: int,
+                 output_dir: Path, sink=None) -> None:
+        self.rank, self.max_tokens, self.dataset_size = rank, max_tokens, dataset_size
+        self.steps = StepReports(max_steps=max_steps_per_round, dataset_size=dataset_size)
+        self.layout = self.steps.layout
+        self.totals = RunTotals(rank=rank, dataset_size=dataset_size)
+        self.writer = MetricsWriter(output_dir / "metrics.jsonl", sink) if rank == 0 else None
+        # the run's record counts over all ranks, as of the last round (the same on every rank)
+        self.skipped: dict[str, int] = {}
+        self.fetched = self.lost = 0
+        self.truncated = {"samples": 0, "tokens": 0}
+        self.losses: list[float] = []  # rank 0: the global loss per token of each step with labels
+        self.last: dict[str, Any] = {}  # rank 0: the last metrics row
+        self._rows_samples_done = 0  # rank 0: samples_done as of the last row written
+        self._warned_truncation = False
+
+    # ---- the run's progress (the same on every rank) ------------------------------------------
+
+    @property
+    def samples_done(self) -> int:
+        return self.totals.samples_done
+
+    @property
+    def steps_done(self) -> int:
+        return self.totals.steps_done
+
+    @property
+    def rounds(self) -> int:
+        """The rounds whose reports this process completed."""
+        return self.totals.this_process["rounds"]
+
+    # ---- the train loop -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """The train loop begins (its time counts into ``wall_s``)."""
+        self.totals.start()
+
+    def stop(self) -> None:
+        """The train loop has ended."""
+        self.totals.stop()
+
+    def record(self, plan: StepPlan, *, loss_sum: float, lr: float, times: StepTimes,
+               aux_sum: float | None = None) -> None:
+        """This rank trained ``plan`` (call once per step, in order); ``aux_sum``: a MoE model's
+        router loss times real tokens over this rank's micro-batches, None for a dense model."""
+        self.steps.pending.append(Step(plan, loss_sum, lr, times, aux_sum))
+        self.totals.record(plan)
+
+    def record_eval(self, step: int, *, loss: float | None, label_tokens: int, samples: int, seconds: float,
+                    over_cap: int = 0) -> None:
+        """An evaluation after step ``step`` (the same on every rank); rank 0 writes its row once
+        the training rows up to that step are written (:func:`odb.telemetry.rows.eval_row`)."""
+        row = eval_row(step, loss=loss, label_tokens=label_tokens, samples=samples, seconds=seconds,
+                       over_cap=over_cap)
+        self.totals.last_eval = row
+        if self.writer is not None:
+            self.writer.add_eval(row)
+
+    # ---- reports --------------------------------------------------------------------------
+
+    def truncated_records(self, truncated: Mapping[str, int]) -> dict[str, int]:
+        """This rank's whole-run data-worker cuts: ``truncated`` (this process's) and those before a resume."""
+        before = self.totals.truncated_before
+        return {"samples": truncated["samples"] + before["samples"], "tokens": truncated["tokens"] + before["tokens"]}
+
+    def report(self, skipped: Mapping[str, int], **records: int) -> np.ndarray:
+        """This rank's vector for the next round: the steps trained since the last one, and its
+        whole-run record counts (``skipped``: this process's, by reason; ``records``: ``fetched``,
+        ``lost``, ``truncated_samples``, ``truncated_tokens``, whole-run)."""
+        return self.layout.encode(**self._fields(skipped, records))
+
+    def _fields(self, skipped: Mapping[str, int], records: Mapping[str, int]) -> dict[str, Any]:
+        return self.steps.fields(self.totals.skipped_before + Counter(skipped), records)
+
+    def on_reports(self, reports: np.ndarray) -> list[dict[str, Any]]:
+        """Every rank's report of a round ``[world, len]``: rank 0 completes and writes the steps
+        it covers."""
+        if reports.shape[1] == 0:
+            return []
+        self.totals.this_process["rounds"] += 1
+        return self._complete(self.layout.decode(reports))
+
+    def complete_gathered(self, reports: np.ndarray) -> list[dict[str, Any]]:
+        """After a failed round: completes the steps of its gathered ``reports`` if they are this
+        rank's reported steps (else nothing); local, no collective."""
+        if not self.steps.reported or reports.shape[1] != self.layout.size:
+            return []
+        fields = self.layout.decode(reports)
+        return self._complete(fields) if self.steps.covers(fields) else []
+
+    def _complete(self, fields: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+        self.skipped = {r: int(v) for r, v in zip(SKIP_REASONS, fields["skipped"].sum(axis=0)) if v}
+        self.fetched, self.lost = int(fields["fetched"].sum()), int(fields["lost"].sum())
+        self.truncated = {"samples": int(fields["truncated_samples"].sum()),
+                          "tokens": int(fields["truncated_tokens"].sum())}
+        assert self.steps.covers(fields), "ranks reported different steps"
+        reported = self.steps.take_reported()
+        if self.writer is None:  # only rank 0 writes the rows
+            return []
+        rows = []
+        for i, step in enumerate(reported):
+            self._rows_samples_done += step.plan.num_samples
+            per_rank = {name: fields[name][:, i] for name in STEP_FIELDS}
+            rows.append(step_row(step, per_rank, samples_done=self._rows_samples_done, dataset_size=self.dataset_size,
+                                 max_tokens=self.max_tokens, skipped=self.skipped, truncated=self.truncated))
+            if step.plan.num_label_tokens:
+                self.losses.append(step_loss(step, per_rank))
+        if rows:
+            self.last = rows[-1]
+        self.writer.write(rows)
+        self.writer.write_evals(up_to=rows[-1]["step"] if rows else -1)
+        self._warn_truncation()
+        return rows
+
+    def _warn_truncation(self) -> None:
+        samples = self.truncated["samples"]
+        if self._warned_truncation or samples <= TRUNCATION_WARNING_SHARE * max(20, self.fetched):
+            return
+        self._warned_truncation = True
+        print(f"odb: WARNING: {samples} of {self.fetched} samples so far were longer than max_tokens="
+              f"{self.max_tokens} and were cut ({self.truncated['tokens']} tokens lost); raise max_tokens in "
+              "the odb config, or see the data setting truncation ('turns' keeps whole assistant turns)",
+              file=sys.stderr, flush=True)
+
+    # ---- the end of the run -----------------------------------------------------------------
+
+    def final_report(self, skipped: Mapping[str, int], *, dropped: int, **records: int) -> np.ndarray:
+        """This rank's vector for the final gather: its last report, then its run totals."""
+        return self.layout.then(TOTALS).encode(**self._fields(skipped, records), **self.totals.counts,
+                                               dropped=dropped)
+
+    def on_final_reports(self, gathered: np.ndarray) -> dict[str, int]:
+        """Every rank's final vector: completes the last round's steps; returns the run totals
+        summed over ranks."""
+        fields = self.layout.then(TOTALS).decode(gathered)
+        self._complete(fields)
+        if self.writer is not None:
+            self.writer.write_evals()  # the evaluations after the last round's steps
+        return {name: int(fields[name].sum()) for name in TOTALS.scalars}
+
+    def summary(self, totals: Mapping[str, int], *, world_size: int, epochs: int | None, rounds: int,
+                collectives: int, policy: str) -> dict[str, Any]:
+        """The whole run's figures (resumes included), and this process's apart
+        (:meth:`odb.telemetry.totals.RunTotals.summary`; ``totals``: :meth:`on_final_reports`'s)."""
+        return self.totals.summary(totals, world_size=world_size, epochs=epochs, rounds=rounds,
+                                   collectives=collectives, policy=policy, losses=self.losses,
+                                   records={"skipped": self.skipped, "fetched": self.fetched,
+                                            "truncated": self.truncated}, max_tokens=self.max_tokens)
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def state_dict(self, skipped: Mapping[str, int], truncated: Mapping[str, int]) -> dict[str, Any]:
+        """The run's progress and this rank's whole-run counts (``skipped``, ``truncated``: this
+        process's data-worker counts), for a checkpoint; JSON-able."""
+        return self.totals.state_dict(skipped, truncated, losses=self.losses, fetched_lost=(self.fetched, self.lost))
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continues the counts of a checkpoint's :meth:`state_dict` (a resumed run)."""
+        self.totals.load_state_dict(state)
+        self._rows_samples_done = self.totals.samples_done
+        self.fetched, self.lost = self.totals.fetched_lost
+
+    redeal_states = staticmethod(RunTotals.redeal_states)
+
+    def close(self) -> None:
+        """Flushes and closes ``metrics.jsonl`` (local; safe to call twice)."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+

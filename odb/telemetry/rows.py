@@ -1,0 +1,74 @@
+"""The rows of ``metrics.jsonl``: one per step, made on rank 0 from the step's plan (known to every
+rank) and every rank's report of it; one per evaluation."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from odb.telemetry.reports import Step
+
+__all__ = ["aux_loss", "eval_row", "step_loss", "step_row"]
+
+
+def step_loss(step: Step, per_rank: Mapping[str, np.ndarray]) -> float:
+    """The step's loss per label token over every rank (what the step trained: I4)."""
+    return float(per_rank["loss_sum_micro"].sum()) / 1e6 / max(1, step.plan.num_label_tokens)
+
+
+def step_row(step: Step, per_rank: Mapping[str, np.ndarray], *, samples_done: int, dataset_size: int,
+             max_tokens: int, skipped: Mapping[str, int], truncated: Mapping[str, int]) -> dict[str, Any]:
+    """The metrics of a trained step: ``per_rank``: every rank's report fields for it;
+    ``samples_done``: the run's samples up to and including it; ``skipped`` / ``truncated``: the
+    run's record counts as of its round."""
+    plan, step_s = step.plan, step.times.step
+    rank_costs = np.array(plan.rank_costs)  # [micro, world]
+    rank_tokens = np.array(plan.rank_tokens)
+    real = int(rank_tokens.sum())
+    materialized = int(per_rank["materialized"].sum())
+    micro = int((rank_tokens > 0).sum())
+    per_rank_tokens = rank_tokens.sum(axis=0)
+    slowest = rank_costs.max(axis=1).sum()
+    loss = step_loss(step, per_rank)
+    latest = int(per_rank["epoch"].max())
+    return {
+        "step": plan.step, "epoch": latest if latest >= 0 else plan.epoch, "time": round(step.times.ended, 3),
+        "loss": round(loss, 6),
+        **aux_loss(per_rank["aux_sum_micro"], real),
+        "lr": step.lr, "samples": plan.num_samples, "samples_done": samples_done,
+        "epochs_done": round(samples_done / max(1, dataset_size), 4),
+        "label_tokens": plan.num_label_tokens, "real_tokens": real, "materialized_tokens": materialized,
+        "padding_ratio": round(1 - real / materialized, 6) if materialized else 0.0,
+        "budget_fill": round(real / (micro * max_tokens), 6) if micro else 0.0,
+        "micro_batches": micro, "dummy_micro_batches": int((rank_tokens == 0).sum()),
+        "rank_tokens_min": int(per_rank_tokens.min()), "rank_tokens_mean": float(per_rank_tokens.mean()),
+        "rank_tokens_max": int(per_rank_tokens.max()),
+        "sync_efficiency": round(float(rank_costs.mean(axis=1).sum() / slowest), 6) if slowest else 1.0,
+        "step_s": round(step_s, 6),
+        "samples_per_s": round(plan.num_samples / step_s, 3) if step_s else 0.0,
+        "tokens_per_s": round(real / step_s, 1) if step_s else 0.0,
+        "materialized_tokens_per_s": round(materialized / step_s, 1) if step_s else 0.0,
+        "data_wait_s": float(per_rank["wait_us"].max()) / 1e6, "odb_plan_s": float(per_rank["plan_us"].max()) / 1e6,
+        "odb_collective_s": float(per_rank["collective_us"].max()) / 1e6, "skipped": dict(skipped),
+        "truncated_samples": truncated["samples"], "truncated_tokens": truncated["tokens"],
+    }
+
+
+def aux_loss(aux_sum_micro: np.ndarray, real_tokens: int) -> dict[str, float]:
+    """MoE: ``aux_loss`` = sum over ranks and micro-batches of router loss x real tokens, over the
+    step's real tokens; nothing for a dense model (every rank reports -1)."""
+    if (aux_sum_micro < 0).any():
+        return {}
+    return {"aux_loss": round(float(aux_sum_micro.sum()) / 1e6 / max(1, real_tokens), 6)}
+
+
+def eval_row(step: int, *, loss: float | None, label_tokens: int, samples: int, seconds: float,
+             over_cap: int) -> dict[str, Any]:
+    """An evaluation's row: ``loss`` None (an eval set without label tokens) is written as null, as
+    JSON has no NaN; ``over_cap``: samples over the cap, scored whole."""
+    return {"step": step, "eval_loss": None if loss is None else round(loss, 6), "eval_label_tokens": label_tokens,
+            "eval_samples": samples, "eval_over_cap": over_cap, "eval_s": round(seconds, 3),
+            "time": round(time.time(), 3)}
