@@ -1,17 +1,26 @@
 """Running launch/train.py for real: under the deepspeed launcher (N CPU ranks on gloo) or as
-one plain process, with a timeout so that a hang fails the test instead of stalling CI."""
+one plain process, with a timeout so that a hang fails the test instead of stalling CI.
+
+Every launch gets ``TORCH_EXTENSIONS_DIR`` (the checkout's own .torch_extensions unless the caller
+set one: checkouts and venvs never share DeepSpeed's op builds), DeepSpeed's CPU op built once per
+test session before the first DeepSpeed launch (:func:`build_cpu_ops`, not by every rank of the
+first launch on the launch's clock), and a rendezvous port from :func:`free_port` held until the
+launcher starts; a launch whose port was taken all the same is started once more on another."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import random
+import re
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TypeVar
+from typing import Callable, TypeVar
 
 import psutil
 
@@ -32,10 +41,149 @@ def launches(helper: _Launcher) -> _Launcher:
     return helper
 
 
+EXTENSIONS = ROOT / ".torch_extensions"  # this checkout's own DeepSpeed op builds
+
+
+def launch_env(**values: str) -> dict[str, str]:
+    """This process's environment for a launch, with ``values``; ``TORCH_EXTENSIONS_DIR`` is the
+    checkout's .torch_extensions unless set already."""
+    env = {**os.environ, **values}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(EXTENSIONS))
+    return env
+
+
+_HANDED: set[int] = set()  # the ports this session handed out (never twice: a TIME_WAIT or a late launch)
+_RANDOM = random.Random(os.getpid() ^ time.time_ns())
+
+
+def _ports() -> range:
+    """Where rendezvous ports come from: below the ephemeral range, out of which the kernel picks
+    the local port of every outgoing connection (a rank's gloo or store connection could take a
+    port handed out from there before the launcher binds it)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return range(10000, low) if low > 12000 else range(0)
+
+
+def _reserve_port() -> tuple[int, socket.socket]:
+    """A free port and a socket holding it (bound with SO_REUSEADDR and not listening: the
+    launcher's own SO_REUSEADDR bind still succeeds, while nobody's check of a free port or
+    automatic choice of one picks it). Close the socket just before the launcher binds."""
+    candidates = _ports()
+    for _ in range(200 if candidates else 0):
+        port = _RANDOM.choice(candidates)
+        if port in _HANDED:
+            continue
+        try:
+            with socket.socket() as probe:  # no SO_REUSEADDR: fails on any socket there, TIME_WAIT too
+                probe.bind(("", port))
+        except OSError:
+            continue
+        held = socket.socket()
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            held.bind(("", port))
+        except OSError:
+            held.close()
+            continue
+        _HANDED.add(port)
+        return port, held
+    held = socket.socket()  # (no range below the ephemeral one here: the kernel's choice)
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    held.bind(("", 0))
+    _HANDED.add(held.getsockname()[1])
+    return held.getsockname()[1], held
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a rendezvous: free now, outside the ephemeral range, not handed out before in
+    this session. (The helpers below hold theirs until the launcher starts.)"""
+    port, held = _reserve_port()
+    held.close()
+    return port
+
+
+PORT_TAKEN = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
+
+
+def _port_taken(returncode: int | None, output: str, port: int) -> bool:
+    """Whether a launch failed because its rendezvous port was taken (torch names the port and
+    EADDRINUSE): then it is started once more, on another."""
+    return returncode not in (0, None) and PORT_TAKEN.search(output) is not None and str(port) in output
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    try:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+    except psutil.Error:
+        pass
+    proc.kill()
+
+
+@launches
+def _run(command: Callable[[int], list[str]], env: dict[str, str], timeout: float
+         ) -> tuple[subprocess.CompletedProcess, int]:
+    """``command(port)`` run to its end (what subprocess.run gives, and the port), on a port held
+    until the process starts; started once more on another port if the first was taken."""
+    for attempt in (1, 2):
+        port, held = _reserve_port()
+        try:
+            proc = subprocess.Popen(command(port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env=env, cwd=ROOT)
+        finally:
+            held.close()
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc)
+            proc.communicate()
+            shm_leftovers(port)
+            raise
+        done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+        if attempt == 1 and _port_taken(done.returncode, stdout + stderr, port):
+            shm_leftovers(port)
+            continue
+        return done, port
+    raise AssertionError("unreachable")
+
+
+_BUILT: set[str] = set()  # the extension folders whose CPU op this session has built
+BUILD_CPU_OP = """
+from deepspeed.accelerator import get_accelerator
+builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+if builder is not None and builder.is_compatible():
+    builder.load()
+"""
+
+
+@launches
+def build_cpu_ops(env: dict[str, str] | None = None, timeout: int = 900) -> None:
+    """DeepSpeed's CPU op (the shared-memory all-reduce every rank loads on DS_ACCELERATOR=cpu),
+    built once per test session in the launches' extension folder, before the first DeepSpeed
+    launch: not by the ranks of a launch, on its clock, each waiting in torch's build lock. One
+    process at a time builds (a lock file next to the builds, for sessions run side by side); a
+    folder whose torch build lock is there already (a build running, or one left by a killed
+    build, which odb itself reports) is left to the launch."""
+    env = env if env is not None else launch_env()
+    env = {**env, "DS_ACCELERATOR": "cpu"}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(EXTENSIONS))
+    folder = Path(env["TORCH_EXTENSIONS_DIR"])
+    if str(folder) in _BUILT or (folder / "deepspeed_shm_comm" / "lock").exists():
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".tests_build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            proc = subprocess.run([sys.executable, "-c", BUILD_CPU_OP], capture_output=True, text=True,
+                                  timeout=timeout, env=env, cwd=ROOT)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    output = (proc.stdout + proc.stderr)[-5000:]
+    assert proc.returncode == 0, f"building DeepSpeed's CPU op in {folder} failed:\n{output}"
+    _BUILT.add(str(folder))
 
 
 def write_json(path: Path, value) -> Path:
@@ -69,13 +217,12 @@ def deepspeed(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Pa
               ) -> subprocess.CompletedProcess:
     """``script`` (launch/train.py, or a test's worker) on ``nproc`` CPU ranks under the deepspeed
     launcher; it must succeed and leave no shared memory behind."""
-    launcher, port = Path(sys.executable).with_name("deepspeed"), free_port()
-    cmd = [str(launcher), "--num_gpus", str(nproc), "--master_port", str(port), str(script), *args]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    finally:
-        left = shm_leftovers(port)
+    launcher = Path(sys.executable).with_name("deepspeed")
+    env = launch_env(DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+    build_cpu_ops(env)
+    proc, port = _run(lambda port: [str(launcher), "--num_gpus", str(nproc), "--master_port", str(port),
+                                    str(script), *args], env, timeout)
+    left = shm_leftovers(port)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     assert not left, f"the run left DeepSpeed's shared memory behind: {left}"
     return proc
@@ -86,9 +233,8 @@ def torchrun(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Pat
              ) -> subprocess.CompletedProcess:
     """``script`` on ``nproc`` CPU ranks under torchrun (the FSDP2 backend's launcher); it must succeed."""
     launcher = Path(sys.executable).with_name("torchrun")
-    cmd = [str(launcher), "--nproc_per_node", str(nproc), "--master_port", str(free_port()), str(script), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=ROOT)
+    proc, _ = _run(lambda port: [str(launcher), "--nproc_per_node", str(nproc), "--master_port", str(port),
+                                 str(script), *args], launch_env(PYTHONUNBUFFERED="1"), timeout)
     assert proc.returncode == 0, f"{proc.stdout[-1500:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
     return proc
 
@@ -96,7 +242,7 @@ def torchrun(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Pat
 @launches
 def plain(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     """One process, no launcher (the bad-input tests: they must fail before any process group)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = {k: v for k, v in launch_env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     return subprocess.run([sys.executable, str(TRAIN), *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
 
@@ -111,27 +257,38 @@ def deepspeed_watched(args: list[str], *, nproc: int = 2, timeout: int = 300
                       ) -> tuple[int, str, list[tuple[psutil.Process, int, str]]]:
     """The launcher, watched: its exit code, its output, and every process seen under it while it
     ran (each with its parent's pid and its command line, as first seen), polled every 0.1 s."""
-    launcher, port = Path(sys.executable).with_name("deepspeed"), free_port()
-    cmd = [str(launcher), "--num_gpus", str(nproc), "--master_port", str(port), str(TRAIN), *args]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-    seen: dict[int, tuple[psutil.Process, int, str]] = {}
-    with tempfile.TemporaryFile("w+") as output:
-        proc = subprocess.Popen(cmd, stdout=output, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
-        root, deadline = psutil.Process(proc.pid), time.monotonic() + timeout
-        while proc.poll() is None:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise TimeoutError(f"the launcher ran past {timeout} s")
+    launcher = Path(sys.executable).with_name("deepspeed")
+    env = launch_env(DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+    build_cpu_ops(env)
+    for attempt in (1, 2):
+        port, held = _reserve_port()
+        cmd = [str(launcher), "--num_gpus", str(nproc), "--master_port", str(port), str(TRAIN), *args]
+        seen: dict[int, tuple[psutil.Process, int, str]] = {}
+        with tempfile.TemporaryFile("w+") as output:
             try:
-                for child in root.children(recursive=True):
-                    if child.pid not in seen:
-                        seen[child.pid] = (child, child.ppid(), " ".join(child.cmdline()))
-            except psutil.Error:
-                pass  # a process ended while we looked
-            time.sleep(0.1)
-        output.seek(0)
-        shm_leftovers(port)  # a rank the launcher terminated had no chance to remove its buffer
-        return proc.returncode, output.read(), list(seen.values())
+                proc = subprocess.Popen(cmd, stdout=output, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+            finally:
+                held.close()
+            root, deadline = psutil.Process(proc.pid), time.monotonic() + timeout
+            while proc.poll() is None:
+                if time.monotonic() > deadline:
+                    _kill_tree(proc)
+                    proc.wait()
+                    shm_leftovers(port)
+                    raise TimeoutError(f"the launcher ran past {timeout} s")
+                try:
+                    for child in root.children(recursive=True):
+                        if child.pid not in seen:
+                            seen[child.pid] = (child, child.ppid(), " ".join(child.cmdline()))
+                except psutil.Error:
+                    pass  # a process ended while we looked
+                time.sleep(0.1)
+            output.seek(0)
+            shm_leftovers(port)  # a rank the launcher terminated had no chance to remove its buffer
+            text = output.read()
+        if attempt == 2 or not _port_taken(proc.returncode, text, port):
+            return proc.returncode, text, list(seen.values())
+    raise AssertionError("unreachable")
 
 
 @launches
@@ -142,24 +299,52 @@ class Run:
 
     def __init__(self, args: list[str], *, nproc: int, apart: bool = False, port: int | None = None,
                  rank_args: dict[int, list[str]] | None = None) -> None:
-        self.port = port or free_port()
         self.log = tempfile.TemporaryFile("w+")
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-        if not apart:
-            cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(nproc), "--master_port",
-                   str(self.port), str(TRAIN), *args]
-            self.procs = [subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env,
-                                           cwd=ROOT)]
-        else:
-            self.procs = []
-            for rank in range(nproc):
-                rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(nproc),
-                            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.port),
-                            "OMP_NUM_THREADS": "1"}
-                extra = (rank_args or {}).get(rank, [])
-                self.procs.append(subprocess.Popen([sys.executable, str(TRAIN), *args, *extra], stdout=self.log,
-                                                   stderr=subprocess.STDOUT, text=True, env=rank_env, cwd=ROOT))
-        self.apart = apart
+        self.apart, self._args, self._nproc, self._rank_args = apart, args, nproc, rank_args or {}
+        self._env = launch_env(DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+        self._retry = port is None  # (a port the caller chose is used as it is)
+        build_cpu_ops(self._env)
+        self._start(port)
+
+    def _start(self, port: int | None) -> None:
+        held = None
+        if port is None:
+            port, held = _reserve_port()
+        self.port = port
+        try:
+            if not self.apart:
+                cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(self._nproc),
+                       "--master_port", str(self.port), str(TRAIN), *self._args]
+                self.procs = [subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
+                                               env=self._env, cwd=ROOT)]
+            else:
+                self.procs = []
+                for rank in range(self._nproc):
+                    rank_env = {**self._env, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(self._nproc),
+                                "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.port),
+                                "OMP_NUM_THREADS": "1"}
+                    extra = self._rank_args.get(rank, [])
+                    self.procs.append(subprocess.Popen([sys.executable, str(TRAIN), *self._args, *extra],
+                                                       stdout=self.log, stderr=subprocess.STDOUT, text=True,
+                                                       env=rank_env, cwd=ROOT))
+        finally:
+            if held is not None:
+                held.close()
+
+    def _restarted(self) -> bool:
+        """Starts the run once more, on another port, if it failed because its port was taken
+        (checked once: when a process is first seen to have failed)."""
+        failed = [p.returncode for p in self.procs if p.poll() not in (None, 0)]
+        if not self._retry or not failed:
+            return False
+        self._retry = False
+        if not _port_taken(failed[0], self.output(), self.port):
+            return False
+        self.kill()
+        self.log.seek(0)
+        self.log.truncate()
+        self._start(None)
+        return True
 
     def rank_process(self, rank: int) -> psutil.Process:
         """The process of ``rank``."""
@@ -175,6 +360,8 @@ class Run:
         deadline = time.monotonic() + timeout
         while not condition():
             if any(p.poll() is not None for p in self.procs):
+                if self._restarted():
+                    continue
                 raise AssertionError(f"the run ended early:\n{self.output()[-4000:]}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"still waiting after {timeout} s:\n{self.output()[-4000:]}")
@@ -182,15 +369,18 @@ class Run:
 
     def wait(self, timeout: float) -> list[int]:
         """Every process's exit code (each waited for at most ``timeout`` s from now; the rest killed)."""
-        deadline, codes = time.monotonic() + timeout, []
-        for proc in self.procs:
-            try:
-                codes.append(proc.wait(max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._restarted():
+                continue
+            if all(p.poll() is not None for p in self.procs):
+                break
+            if time.monotonic() > deadline:
                 self.kill()
-                raise AssertionError(f"still running {timeout} s later:\n{self.output()[-4000:]}") from None
+                raise AssertionError(f"still running {timeout} s later:\n{self.output()[-4000:]}")
+            time.sleep(0.2)
         shm_leftovers(self.port)
-        return codes
+        return [p.returncode for p in self.procs]
 
     def kill(self) -> None:
         for proc in self.procs:
