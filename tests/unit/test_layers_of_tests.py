@@ -70,18 +70,28 @@ def test_no_test_module_in_unit_or_sim_imports_a_launching_helper():
 
 
 def test_every_helper_of_launch_py_that_starts_a_process_is_registered():
-    """A helper of tests/launch.py whose code runs subprocess (or os.exec/spawn, multiprocessing) is
-    marked ``@launches``, so that the detector sees tests that call it."""
+    """A helper of tests/launch.py whose code starts a process (subprocess, multiprocessing, asyncio's
+    subprocesses, os.exec*/spawn*/system/fork) is marked ``@launches``, so that the detector sees
+    tests that call it."""
     tree = ast.parse((TESTS / "launch.py").read_text())
-    starts = {"subprocess", "Popen", "multiprocessing", "execv", "execve", "spawnv", "system", "posix_spawn"}
+
+    def starts_a_process(call: ast.Call) -> bool:
+        function = call.func
+        if isinstance(function, ast.Name):
+            return function.id in ("Popen", "Process")
+        if isinstance(function, ast.Attribute) and isinstance(function.value, ast.Name):
+            module, name = function.value.id, function.attr
+            return module in ("subprocess", "multiprocessing", "asyncio") and name != "TimeoutExpired" or (
+                module == "os" and name.startswith(("exec", "spawn", "posix_spawn", "system", "fork")))
+        return False
+
     unregistered = []
     for node in tree.body:
         if not isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             continue
-        names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
-            n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
         decorators = {d.id for d in node.decorator_list if isinstance(d, ast.Name)}
-        if names & starts and "launches" not in decorators:
+        if "launches" not in decorators and any(isinstance(n, ast.Call) and starts_a_process(n)
+                                                for n in ast.walk(node)):
             unregistered.append(node.name)
     assert not unregistered, f"tests/launch.py: mark these @launches: {unregistered}"
 
