@@ -17,6 +17,7 @@ import inspect
 import json
 import sys
 from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import CodeType
 from typing import TYPE_CHECKING
@@ -194,14 +195,50 @@ def check_exact_once(steps: list[list[StepPlan]], expected: Counter) -> None:
                                  f"extra {sorted((trained - expected).elements())[:10]}")
 
 
-def check_label_tokens(steps: list[list[StepPlan]]) -> None:
+def simulated_labels(lengths: Sequence[int | Sequence[int] | None]) -> Callable[[int], list[int]]:
+    """The labels of a simulation's samples, by uid: ``lengths`` per dataset index as the test made
+    them (a token count, ``(tokens, patches)``, or None for a record the data layer skips), each
+    sample as :class:`~odb.batching.simulate.SimulatedFeed` describes it: every token a label (no
+    prompt)."""
+    sizes = [None if entry is None else entry if isinstance(entry, int) else entry[0] for entry in lengths]
+
+    def labels(uid: int) -> list[int]:
+        tokens = sizes[uid % len(sizes)]
+        assert tokens is not None, f"uid {uid} is a record the data layer skips, yet it was planned"
+        return [1] * tokens  # (any label but -100)
+
+    return labels
+
+
+def kept_label_tokens(labels: Sequence[int], max_tokens: int) -> int:
+    """The label tokens a sample contributes to the loss as trained, from its own labels: its first
+    ``max_tokens`` tokens (what the collate keeps of a longer one), every position of them but the
+    first (masked: a packed sample's first token cannot be predicted from the sample before it),
+    none of the -100s (the prompt)."""
+    kept = list(labels)[:max_tokens]
+    return sum(1 for label in kept[1:] if label != -100)
+
+
+def check_label_tokens(steps: list[list[StepPlan]], labels_of: Callable[[int], Sequence[int]],
+                       max_tokens: int) -> None:
     """I4: every rank's N_step equals the label tokens of that step over all ranks (and the step's
-    sample count its samples over all ranks)."""
+    sample count its samples over all ranks). The oracle is the samples themselves: each planned
+    uid's labels (``labels_of(uid)``, e.g. :func:`simulated_labels`) cut to ``max_tokens`` and
+    counted (:func:`kept_label_tokens`), not the cost model's records; each micro-batch's own
+    count is checked against it too."""
     for position in range(len(steps[0])):
-        actual = sum(m.label_tokens for rank_steps in steps for m in rank_steps[position].micro_batches)
-        samples = sum(len(m.samples) for rank_steps in steps for m in rank_steps[position].micro_batches)
-        for rank_steps in steps:
-            assert rank_steps[position].num_label_tokens == actual
+        expected, samples = 0, 0
+        for rank, rank_steps in enumerate(steps):
+            for m in rank_steps[position].micro_batches:
+                counts = [kept_label_tokens(labels_of(uid), max_tokens) for uid in m.uids]
+                assert m.label_tokens == sum(counts), (
+                    f"rank {rank}, step {position}: a micro-batch of uids {m.uids} says {m.label_tokens} label "
+                    f"tokens ({[x.label_tokens for x in m.samples]}), its samples hold {sum(counts)} ({counts})")
+                expected += sum(counts)
+                samples += len(m.uids)
+        for rank, rank_steps in enumerate(steps):
+            assert rank_steps[position].num_label_tokens == expected, (
+                f"rank {rank}, step {position}: N_step {rank_steps[position].num_label_tokens}, the samples {expected}")
             assert rank_steps[position].num_samples == samples
 
 

@@ -7,7 +7,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from conftest import check_aligned, check_exact_once, check_label_tokens
+from conftest import check_aligned, check_exact_once, check_label_tokens, simulated_labels
 from launch import free_port
 from odb.batching.state import decode_steps
 
@@ -35,7 +35,7 @@ def test_two_ranks_with_shards_of_5_and_45_samples(tmp_path):
     steps = steps_of(results)
     check_aligned(steps)
     check_exact_once(steps, Counter(range(50)))
-    check_label_tokens(steps)
+    check_label_tokens(steps, simulated_labels(lengths), 128)
     # analytic totals: all label tokens (tokens - 1 each) are trained, on rank 0 only 5 samples
     assert sum(s.num_label_tokens for s in steps[0]) == sum(t - 1 for t in lengths)
     assert sorted(u for s in steps[0] for m in s.micro_batches for u in m.uids) == list(range(5))
@@ -53,7 +53,7 @@ def test_four_ranks_one_empty_dynamic_and_static(tmp_path):
                                    "lengths": lengths, "epochs": 2})
     check_aligned(steps_of(dynamic))
     check_exact_once(steps_of(dynamic), Counter(range(240)))
-    check_label_tokens(steps_of(dynamic))
+    check_label_tokens(steps_of(dynamic), simulated_labels(lengths), 256)
 
 
 def test_three_ranks_quota_mode(tmp_path):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import check_aligned, check_exact_once, check_label_tokens
+from conftest import check_aligned, check_exact_once, check_label_tokens, simulated_labels
 from launch import free_port
 from odb.batching.config import OdbConfig
 from odb.batching.simulate import simulate
@@ -78,7 +78,7 @@ def test_jittered_processes_follow_the_jitter_free_plan(tmp_path, seed):
     calm = simulate(OdbConfig(**spec["config"]), lengths, WORLD, num_epochs=spec["epochs"], timeout_s=60)
     assert steps == calm.steps, "the plan depends on timing"
     check_aligned(steps)
-    check_label_tokens(steps)
+    check_label_tokens(steps, simulated_labels(lengths), spec["config"]["max_tokens"])
     assert all(r["collectives"] == r["rounds"] + 1 == calm.batchers[0].round_index + 1 for r in results)
     trained = [u for rank_steps in steps for s in rank_steps for m in s.micro_batches for u in m.uids]
     if spec["config"].get("mode") == "quota":

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import check_aligned, check_caps, check_exact_once, check_label_tokens, roundtrip
+from conftest import check_aligned, check_caps, check_exact_once, check_label_tokens, roundtrip, simulated_labels
 from odb.batching.align import SettingsMismatch
 from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import OdbConfig
@@ -44,7 +44,7 @@ def test_invariants_on_uneven_static_shards(data, gas, window, max_tokens, epoch
     result = simulate(config, [(t, 0) for t in lengths], len(shards), shards=shards, num_epochs=epochs)
     check_aligned(result.steps)
     check_exact_once(result.steps, expected_uids(len(lengths), epochs))
-    check_label_tokens(result.steps)
+    check_label_tokens(result.steps, simulated_labels(lengths), config.max_tokens)
     check_caps(result.steps, max_tokens)
     # I3: every round trains at least one sample of every rank that still has input, so an epoch
     # takes at most (largest shard + 1) rounds (the +1 is the drain round).
@@ -63,7 +63,7 @@ def test_invariants_with_dynamic_dealing(lengths, world, gas, window, lookahead,
     dropped = {i for i, (_, p) in enumerate(lengths) if p > 100}
     check_aligned(result.steps)
     check_exact_once(result.steps, expected_uids(len(lengths), epochs, skip=dropped))
-    check_label_tokens(result.steps)
+    check_label_tokens(result.steps, simulated_labels(lengths), config.max_tokens)
     check_caps(result.steps, max_tokens, max_patches=100)
     assert sum(b.counts["dropped"] for b in result.batchers) == epochs * len(dropped)
     # I3: a round either trains a bin or deals an index: at most 2N + 1 rounds (+1 drain) an epoch.
@@ -79,7 +79,7 @@ def test_quota_mode_closes_at_exactly_the_quota(lengths, world, gas, window, quo
                        sharding="static" if static else "dynamic")
     result = simulate(config, [(t, 0) for t in lengths], world)
     check_aligned(result.steps)
-    check_label_tokens(result.steps)
+    check_label_tokens(result.steps, simulated_labels(lengths), config.max_tokens)
     trained = [u for s in result.steps for p in s for m in p.micro_batches for u in m.uids]
     assert len(trained) == quota and len(set(trained)) == quota
     # only the last step may hold dummies

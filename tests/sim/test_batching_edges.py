@@ -17,6 +17,7 @@ from conftest import (
     check_exact_once,
     check_label_tokens,
     roundtrip,
+    simulated_labels,
 )
 from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import OdbConfig
@@ -67,7 +68,7 @@ def test_windows_skipped_on_every_rank_plan_zero_slots_and_end(sharding, gas, ke
     steps, batchers = run_with_skips(config, lengths, 2, num_epochs=2)
     check_aligned(steps)
     check_exact_once(steps, admitted(lengths, 64, num_epochs=2))
-    check_label_tokens(steps)
+    check_label_tokens(steps, simulated_labels(lengths), config.max_tokens)
     check_caps(steps, 64)
     assert sum(b.counts["skipped"] for b in batchers) == 2 * (40 - kept)
     assert batchers[0].round_index <= 2 * round_bound(config, lengths, 2)
@@ -86,7 +87,7 @@ def test_invariants_hold_when_samples_are_skipped_or_dropped(lengths, world, gas
     steps, batchers = run_with_skips(config, lengths, world)
     check_aligned(steps)
     check_exact_once(steps, admitted(lengths, 100, over_cap=over_cap))
-    check_label_tokens(steps)
+    check_label_tokens(steps, simulated_labels(lengths), config.max_tokens)
     if policy == "odb":  # fixed batches take batch_size samples whatever their tokens (the baseline)
         check_caps(steps, 100)
     assert batchers[0].round_index <= round_bound(config, lengths, world)
@@ -145,7 +146,7 @@ def test_quota_mode_with_skipped_samples_trains_exactly_the_quota_or_stops(lengt
         return
     steps, _ = run_with_skips(config, lengths, world, timeout_s=20)
     check_aligned(steps)
-    check_label_tokens(steps)
+    check_label_tokens(steps, simulated_labels(lengths), config.max_tokens)
     check_caps(steps, 100)
     trained = [u for rank_steps in steps for p in rank_steps for m in p.micro_batches for u in m.uids]
     assert len(trained) == quota and len(set(trained)) == quota
@@ -163,7 +164,7 @@ def test_quota_cut_step_reports_the_kept_samples_tokens_and_costs(extra, quota):
     result = simulate(config, [(t, 0) for t in lengths], 3)
     steps = result.steps
     check_aligned(steps)
-    check_label_tokens(steps)
+    check_label_tokens(steps, simulated_labels(lengths), config.max_tokens)
     for position in range(len(steps[0])):
         for r, rank_steps in enumerate(steps):
             plan = rank_steps[position]
@@ -202,7 +203,7 @@ def test_pad_rows_bins_hold_rows_times_longest_under_the_cap(sharding):
     full = simulate(config, samples, 3, num_epochs=2).steps
     check_aligned(full)
     check_exact_once(full, Counter(range(600)))
-    check_label_tokens(full)
+    check_label_tokens(full, simulated_labels(lengths), config.max_tokens)
     check_caps(full, 1024)
     micro = [m for rank_steps in full for p in rank_steps for m in p.micro_batches if m.samples]
     assert all(m.padded and m.materialized == len(m.samples) * max(s.tokens for s in m.samples) <= 1024

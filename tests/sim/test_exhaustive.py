@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import check_aligned, check_caps, check_exact_once, check_label_tokens
+from conftest import check_aligned, check_caps, check_exact_once, check_label_tokens, simulated_labels
 from odb.batching.config import OdbConfig
 from odb.batching.simulate import simulate
 
@@ -30,7 +30,7 @@ def check(config: OdbConfig, lengths, world, shards=None) -> None:
     result = simulate(config, [(t, 0) for t in lengths], world, shards=shards, timeout_s=20)
     check_aligned(result.steps)
     check_exact_once(result.steps, Counter(range(len(lengths))))
-    check_label_tokens(result.steps)
+    check_label_tokens(result.steps, simulated_labels(lengths), config.max_tokens)
     check_caps(result.steps, config.max_tokens)
     rounds = result.batchers[0].round_index
     bound = max(len(s) for s in shards) + 1 if shards is not None else 2 * len(lengths) + 2

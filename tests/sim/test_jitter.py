@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from conftest import check_aligned, check_caps, check_exact_once, check_label_tokens
+from conftest import check_aligned, check_caps, check_exact_once, check_label_tokens, simulated_labels
 from odb.batching.align import SimulatedGroup
 from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import OdbConfig
@@ -182,7 +182,7 @@ def test_jitter_and_stragglers_change_nothing(seed):
     assert [b.counts for b in batchers] == [b.counts for b in calm.batchers]
     # the invariants, directly
     check_aligned(steps)
-    check_label_tokens(steps)
+    check_label_tokens(steps, simulated_labels(s.lengths), s.config.max_tokens)
     check_caps(steps, s.config.max_tokens)
     assert all(len(step.micro_batches) == s.config.gas for rank_steps in steps for step in rank_steps)
     assert all(b.aligner.comm.num_collectives == b.round_index + 1 for b in batchers)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import check_aligned, check_label_tokens, roundtrip
+from conftest import check_aligned, check_label_tokens, roundtrip, simulated_labels
 from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import OdbConfig
 from odb.batching.redeal import redeal_states
@@ -57,7 +57,7 @@ def test_join_mode_trains_every_sample_of_every_epoch_exactly_once_across_the_ch
     head, tail = stop_and_redeal(config, samples, old_world, new_world, k, epochs=2)
     assert uids(head) + uids(tail) == Counter(range(2 * len(samples)))
     check_aligned(tail)
-    check_label_tokens(tail)
+    check_label_tokens(tail, simulated_labels(samples), config.max_tokens)
     if tail[0]:
         assert tail[0][0].step == len(head[0])  # steps numbered on, none skipped
 
