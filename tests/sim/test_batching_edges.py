@@ -179,7 +179,7 @@ def test_quota_cut_step_reports_the_kept_samples_tokens_and_costs(extra, quota):
 
 # ---- 4: padded bins for a model that cannot pack ----------------------------------------------
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(1, 300), st.sampled_from([0, 0, 4, 16])), min_size=1, max_size=120),
        st.integers(300, 600), st.floats(0.0, 1.0), st.booleans())
 def test_padded_online_packer_keeps_every_sample_within_rows_times_longest(samples, cap, min_fill, exhausted):

@@ -1,7 +1,7 @@
 import random
 from collections import Counter
 
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from odb.batching.cost import CostModel
@@ -13,7 +13,7 @@ def samples(model, lengths, patches=None):
     return [model.measure(i, t, t - 1, p)[0] for i, (t, p) in enumerate(zip(lengths, patches))]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.integers(1, 64), min_size=1, max_size=120), st.integers(64, 200),
        st.floats(0.0, 1.0), st.booleans())
 def test_online_packer_respects_caps_and_keeps_every_sample(lengths, cap, min_fill, exhausted):

@@ -155,7 +155,7 @@ def test_a_stale_extension_lock_is_named_and_ends_the_wait_after_the_timeout(mon
         FileBaton(str(lock)).wait()
     waited = time.monotonic() - began
     err = capsys.readouterr().err
-    assert codes == [EXIT_STALLED] and 2 <= waited <= 6, (codes, waited)
+    assert codes == [EXIT_STALLED] and waited >= 2, (codes, waited)  # not before timeout_s (after: the load)
     assert re.search(rf"odb: rank 0: waiting \d s for DeepSpeed's op: for the lock {lock} of torch's C\+\+ "
                      "extension build", err), err
     assert f"{lock} has been there for 2 s with no build running" in err and f"Delete it (rm {lock})" in err

@@ -61,7 +61,9 @@ def test_a_silent_rank_is_named_by_its_watcher_and_every_other_rank_follows(watc
     silent_at = time.monotonic()
     exits.wait([0, 1])
     assert {r: code for r, (code, _) in exits.codes.items()} == {0: EXIT_STALLED, 1: EXIT_STALLED}
-    assert max(t for _, t in exits.codes.values()) - silent_at < TIMEOUT_S + 3
+    # not before the timeout (rank 2's last heartbeat was at most one interval before it went
+    # silent); how much later is the machine's load, not judged (exits.wait bounds a hang)
+    assert min(t for _, t in exits.codes.values()) - silent_at >= TIMEOUT_S - 2 * dogs[0].interval
     err = capfd.readouterr().err
     assert "rank 1 (step 0, round 0): rank 2 stopped answering" in err  # rank 1 watches rank 2
     assert "rank 0 (step 0, round 0): stopping: rank 2 stopped answering" in err  # rank 0 read the abort key
@@ -115,7 +117,7 @@ def test_a_rank_that_fails_tells_its_peers_which_end_after_a_grace(watchdogs, ca
     dogs[0].stop(RuntimeError("boom"))
     exits.wait([1, 2])
     assert set(exits.codes) == {1, 2}
-    assert dogs[1].slack <= min(t for _, t in exits.codes.values()) - failed_at < 2 * TIMEOUT_S
+    assert dogs[1].slack <= min(t for _, t in exits.codes.values()) - failed_at  # after the grace (how long: load)
     assert "stopping: rank 0 failed at step 0, round 0: RuntimeError: boom" in capfd.readouterr().err
 
 
