@@ -276,7 +276,7 @@ def find_checkpoint(path: str | Path) -> Path:
                                         f"{fix}")
             return tag
     if (backend := backends.for_checkpoint(path)) is not None:
-        raise FileNotFoundError(f"{path} holds {backend.NAME} files but no run_config.json (odb writes it with each "
+        raise FileNotFoundError(f"{path} holds {backend.TITLE} files but no run_config.json (odb writes it with each "
                                 f"checkpoint, rank 0); {fix}")
     raise FileNotFoundError(f"{path} is not a checkpoint (no run_config.json, no 'latest' file); {fix}")
 

@@ -114,6 +114,8 @@ class BackendModule(Protocol):
     NAME: str
     """Its ``--backend`` name, also the :class:`~odb.training.config.OptimizationSettings` field
     holding its resolved settings."""
+    TITLE: str
+    """Its name in messages ("DeepSpeed")."""
     CONFIG_FLAG: str
     """The flag naming its settings file (also the :class:`odb.training.cli.FileDefaults` field of its
     default file, without the dashes)."""

@@ -46,6 +46,7 @@ __all__ = ["CONFIG_FLAG", "DeepSpeedBackend", "NAME", "build", "build_model", "d
            "release", "resolve_ds_config", "training_dtype"]
 
 NAME = "deepspeed"
+TITLE = "DeepSpeed"
 CONFIG_FLAG = "--deepspeed_config"
 CONFIG_HELP = "DeepSpeed JSON (--backend deepspeed); its batch keys may be \"auto\" (odb fills them in)"
 JOINING = "DeepSpeed's communication op (built once per extension cache), then "

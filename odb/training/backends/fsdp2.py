@@ -51,6 +51,7 @@ __all__ = ["CONFIG_FLAG", "DCP_FOLDER", "Fsdp2Backend", "NAME", "build", "build_
            "load_settings", "param_dtype"]
 
 NAME = "fsdp2"
+TITLE = "FSDP2"
 CONFIG_FLAG = "--fsdp_config"
 CONFIG_HELP = f"FSDP2 settings JSON (--backend fsdp2): {', '.join(field_names(Fsdp2Settings))}"
 JOINING = ""
