@@ -165,9 +165,14 @@ def launcher_of(item: pytest.Item) -> object | None:
     return _launching(start, getattr(item, "cls", None))
 
 
+COLLECTED_E2E = pytest.StashKey[list[str]]()  # this session's collected e2e tests (before -k/-m deselect)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Marks each test with its layer: an explicit layer marker wins, then e2e for a test that
-    starts a process through tests/launch.py (:func:`launcher_of`), then the folder under tests/."""
+    starts a process through tests/launch.py (:func:`launcher_of`), then the folder under tests/.
+    (Called before pytest's own -k/-m deselection: :data:`COLLECTED_E2E` keeps every e2e test
+    collected, for tests/unit/test_layers_of_tests.py.)"""
     tests = Path(__file__).resolve().parent
     for item in items:
         layers = {layer for layer in LAYERS if item.get_closest_marker(layer)}
@@ -180,6 +185,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for layer in sorted(layers):
             if not item.get_closest_marker(layer):
                 item.add_marker(getattr(pytest.mark, layer))
+    config.stash[COLLECTED_E2E] = [item.nodeid for item in items if item.get_closest_marker("e2e")]
 
 
 def check_aligned(steps: list[list[StepPlan]]) -> None:

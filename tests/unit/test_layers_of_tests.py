@@ -19,7 +19,9 @@ import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
-from conftest import ROOT, _launching, launcher_of
+import pytest
+
+from conftest import COLLECTED_E2E, ROOT, _launching, launcher_of
 
 TESTS = ROOT / "tests"
 FAST = ("unit", "sim")
@@ -31,8 +33,22 @@ def _launch_helpers() -> set[str]:
     return {helper.__name__ for helper in registered} | {"TRAIN"}
 
 
-def test_no_test_collected_in_unit_or_sim_launches_a_process():
-    """pytest run apart on tests/unit and tests/sim, selecting what the conftest marks e2e: nothing."""
+def _e2e_in_this_session(config: pytest.Config) -> list[str] | None:
+    """The e2e tests of tests/unit and tests/sim as this session collected them (tests/conftest.py
+    keeps them, before -k/-m), if it collected all of both folders; else None."""
+    if COLLECTED_E2E not in config.stash or any(
+            config.getoption(name, default=None) for name in ("lf", "stepwise", "ignore", "ignore_glob")):
+        return None
+    here = config.invocation_params.dir
+    paths = [(here / arg).resolve() for arg in config.args]
+    if any("::" in arg for arg in config.args) or not all(
+            any((TESTS / layer).is_relative_to(path) for path in paths) for layer in FAST):
+        return None
+    return [nodeid for nodeid in config.stash[COLLECTED_E2E] if nodeid.startswith(tuple(f"tests/{d}/" for d in FAST))]
+
+
+def _e2e_apart() -> list[str]:
+    """The e2e tests of tests/unit and tests/sim as pytest, run apart on both, collects them."""
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
                                                                  str(ROOT / ".torch_extensions"))}
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
@@ -41,7 +57,16 @@ def test_no_test_collected_in_unit_or_sim_launches_a_process():
     output = proc.stdout + proc.stderr
     # the collection ran (a module that fails to import is its own tests' failure)
     assert "deselected" in output, output[-3000:]
-    launching = [line for line in proc.stdout.splitlines() if "::" in line and not line.startswith("ERROR")]
+    return [line for line in proc.stdout.splitlines() if "::" in line and not line.startswith("ERROR")]
+
+
+def test_no_test_collected_in_unit_or_sim_launches_a_process(request):
+    """What the conftest marks e2e in tests/unit and tests/sim: nothing (read from this session's
+    collection when it holds both folders, as ``pytest tests/unit tests/sim`` does; else from
+    pytest run apart on them)."""
+    launching = _e2e_in_this_session(request.config)
+    if launching is None:
+        launching = _e2e_apart()
     assert not launching, ("these tests start a process (tests/launch.py's helpers, or launch/train.py); "
                            f"move them to tests/e2e: {launching}")
 
