@@ -26,6 +26,7 @@ steps before them.
 
 from __future__ import annotations
 
+import json
 import sys
 from collections import Counter
 from collections.abc import Mapping
@@ -41,7 +42,21 @@ from odb.telemetry.rows import eval_row, step_loss, step_row
 from odb.telemetry.totals import TRUNCATION_WARNING_SHARE, RunTotals
 from odb.telemetry.writer import MetricsWriter
 
-__all__ = ["TOTALS", "StepTimes", "Telemetry", "report_layout"]
+__all__ = ["TOTALS", "StepTimes", "Telemetry", "first_losses", "report_layout"]
+
+
+def first_losses(path: Path, known: list[float]) -> list[float]:
+    """The run's first (up to 3) step losses of steps with labels, from its ``metrics.jsonl``
+    where it holds more of them than ``known``."""
+    found = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            row = json.loads(line) if line.strip() else {}
+            if "loss" in row and row.get("label_tokens"):
+                found.append(row["loss"])
+                if len(found) == 3:
+                    break
+    return found if len(found) > len(known) else known
 
 
 class Telemetry:
@@ -61,7 +76,8 @@ class Telemetry:
         self.steps = StepReports(max_steps=max_steps_per_round, dataset_size=dataset_size)
         self.layout = self.steps.layout
         self.totals = RunTotals(rank=rank, dataset_size=dataset_size)
-        self.writer = MetricsWriter(output_dir / "metrics.jsonl", sink) if rank == 0 else None
+        self.path = output_dir / "metrics.jsonl"
+        self.writer = MetricsWriter(self.path, sink) if rank == 0 else None
         # the run's record counts over all ranks, as of the last round (the same on every rank)
         self.skipped: dict[str, int] = {}
         self.fetched = self.lost = 0
@@ -216,6 +232,10 @@ class Telemetry:
         self.totals.load_state_dict(state)
         self._rows_samples_done = self.totals.samples_done
         self.fetched, self.lost = self.totals.fetched_lost
+        if self.writer is not None and len(self.totals.first_losses) < 3:
+            # steps trained before the checkpoint whose rows their run completed only later (their
+            # reports ride on the next round): the run's first losses are in its metrics.jsonl
+            self.totals.first_losses = first_losses(self.path, self.totals.first_losses)
 
     redeal_states = staticmethod(RunTotals.redeal_states)
 

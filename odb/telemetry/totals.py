@@ -27,7 +27,7 @@ class RunTotals:
         self.rank, self.dataset_size = rank, dataset_size
         self.samples_done = self.steps_done = 0
         self.counts = dict.fromkeys(COUNTS, 0)
-        self.first_losses: list[float] = []  # the run's first global step losses, from before a resume
+        self.first_losses: list[float] = []  # the run's first (up to 3) global step losses, from before a resume
         self.skipped_before: Counter[str] = Counter()  # this rank's skipped records before a resume
         self.truncated_before: Counter[str] = Counter()  # this rank's data-worker cuts before a resume
         self.zero_label_steps = 0  # steps whose samples had no label token at all (the same on every rank)
@@ -81,7 +81,7 @@ class RunTotals:
             records: the run's ``skipped``, ``fetched`` and ``truncated`` record counts.
         """
         wall_s = totals["wall_us"] / 1e6 / world_size  # every rank's train loop, averaged
-        first = self.first_losses or losses
+        first = (self.first_losses + losses)[:3]  # (a resume after fewer than 3 steps completes them here)
         last = losses[-3:] or first[-3:]
         mine = self.this_process
         if epochs is None:
@@ -127,7 +127,7 @@ class RunTotals:
                 "skipped": dict(self.skipped_before + Counter(skipped)),
                 "truncated": dict(self.truncated_before + Counter(truncated)),
                 "zero_label_steps": self.zero_label_steps, "last_eval": self.last_eval,
-                "first_losses": (self.first_losses or losses)[:3],
+                "first_losses": (self.first_losses + losses)[:3],
                 "fetched_lost": list(fetched_lost)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -2,7 +2,6 @@
 
 import json
 import os
-import struct
 from pathlib import Path
 
 import pytest
@@ -11,34 +10,9 @@ from PIL import Image
 from conftest import bundled_tokenizer
 from launch import ROOT, audit, deepspeed, ds_config, odb_config
 from odb.data.processing import SampleDataset
+from wandb_offline import read_wandb_history
 
 TOKENIZER = bundled_tokenizer()
-
-
-def read_wandb_history(path: Path) -> list[dict]:
-    """History rows of an offline run, read from its .wandb file (a LevelDB-style log of
-    protobuf records; wandb 0.31 has no public reader for offline history)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data, pos, block, buffer, rows = path.read_bytes(), 7, 32768, b"", []
-    while pos < len(data):
-        if block - pos % block < 7:
-            pos += block - pos % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        pos += 7
-        if length == 0 and kind == 0:
-            break
-        buffer += data[pos:pos + length]
-        pos += length
-        if kind in (1, 4):  # a full record, or the last piece of one
-            record = pb.Record()
-            record.ParseFromString(buffer)
-            buffer = b""
-            if record.WhichOneof("record_type") == "history":
-                rows.append({item.key or ".".join(item.nested_key): json.loads(item.value_json)
-                             for item in record.history.item})
-    return rows
 
 
 def metrics(out: Path) -> list[dict]:
