@@ -38,11 +38,21 @@ def train_defaults():
     """The default files of launch/train.py, as it names them (for tests that call parse_config)."""
     from odb.training.cli import FileDefaults
 
-    configs = ROOT / "configs"
-    return FileDefaults(deepspeed_config=configs / "ds_zero2.json", odb_config=configs / "odb.json",
-                        model=configs / "tiny_model.json", data=ROOT / "data" / "chat.jsonl",
-                        tokenizer=ROOT / "data" / "tokenizer", lora=configs / "lora.json",
-                        fsdp_config=configs / "fsdp2.json")
+    return FileDefaults.bundled(ROOT)
+
+
+def one_step_plan(micro_batches: Sequence[Sequence[dict]], *, padded: bool = False) -> StepPlan:
+    """One rank's step over processed samples (``[]``: a dummy micro-batch), with the label tokens
+    counted from the samples' own labels and their real tokens: what the batcher would plan."""
+    from odb.batching.cost import SampleCost, count_label_tokens
+    from odb.batching.plan import MicroBatch, StepPlan
+
+    micros = tuple(MicroBatch(tuple(SampleCost(uid=i, tokens=len(s["input_ids"]), patches=0, cost=0,
+                                               label_tokens=count_label_tokens(list(s.get("labels", s["input_ids"]))))
+                                    for i, s in enumerate(micro)), padded=padded) for micro in micro_batches)
+    return StepPlan(epoch=0, step=0, micro_batches=micros, num_label_tokens=sum(m.label_tokens for m in micros),
+                    num_samples=sum(len(m.samples) for m in micros), rank_costs=tuple((0,) for _ in micros),
+                    rank_tokens=tuple((m.tokens,) for m in micros))
 
 
 @functools.cache

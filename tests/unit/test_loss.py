@@ -1,10 +1,11 @@
-"""The chunked loss (odb/training/loss.py) against the full-logits loss (STYLE 16).
+"""The chunked loss (odb/training/loss.py) against the model's own loss (STYLE 16).
 
-The oracle is :func:`odb.training.engine.token_loss_sum` on the logits the model itself returns
-(``loss_chunk_tokens=None``), which shares no code with the chunked path. Both run through
-:class:`OdbEngine` on the same packed rows of tiny random models of every family odb trains (the
-ones tests/unit/test_attention.py builds), twice from one state dict: the summed loss to 1e-6
-relative and every trainable gradient to 1e-5 (relative to its largest entry), for chunk counts
+odb's engine computes the loss of a packed micro-batch in chunks of the final hidden states; the
+oracle is the model itself, on a copy with its own eager attention, each sample alone, its own
+``labels=`` loss times its label count: it shares neither odb's collate, positions and attention
+nor its loss code. Tiny random models of every family odb trains (the ones
+tests/unit/test_attention.py builds): the summed loss to 1e-6 relative and every trainable
+gradient to 1e-5 (relative to its largest entry), for chunk counts
 that do and do not divide the scored tokens, one chunk larger than the row, more chunks than
 scored tokens (chunks of padding only, labels all -100), prompts masked with -100, padded rows, a
 micro-batch without labels, eval_step with a dummy, Gemma-2 with final soft-capping 30, and LoRA
@@ -21,7 +22,7 @@ import sys
 
 import pytest
 import torch
-from test_attention import TEXT, TEXT_FAMILIES, VL_FAMILIES, build, text_samples, vl_samples
+from test_attention import TEXT, TEXT_FAMILIES, VL_FAMILIES, build, own_loss_sum, text_samples, vl_samples
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import ROOT
@@ -37,6 +38,7 @@ from odb.training.loss import (
     num_loss_chunks,
     scored_tokens,
 )
+from odb.training.model import hf_model
 
 SOFTCAP = 30.0
 LOSS_RTOL, GRAD_RTOL = 1e-6, 1e-5
@@ -59,24 +61,34 @@ def trainable_grads(model) -> dict[str, torch.Tensor]:
     return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
 
 
+def eager_copy(model):
+    """``model``'s copy with the model's own eager attention (the oracle's)."""
+    oracle = copy.deepcopy(model)
+    hf_model(oracle).set_attn_implementation("eager")
+    return oracle
+
+
 def compare(model, samples: list[dict], *, max_tokens: int, chunk_tokens: int, what: str,
             padded: bool = False) -> tuple[float, float]:
-    """Full logits on ``model``, chunks on a copy: loss and gradients; returns (loss rel, grad rel)."""
-    chunked_model = copy.deepcopy(model)
-    expected = forward_loss(model, samples, max_tokens=max_tokens, chunk_tokens=None, padded=padded)
-    expected.backward()
-    actual = forward_loss(chunked_model, samples, max_tokens=max_tokens, chunk_tokens=chunk_tokens, padded=padded)
+    """odb's loss in chunks on ``model`` against the model's own loss on each sample alone, on an
+    eager copy: loss and gradients; returns (loss rel, grad rel)."""
+    assert all(len(s["input_ids"]) <= max_tokens for s in samples), "the oracle cuts nothing"
+    oracle = eager_copy(model)
+    expected = sum((own_loss_sum(oracle, s) for s in samples), torch.zeros(()))
+    if expected.requires_grad:
+        expected.backward()
+    actual = forward_loss(model, samples, max_tokens=max_tokens, chunk_tokens=chunk_tokens, padded=padded)
     actual.backward()
     actual_value, expected_value = actual.item(), expected.item()
     loss_rel = abs(actual_value - expected_value) / max(abs(expected_value), 1e-12)
-    oracle = trainable_grads(model)
+    theirs = trainable_grads(oracle)
     worst, worst_abs, worst_name = 0.0, 0.0, ""
-    for name, grad in trainable_grads(chunked_model).items():
-        assert (grad is None) == (oracle[name] is None), name
-        if grad is None:
-            continue
-        diff = float((grad - oracle[name]).abs().max())
-        rel = diff / max(float(oracle[name].abs().max()), 1e-12)
+    for name, grad in trainable_grads(model).items():
+        if theirs[name] is None and (grad is None or not grad.any()):
+            continue  # (what only odb's blank image reaches, or no labels at all: exactly 0)
+        assert grad is not None and theirs[name] is not None, name
+        diff = float((grad - theirs[name]).abs().max())
+        rel = diff / max(float(theirs[name].abs().max()), 1e-12)
         if rel > worst:
             worst, worst_abs, worst_name = rel, diff, name
     print(f"{what}: loss {expected_value:.6f}, rel diff {loss_rel:.1e}; "

@@ -29,8 +29,8 @@ from test_attention import (
 )
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-from odb.batching.cost import SampleCost, count_label_tokens
-from odb.batching.plan import MicroBatch, StepPlan
+from conftest import one_step_plan
+from odb.batching.cost import count_label_tokens
 from odb.data.collate import collate_padded
 from odb.telemetry import StepTimes, Telemetry
 from odb.training import attention
@@ -44,16 +44,6 @@ LOSS_RTOL, GRAD_RTOL = 1e-6, 1e-5
 
 def labelled(samples: list[dict]) -> list[dict]:
     return [{**s, "labels": s["input_ids"]} for s in samples]
-
-
-def plan_of(micro_batches: list[list[dict]]) -> StepPlan:
-    """One rank's step ([] a dummy) with its label tokens and real tokens."""
-    micros = tuple(MicroBatch(tuple(SampleCost(uid=i, tokens=len(s["input_ids"]), patches=0, cost=0,
-                                               label_tokens=count_label_tokens(list(s["labels"])))
-                                    for i, s in enumerate(micro))) for micro in micro_batches)
-    return StepPlan(epoch=0, step=0, micro_batches=micros, num_label_tokens=sum(m.label_tokens for m in micros),
-                    num_samples=sum(len(m.samples) for m in micros), rank_costs=tuple((0,) for _ in micros),
-                    rank_tokens=tuple((m.tokens,) for m in micros))
 
 
 def relative_grad_diff(model, oracle) -> tuple[float, str]:
@@ -97,7 +87,7 @@ def test_one_sample_step_equals_the_models_own_loss(family, chunk_tokens):
     sample = labelled(text_samples((64,)))[0]
     engine = OdbEngine(LocalBackend(model), world_size=1, max_tokens=128, pad_token_id=0,
                        loss_chunk_tokens=chunk_tokens)
-    result = engine.train_step(plan_of([[sample]]), [[sample]], lr=0.0)
+    result = engine.train_step(one_step_plan([[sample]]), [[sample]], lr=0.0)
     trained = result.loss_sum / count_label_tokens(sample["labels"]) + result.aux_loss
     theirs = own_loss(oracle, sample, output_router_logits=True)
     theirs.backward()
@@ -132,7 +122,7 @@ def test_lora_and_gradient_checkpointing(tmp_path):
     hf_model(oracle).set_attn_implementation("eager")
     sample = labelled(text_samples((64,)))[0]
     engine = OdbEngine(LocalBackend(model), world_size=1, max_tokens=128, pad_token_id=0)
-    result = engine.train_step(plan_of([[sample]]), [[sample]], lr=0.0)
+    result = engine.train_step(one_step_plan([[sample]]), [[sample]], lr=0.0)
     trained = result.loss_sum / count_label_tokens(sample["labels"]) + result.aux_loss
     theirs = own_loss(oracle, sample, output_router_logits=True)
     theirs.backward()
@@ -148,7 +138,7 @@ def test_a_step_of_several_micro_batches_and_a_dummy():
     ``sum CE / N + coef * sum_m aux_m * T_m / T`` (:mod:`odb.training.moe`)."""
     model, oracle = pair("qwen3_moe")
     micro_batches = [labelled(text_samples((40, 7, 23))), [], labelled(text_samples((30,), seed=1))]
-    plan = plan_of(micro_batches)
+    plan = one_step_plan(micro_batches)
     engine = OdbEngine(LocalBackend(model), world_size=1, max_tokens=128, pad_token_id=0, loss_chunk_tokens=16)
     result = engine.train_step(plan, micro_batches, lr=0.0)
     coef, total_tokens = oracle.router_aux_loss_coef, sum(map(sum, plan.rank_tokens))
@@ -232,7 +222,7 @@ def test_models_without_a_router_loss():
     assert router_loss(dense) is None and router_loss(deepseek) is None
     sample = labelled(text_samples((20,)))[0]
     result = OdbEngine(LocalBackend(deepseek), world_size=1, max_tokens=64, pad_token_id=0).train_step(
-        plan_of([[sample]]), [[sample]], lr=0.0)
+        one_step_plan([[sample]]), [[sample]], lr=0.0)
     assert result.aux_sum is None and result.aux_loss == 0.0 and result.loss_sum > 0
 
 
@@ -240,7 +230,7 @@ def test_the_metrics_row_carries_the_steps_router_loss(tmp_path):
     """Two ranks' reports: ``aux_loss`` = (sum over ranks of router loss x real tokens) / the step's
     real tokens; a dense model's rows have no ``aux_loss``."""
     sample = labelled(text_samples((10,)))[0]
-    plan = plan_of([[sample]])._replace(rank_tokens=((10, 30),))
+    plan = one_step_plan([[sample]])._replace(rank_tokens=((10, 30),))
     times = StepTimes(wait=0.0, plan=0.0, collective=0.0, step=1.0, ended=0.0)
     for aux_sums, expected in (((2.0 * 10, 3.0 * 30), {"aux_loss": 2.75}), ((None, None), {})):
         ranks = [Telemetry(rank=r, max_steps_per_round=2, max_tokens=64, dataset_size=1, output_dir=tmp_path)
