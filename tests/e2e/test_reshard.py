@@ -21,6 +21,14 @@ import pytest
 import torch
 
 from launch import deepspeed
+from odb.training.backends.universal import (
+    UNIVERSAL,
+    plan_load,
+    saved_world_size,
+    saved_zero_stage,
+    to_universal,
+    universal_folder,
+)
 
 WORKER = Path(__file__).resolve().parent / "reshard_worker.py"
 
@@ -114,3 +122,39 @@ def test_a_conversion_that_fails_on_rank_0_fails_every_rank(resumed):
     print(f"each rank raised: {errors}")
     assert len(errors) == 2 and all(e is not None and "failed on rank 0" in e for e in errors)
     assert not (resumed / _case(3, "corrupt", "fp32") / "ckpt" / "step2" / "universal").exists()
+
+
+def _stage_config(stage: int) -> dict:
+    return {"train_batch_size": 6, "zero_optimization": {"stage": stage}, "checkpoint": {"tag_validation": "Warn"}}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("stage", "model", "precision", "saved_by", "loaded_by"), CASES,
+                         ids=[f"zero{s}-{m}-{p}-{a}to{b}" for s, m, p, a, b in CASES])
+def test_the_plan_reads_deepspeeds_own_files(resumed, stage, model, precision, saved_by, loaded_by):
+    """odb's resume decisions (odb/training/backends/universal.py) on the checkpoints DeepSpeed
+    wrote above: the saving world size and stage read back, the plan for the loading world size,
+    another stage refused, a finished conversion found and not redone, ZeRO-0 never converted."""
+    ckpt = resumed / _case(stage, model, precision) / "ckpt"
+    assert (saved_world_size(ckpt, "step2"), saved_zero_stage(ckpt, "step2")) == (saved_by, stage)
+    config = _stage_config(stage)
+    plan = plan_load(ckpt, "step2", world_size=loaded_by, ds_config=config)
+    assert plan.is_universal == (stage > 0) and config == _stage_config(stage)  # the caller's config unchanged
+    if stage:
+        assert (plan.folder, plan.tag) == (ckpt / "step2", UNIVERSAL) == (universal_folder(ckpt, "step2").parent,
+                                                                         UNIVERSAL)
+        assert plan.ds_config["checkpoint"] == {"tag_validation": "Warn", "load_universal": True}
+        done = universal_folder(ckpt, "step2")
+        before = sorted((p.name, p.stat().st_mtime_ns) for p in done.rglob("*"))
+        assert to_universal(ckpt, "step2") == done  # converted by the load above: found, not redone
+        assert sorted((p.name, p.stat().st_mtime_ns) for p in done.rglob("*")) == before
+    else:
+        assert (plan.folder, plan.tag) == (ckpt, "step2") and plan.ds_config == config
+        with pytest.raises(ValueError, match="ZeRO-0 checkpoint.*loads at any world size"):
+            to_universal(ckpt, "step2")
+        assert not universal_folder(ckpt, "step2").exists()
+    same = plan_load(ckpt, "step2", world_size=saved_by, ds_config=config)
+    assert not same.is_universal and (same.folder, same.tag) == (ckpt, "step2")
+    other = 3 if stage != 3 else 2
+    with pytest.raises(ValueError, match=f"saved at ZeRO-{stage}.*ZeRO-{other}.*ZeRO-{stage} DeepSpeed config"):
+        plan_load(ckpt, "step2", world_size=loaded_by, ds_config=_stage_config(other))
