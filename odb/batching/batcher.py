@@ -143,9 +143,11 @@ class OnlineBatcher:
     @property
     def stats(self) -> BatcherStats:
         """What this rank's batcher has counted so far (a snapshot)."""
+        counts = self.counts
         return BatcherStats(rounds=self.round_index, fetch_s=self.fetch_s, plan_s=self.plan_s,
                             collective_s=self.aligner.collective_s, observed_samples=self.observed_samples,
-                            **self.counts)
+                            skipped=counts["skipped"], dropped=counts["dropped"], truncated=counts["truncated"],
+                            truncated_tokens=counts["truncated_tokens"])
 
     def gather_reports(self, values) -> np.ndarray:
         """The run's final collective (:meth:`odb.batching.align.Aligner.gather_reports`): every

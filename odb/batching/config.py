@@ -27,8 +27,9 @@ class OdbConfig:
 
     Where the fields are set: every field is a key of the same name in odb's own JSON file
     (``configs/odb.json``; the trainer's ``--odb_config``), read strictly (:func:`load_odb_config`). The
-    trainer's ``--seed`` overrides ``seed``; the trainer itself sets ``pad_rows`` (a model that
-    cannot pack) and may lower ``max_tokens`` (room for a vision model's blank image).
+    trainer's flag of the same name overrides each (``--max_tokens 16384``, ``--seed 3``) but
+    ``pad_rows``, which the trainer sets itself (a model that cannot pack); it may also lower
+    ``max_tokens`` (room for a vision model's blank image).
     ``tools/bench_batching.py`` takes some of them as dashed flags (``--max-tokens``, ``--window``,
     ``--gas``, ``--policy``, ``--batch-size``, ``--mode``, ``--quota``, ``--over-cap``, ``--seed``).
     Errors name a field as ``--<field>``.

@@ -45,14 +45,26 @@ from odb.telemetry.writer import MetricsWriter
 __all__ = ["TOTALS", "StepTimes", "Telemetry", "first_losses", "report_layout"]
 
 
-def first_losses(path: Path, known: list[float]) -> list[float]:
-    """The run's first (up to 3) step losses of steps with labels, from its ``metrics.jsonl``
-    where it holds more of them than ``known``."""
-    found = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            row = json.loads(line) if line.strip() else {}
-            if "loss" in row and row.get("label_tokens"):
+def first_losses(path: Path, known: list[float], *, before: int) -> list[float]:
+    """The run's first (up to 3) losses of steps with labels, from its ``metrics.jsonl`` rows of
+    steps before ``before`` (the checkpoint's: later rows are of steps a resume trains again),
+    where it holds more of them than ``known``. A line that does not parse (cut by a kill) is
+    skipped."""
+    found: list[float] = []
+    seen: set[int] = set()  # (a step's row twice: an earlier resume from an older checkpoint)
+    if not path.is_file():
+        return known
+    with open(path) as rows:
+        for line in rows:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(row, dict):
+                continue
+            step = row.get("step", before)
+            if "loss" in row and row.get("label_tokens") and step < before and step not in seen:
+                seen.add(step)
                 found.append(row["loss"])
                 if len(found) == 3:
                     break
@@ -235,7 +247,8 @@ class Telemetry:
         if self.writer is not None and len(self.totals.first_losses) < 3:
             # steps trained before the checkpoint whose rows their run completed only later (their
             # reports ride on the next round): the run's first losses are in its metrics.jsonl
-            self.totals.first_losses = first_losses(self.path, self.totals.first_losses)
+            self.totals.first_losses = first_losses(self.path, self.totals.first_losses,
+                                                    before=self.totals.steps_done)
 
     redeal_states = staticmethod(RunTotals.redeal_states)
 

@@ -84,7 +84,8 @@ def parser(defaults: FileDefaults) -> argparse.ArgumentParser:
     data = p.add_argument_group("data")
     add_flags(data, DataSettings, skip=("processing",), defaults={"path": str(defaults.data)})
     add_flags(data, DataConfig, only=_DATA_OVERRIDES, override=True)
-    add_flags(p.add_argument_group("batching: odb's keys, over --odb_config's"), OdbConfig, override=True)
+    add_flags(p.add_argument_group("batching: odb's keys, over --odb_config's"), OdbConfig, skip=_TRAINER_SETS,
+              override=True)
     add_flags(p.add_argument_group("optimization"), OptimizationSettings, skip=backends.NAMES)
     add_flags(p.add_argument_group("run"), RunSettings)
     checkpoints = p.add_argument_group("checkpoints and export")
@@ -99,6 +100,8 @@ def parser(defaults: FileDefaults) -> argparse.ArgumentParser:
 
 _DATA_OVERRIDES = ("format", "strict")
 """The data settings that are also flags, over --data_config's."""
+_TRAINER_SETS = ("pad_rows",)
+"""odb settings the trainer sets itself (a model it cannot pack): no flag."""
 
 
 def _need_file(path: str | Path, what: str, fix: str) -> Path:
@@ -157,7 +160,7 @@ def _world_size() -> int:
 
 def _batching(args: argparse.Namespace) -> OdbConfig:
     path = _need_file(args.odb_config, "odb config", "pass --odb_config configs/odb.json")
-    return load_odb_config(path, **flag_values(OdbConfig, args, override=True))
+    return load_odb_config(path, **flag_values(OdbConfig, args, skip=_TRAINER_SETS, override=True))
 
 
 def _data(args: argparse.Namespace) -> DataSettings:

@@ -4,7 +4,7 @@
 group (``Trainer.init``). It stops the rank with :class:`StartupError`, naming what to install, when
 
 * torch is older than :data:`TORCH_FLOOR` (setup.py's floor, which says why);
-* the chosen backend needs torch APIs this install lacks (FSDP2: :data:`FSDP2_NEEDS`);
+* the chosen backend needs torch APIs this install lacks (its module's ``TORCH_NEEDS``);
 * the model mixes tokens other than by attention (a state-space, linear-attention or short-convolution
   layer), so packed samples would leak into each other: :func:`odb.training.support.packing_refusal`,
   on the model's skeleton (its config on the ``meta`` device, no weights read);

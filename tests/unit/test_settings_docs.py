@@ -22,8 +22,9 @@ from odb.training.config import (
 )
 from odb.training.settings_docs import BEGIN, END, settings_tables
 
-FROM_FILES = {ModelSettings: {"lora"}, DataSettings: {"processing"}, OptimizationSettings: set(backends.NAMES)}
-"""Fields read from a settings file rather than a flag of their own."""
+FROM_FILES = {ModelSettings: {"lora"}, DataSettings: {"processing"}, OptimizationSettings: set(backends.NAMES),
+              OdbConfig: {"pad_rows"}}
+"""Fields read from a settings file rather than a flag of their own (odb's pad_rows: the trainer's)."""
 SETTINGS = (ModelSettings, DataSettings, OptimizationSettings, RunSettings, CheckpointSettings, LoggingSettings,
             OdbConfig)
 
@@ -64,7 +65,7 @@ def test_batching_and_data_flags_override_their_files(tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     data = tmp_path / "data.json"
     data.write_text('{"train_on": "last", "strict": true}')
-    config = parse_config(["--max_tokens", "4096", "--seed", "3", "--no-pad_rows", "--data_config", str(data),
+    config = parse_config(["--max_tokens", "4096", "--seed", "3", "--data_config", str(data),
                            "--no-strict", "--data_format", "messages", "--loss_chunk_tokens", "0",
                            "--wandb_tags", "a,b", "--no_final_checkpoint"], defaults=FileDefaults.bundled(ROOT))
     file = load_odb_config(ROOT / "configs" / "odb.json")
