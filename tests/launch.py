@@ -384,12 +384,7 @@ class Run:
 
     def kill(self) -> None:
         for proc in self.procs:
-            try:
-                for child in psutil.Process(proc.pid).children(recursive=True):
-                    child.kill()
-            except psutil.Error:
-                pass
-            proc.kill()
+            _kill_tree(proc)
             proc.wait()
         shm_leftovers(self.port)
 

@@ -34,12 +34,17 @@ TORCH_FREE = ("odb.settings", "odb.telemetry", "odb.data.formats", "odb.data.lab
 the record formats, labels and sources (tools and tests use them without a model)."""
 
 
-@pytest.mark.parametrize("module", TORCH_FREE)
-def test_torch_free_module_imports_no_torch_and_nothing_above_it(module):
+def probe(module: str) -> dict:
+    """What importing ``module`` in a fresh interpreter with torch blocked loads (it must import)."""
     proc = subprocess.run([sys.executable, "-c", PROBE, module], capture_output=True, text=True, cwd=ROOT,
                           timeout=60)
     assert proc.returncode == 0, f"importing {module} with torch blocked failed:\n{proc.stderr[-2000:]}"
-    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_torch_free_module_imports_no_torch_and_nothing_above_it(module):
+    loaded = probe(module)
     assert not [m for m in loaded["modules"] if m.startswith("odb.training")], f"{module} imports odb.training"
     assert not loaded["outside"], f"{module} imports more than the stdlib and numpy: {loaded['outside']}"
 
@@ -51,10 +56,7 @@ def test_every_core_module_is_found():
 
 @pytest.mark.parametrize("module", BATCHING)
 def test_batching_module_imports_only_stdlib_numpy_and_its_own_floor(module):
-    proc = subprocess.run([sys.executable, "-c", PROBE, module], capture_output=True, text=True, cwd=ROOT,
-                          timeout=60)
-    assert proc.returncode == 0, f"importing {module} with torch blocked failed:\n{proc.stderr[-2000:]}"
-    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    loaded = probe(module)
     above = [m for m in loaded["modules"] if m.startswith(ABOVE)]
     assert not above, f"{module} imports a floor above odb.batching: {above}"
     assert not loaded["outside"], f"{module} imports more than the stdlib and numpy: {loaded['outside']}"
