@@ -8,9 +8,13 @@ attention and the LM head), under ZeRO-3 with every parameter partitioned (persi
 with the full-logits loss and then with the chunked loss (8 chunks per micro-batch), on the same
 plan. Rank 0 holds two real micro-batches of 103 and 90 tokens, rank 1 one of 37 and a dummy:
 their scored tokens differ, the head calls must not. SGD at lr 0 keeps the weights; each step's
-gradient is read, gathered, just before the optimizer step (``safe_get_full_grad``). Each rank
-writes ``rank<R>.json``: per model, both losses of its micro-batches and, on rank 0, the largest
-gradient difference.
+gradient is read, gathered, just before the optimizer step (``safe_get_full_grad``).
+
+The oracle shares no odb code: the same model built again in this process, plain (no DeepSpeed,
+the model's own eager attention), each sample of both ranks alone through its own ``labels=``
+loss times its label count, summed and divided by the step's label tokens, and its gradient.
+Each rank writes ``rank<R>.json``: per model, its micro-batches' loss sum in each mode and the
+oracle's over the same samples, and each mode's largest gradient difference from the oracle.
 """
 
 from __future__ import annotations
@@ -48,10 +52,11 @@ RANK_MICRO_BATCHES = [[[70, 33], [90]], [[25, 12], []]]  # sample lengths; [] = 
 MAX_TOKENS, CHUNK_TOKENS = 128, 16  # 8 chunks per micro-batch
 
 
-def build(name: str):
-    torch.manual_seed(0)  # the same weights on every rank
+def build(name: str, attention: str | None = None):
+    """The tiny model with odb's attention (or ``attention``): the same weights on every rank and call."""
+    torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**TEXT, **MODELS[name]}),
-                                             attn_implementation=register()).train()
+                                             attn_implementation=attention or register()).train()
     if name.endswith("_lora"):
         from peft import LoraConfig, get_peft_model
 
@@ -90,6 +95,31 @@ def plan_and_samples(rank: int) -> tuple[StepPlan, list[list[dict]]]:
     return plan, layout[rank]
 
 
+def own_loss_sum(model, ids: list[int]) -> torch.Tensor:
+    """The model's own loss on one sample alone (its mean over the shifted labels) times their count."""
+    ids_t = torch.tensor([ids])
+    return model(input_ids=ids_t, labels=ids_t).loss * (len(ids) - 1)
+
+
+def oracle(name: str, rank: int) -> tuple[float, dict[str, torch.Tensor]]:
+    """This rank's samples' summed own loss, and the step's gradient: every sample of every rank,
+    its own loss, over the step's label tokens."""
+    model = build(name, attention="eager")
+    layout = [plan_and_samples(r)[1] for r in range(len(RANK_MICRO_BATCHES))]
+    sums = [sum((own_loss_sum(model, s["input_ids"]) for micro in micros for s in micro), torch.zeros(()))
+            for micros in layout]
+    (sum(sums) / plan_and_samples(rank)[0].num_label_tokens).backward()
+    return float(sums[rank]), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def worst_difference(grads: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict:
+    """The largest difference from ``expected`` over every gradient, relative to its largest entry."""
+    assert grads.keys() == expected.keys(), sorted(grads.keys() ^ expected.keys())
+    rel, diff, name = max((float((grads[n] - g).abs().max()) / max(float(g.abs().max()), 1e-12),
+                           float((grads[n] - g).abs().max()), n) for n, g in expected.items())
+    return {"rel": rel, "abs": diff, "worst": name}
+
+
 def run(name: str, rank: int, world: int) -> dict:
     engine = deepspeed_engine(build(name), world)
     grads: list[dict[str, torch.Tensor]] = []
@@ -107,11 +137,10 @@ def run(name: str, rank: int, world: int) -> dict:
         trainer = OdbEngine(DeepSpeedBackend(engine), world_size=world, max_tokens=MAX_TOKENS, pad_token_id=0,
                             loss_chunk_tokens=chunk)
         losses[mode] = trainer.train_step(plan, samples, lr=0.0).loss_sum
-    full, chunked = grads
-    worst = max(((float((chunked[n] - g).abs().max()) / max(float(g.abs().max()), 1e-12),
-                  float((chunked[n] - g).abs().max()), n) for n, g in full.items()), default=(0.0, 0.0, ""))
-    return {"losses": losses, "grad_rel": worst[0], "grad_abs": worst[1], "worst": worst[2],
-            "num_grads": len(full), "grad_norm": float(sum(g.double().pow(2).sum() for g in full.values()) ** 0.5)}
+    losses["oracle"], expected = oracle(name, rank)
+    return {"losses": losses, "num_grads": len(expected),
+            "grads": {mode: worst_difference(g, expected) for mode, g in zip(("full", "chunked"), grads)},
+            "grad_norm": float(sum(g.double().pow(2).sum() for g in expected.values()) ** 0.5)}
 
 
 def main() -> None:
