@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
 if TYPE_CHECKING:
     from odb.batching.plan import StepPlan
 
-LAYERS = ("unit", "sim", "dist", "e2e")
+LAYERS = ("unit", "sim", "proof", "dist", "e2e")
 
 
 def train_defaults():
@@ -53,6 +53,19 @@ def one_step_plan(micro_batches: Sequence[Sequence[dict]], *, padded: bool = Fal
     return StepPlan(epoch=0, step=0, micro_batches=micros, num_label_tokens=sum(m.label_tokens for m in micros),
                     num_samples=sum(len(m.samples) for m in micros), rank_costs=tuple((0,) for _ in micros),
                     rank_tokens=tuple((m.tokens,) for m in micros))
+
+
+def tool_module(name: str):
+    """``tools/<name>.py`` as a module, loaded once (tools/ is no package; dataclasses need the
+    module in sys.modules): its ``main(argv)`` runs in this process."""
+    import importlib.util
+
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 @functools.cache

@@ -25,7 +25,7 @@ from odb.data.processing import SampleDataset, load_data_config  # noqa: E402
 from odb.training.model import load_tokenizer  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokenizer", type=Path, default=REPO / "data" / "tokenizer",
                         help="tokenizer (or model) folder with its chat template")
@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--train_on", choices=("assistant", "last", "all"), default=None)
     parser.add_argument("--max_tokens", type=int, default=None, help="truncate as a run with this cap would")
     parser.add_argument("--records", type=int, default=3, help="how many records to show")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     tokenizer = load_tokenizer(args.tokenizer)
     config = load_data_config(args.data_config, train_on=args.train_on)
     dataset = SampleDataset(args.data, tokenizer, config, max_samples=args.records, truncate_to=args.max_tokens)

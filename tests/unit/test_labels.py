@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer
 
-from conftest import ROOT, bundled_tokenizer
+from conftest import ROOT, bundled_tokenizer, tool_module
 from odb.data.feed import DataError, SampleFeed
 from odb.data.formats import normalize
 from odb.data.images import VisionSpec
@@ -346,14 +346,11 @@ def test_turn_truncation_drops_the_images_of_the_turns_it_drops(tmp_path, with_i
 
 
 @pytest.mark.parametrize("family", ["qwen2_5", "llama3", "mistral", "gemma", "phi3_mini", "deepseek_r1_distill_qwen"])
-def test_show_labels_prints_what_a_run_would_train_on(tmp_path, family):
-    import subprocess
-    import sys
-
+def test_show_labels_prints_what_a_run_would_train_on(tmp_path, family, capsys):
     folder = tmp_path / "tokenizer"
     family_tokenizer(family).save_pretrained(folder)
     data = write_jsonl(tmp_path / "d.jsonl", [{"messages": CONVERSATIONS["multi"]}])
-    out = subprocess.run([sys.executable, str(ROOT / "tools" / "show_labels.py"), "--tokenizer", str(folder),
-                          "--data", str(data)], capture_output=True, text=True, check=True).stdout
+    tool_module("show_labels").main(["--tokenizer", str(folder), "--data", str(data)])
+    out = capsys.readouterr().out
     assert [line.split("label run: ", 1)[1] for line in out.splitlines() if "label run: " in line] == \
         [repr(run) for run in RUNS[family]]

@@ -16,16 +16,12 @@ rescales its logits after the head is refused, and Liger (not installed) is neve
 from __future__ import annotations
 
 import copy
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from test_attention import TEXT, TEXT_FAMILIES, VL_FAMILIES, build, own_loss_sum, text_samples, vl_samples
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import ROOT
 from odb.batching.cost import SampleCost, count_label_tokens
 from odb.batching.plan import MicroBatch, StepPlan
 from odb.training import attention
@@ -292,23 +288,3 @@ def test_liger_is_not_used_where_it_cannot_serve():
     assert HeadLoss(head, softcap=None, num_chunks=2).fused is None
 
 
-def test_bench_memory_tool_prints_one_json_object():
-    """tools/bench_memory.py at a tiny size: its interface, and both paths agree."""
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_memory.py"), "--vocab", "500", "--hidden", "32",
-                           "--tokens", "300", "--chunk-tokens", "64", "--softcap", "30", "--json"],
-                          capture_output=True, text=True, timeout=300, check=True)
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {"full_loss_peak_mb", "chunked_loss_peak_mb", "max_abs_grad_diff", "vocab", "hidden", "tokens",
-            "chunk_tokens"} <= set(report)
-    assert report["num_chunks"] == 5 and report["loss_rel_diff"] <= LOSS_RTOL
-    assert report["max_rel_grad_diff"] <= GRAD_RTOL
-
-
-def test_bench_memory_measures_activation_checkpointing():
-    """tools/bench_memory.py --checkpointing at a tiny size: checkpointing keeps less and the
-    gradients are the plain run's."""
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_memory.py"), "--checkpointing", "--layers", "4",
-                           "--hidden", "128", "--vocab", "500", "--tokens", "2048", "--json"],
-                          capture_output=True, text=True, timeout=300, check=True)
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["checkpointing_peak_mb"] < report["plain_peak_mb"] and report["max_rel_grad_diff"] <= GRAD_RTOL

@@ -1,14 +1,12 @@
 """tools/simulate_cluster.py on a small trace slice: its plans are odb's own, its report keeps its
 keys, and the properties its time model must have hold."""
 
-import importlib.util
 import json
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, tool_module
 from odb.batching import align, stream
 from odb.batching import plan as plan_module
 from odb.batching.config import OdbConfig
@@ -22,12 +20,7 @@ POLICY_KEYS = {"steps", "micro_batch_positions", "micro_batches", "dummy_micro_b
 
 
 def tool():
-    if "simulate_cluster" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("simulate_cluster", ROOT / "tools" / "simulate_cluster.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["simulate_cluster"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["simulate_cluster"]
+    return tool_module("simulate_cluster")
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,10 @@
 """tools/soak_alignment.py at a small size: its interface, and every requested sample planned."""
 
-import importlib.util
 import json
-import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import tool_module
 
 REPORT_KEYS = {"samples", "samples_done", "samples_trained", "ranks", "mode", "epochs", "dataset_size", "trace",
                "max_tokens", "window", "gas", "seed", "tracemalloc", "wall_s", "us_per_sample_wall",
@@ -18,13 +16,7 @@ INTERVAL_KEYS = {"samples", "epochs", "rounds", "plan_us", "fetch_us", "wall_us"
 
 
 def soak_tool():
-    """The tool as a module (tools/ is no package; dataclasses need the module in sys.modules)."""
-    if "soak_alignment" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("soak_alignment", ROOT / "tools" / "soak_alignment.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["soak_alignment"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["soak_alignment"]
+    return tool_module("soak_alignment")
 
 
 def run_main(capsys, *args: str) -> dict:
