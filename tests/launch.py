@@ -1,5 +1,6 @@
-"""Running launch/train.py for real: under the deepspeed launcher (N CPU ranks on gloo) or as
-one plain process, with a timeout so that a hang fails the test instead of stalling CI.
+"""Running launch/train.py for real: N CPU ranks on gloo (the DeepSpeed backend under torchrun or
+DeepSpeed's own runner, FSDP2 under torchrun) or one plain process, with a timeout so that a hang
+fails the test instead of stalling CI.
 
 Every launch gets ``TORCH_EXTENSIONS_DIR`` (the checkout's own .torch_extensions unless the caller
 set one: checkouts and venvs never share DeepSpeed's op builds), DeepSpeed's CPU op built once per
@@ -213,15 +214,23 @@ def shm_leftovers(port: int) -> list[str]:
 
 
 @launches
-def deepspeed(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Path = TRAIN
+def deepspeed(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Path = TRAIN, runner: bool = False
               ) -> subprocess.CompletedProcess:
-    """``script`` (launch/train.py, or a test's worker) on ``nproc`` CPU ranks under the deepspeed
-    launcher; it must succeed and leave no shared memory behind."""
-    launcher = Path(sys.executable).with_name("deepspeed")
+    """``script`` (launch/train.py, or a test's worker) on ``nproc`` CPU ranks of the DeepSpeed
+    backend; it must succeed and leave no shared memory behind.
+
+    The ranks are started by torchrun, which DeepSpeed supports (``deepspeed.init_distributed``
+    reads the environment torchrun sets), or with ``runner=True`` by DeepSpeed's own runner
+    (``deepspeed --num_gpus N``, the README's command): the runner and its per-node launcher are
+    two more Python processes that import torch and DeepSpeed before any rank starts, about 5 s a
+    launch here, so only the tests of what the runner does pay for it."""
     env = launch_env(DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
     build_cpu_ops(env)
-    proc, port = _run(lambda port: [str(launcher), "--num_gpus", str(nproc), "--master_port", str(port),
-                                    str(script), *args], env, timeout)
+    if runner:
+        launcher = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(nproc)]
+    else:
+        launcher = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", str(nproc)]
+    proc, port = _run(lambda port: [*launcher, "--master_port", str(port), str(script), *args], env, timeout)
     left = shm_leftovers(port)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     assert not left, f"the run left DeepSpeed's shared memory behind: {left}"
