@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import os
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -32,6 +33,16 @@ if TYPE_CHECKING:
     from odb.batching.plan import StepPlan
 
 LAYERS = ("unit", "sim", "proof", "dist", "e2e")
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (pyproject.toml): one test process per core, at most 4 and one per 4 GiB of free
+    memory (a launch runs up to 3 ranks of about 0.6 GiB, the test's own oracle beside them): on the
+    2-core CI machine, 2."""
+    import psutil
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, 4, psutil.virtual_memory().available // 2 ** 32))
 
 
 def train_defaults():

@@ -1,6 +1,6 @@
 """Every small instance, not a sample of them: the guarantees checked as a finite proof (shared by
 tests/sim/test_exhaustive.py, the smallest instances, in the loop while coding, and
-tests/proof/test_exhaustive.py, the rest, in the full suite).
+tests/proof/test_exhaustive_large.py, the rest, in the full suite).
 
 Instances: up to 6 samples of lengths {1, 3} (cap 4: 1+3 fills a bin, 3+3 does not fit, 1+1
 waits for more), dealt to 2-3 ranks in every possible way (static shards) or through the
