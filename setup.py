@@ -31,7 +31,8 @@ setup(
         "pillow>=10",  # images for multimodal samples
     ],
     extras_require={
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hypothesis>=6.100", "matplotlib>=3.7", "wandb>=0.19",
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hypothesis>=6.100", "matplotlib>=3.7",
+                "wandb>=0.19",
                 "psutil>=5.9",  # tests/launch.py watches the launcher's processes (deepspeed needs it too)
                 "ruff>=0.6"],
         "wandb": ["wandb>=0.19"],

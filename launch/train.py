@@ -18,7 +18,7 @@ sys.path.insert(0, str(REPO))
 from odb.training.cli import FileDefaults, parse_config  # noqa: E402
 from odb.training.environment import check_network, rank_environment  # noqa: E402
 from odb.training.faults import EXIT_PREEMPTED, Preempted  # noqa: E402
-from odb.training.run import Trainer  # noqa: E402
+from odb.training.run import Trainer, end_process  # noqa: E402
 from odb.training.startup import StartupError, check_startup  # noqa: E402
 
 DEFAULTS = FileDefaults.bundled(REPO)
@@ -40,12 +40,13 @@ def main() -> None:
     except Preempted as stop:  # SIGTERM / SIGUSR1: every rank saved at the same step
         trainer.shutdown(stop)
         trainer.log(f"odb: {stop}")
-        sys.exit(EXIT_PREEMPTED)
+        end_process(EXIT_PREEMPTED)
     except BaseException as error:
         trainer.shutdown(error)  # local: workers, files, W&B (failed), process group
         raise
     else:
         trainer.shutdown()
+        end_process(0)  # (skips the interpreter's teardown of the libraries' modules: see end_process)
 
 
 if __name__ == "__main__":
