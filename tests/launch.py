@@ -165,19 +165,22 @@ def build_cpu_ops(env: dict[str, str] | None = None, timeout: int = 900) -> None
     """DeepSpeed's CPU op (the shared-memory all-reduce every rank loads on DS_ACCELERATOR=cpu),
     built once per test session in the launches' extension folder, before the first DeepSpeed
     launch: not by the ranks of a launch, on its clock, each waiting in torch's build lock. One
-    process at a time builds (a lock file next to the builds, for sessions run side by side); a
-    folder whose torch build lock is there already (a build running, or one left by a killed
+    process at a time builds (a lock file next to the builds, for test processes and sessions run
+    side by side: the others wait for it, then find the op built); a folder whose torch build lock
+    is there while no test process builds (a build outside the tests, or one left by a killed
     build, which odb itself reports) is left to the launch."""
     env = env if env is not None else launch_env()
     env = {**env, "DS_ACCELERATOR": "cpu"}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(EXTENSIONS))
     folder = Path(env["TORCH_EXTENSIONS_DIR"])
-    if str(folder) in _BUILT or (folder / "deepspeed_shm_comm" / "lock").exists():
+    if str(folder) in _BUILT:
         return
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".tests_build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # first: another test process's build ends before this one looks
         try:
+            if (folder / "deepspeed_shm_comm" / "lock").exists():
+                return  # torch's lock of a build outside the tests, or left by a killed one
             proc = subprocess.run([sys.executable, "-c", BUILD_CPU_OP], capture_output=True, text=True,
                                   timeout=timeout, env=env, cwd=ROOT)
         finally:
@@ -224,7 +227,9 @@ def deepspeed(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Pa
     (``deepspeed --num_gpus N``, the README's command): the runner and its per-node launcher are
     two more Python processes that import torch and DeepSpeed before any rank starts, about 5 s a
     launch here, so only the tests of what the runner does pay for it."""
-    env = launch_env(DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+    # LOCAL_SIZE: DeepSpeed's CPU all-reduce uses shared memory only where it equals the world size
+    # (its runner sets it; torchrun does not), so the launches check that buffer's removal either way
+    env = launch_env(DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", **({} if runner else {"LOCAL_SIZE": str(nproc)}))
     build_cpu_ops(env)
     if runner:
         launcher = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(nproc)]

@@ -10,6 +10,7 @@ order: ``finish`` on success, ``shutdown`` always (with the error, if one was ra
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
 import os
 import sys
@@ -310,20 +311,25 @@ class Trainer:
 
 
 def end_process(code: int) -> None:
-    """Ends this process with ``code`` after :meth:`Trainer.shutdown`, as the interpreter would but
-    for its last part: other threads that are not daemons are waited for, the exit handlers run
-    (temporary folders, W&B's service, logging) and the streams are flushed; then the process exits
-    without tearing down the modules of torch, transformers and DeepSpeed one object at a time,
-    which took 1-2 s per rank of the tiny run here (docs/operations.md) and runs no code of the run's."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    """Ends this process with ``code`` after :meth:`Trainer.shutdown`, as the interpreter's own exit
+    begins: other threads that are not daemons are waited for (with the exit hooks of the
+    ``threading`` module, which stop idle executor workers), the exit handlers run (temporary
+    folders, W&B's service, logging) and Python's and the C library's output buffers are flushed.
+    Then the process exits without what the interpreter does last: destroying the modules of torch,
+    transformers and DeepSpeed one object at a time, 1-2 s per rank of the tiny run here
+    (docs/operations.md), and with them the destructors of objects still alive (a file the run left
+    open unflushed would lose its buffer: odb closes its files in the shutdown)."""
+    threading._shutdown()  # what Py_Finalize calls first: threading's exit hooks, then joins the threads
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe: nothing left to say
             pass
+    try:
+        ctypes.CDLL(None).fflush(None)  # C-level stdio buffers (a library's printf to a pipe)
+    except (OSError, AttributeError):
+        pass
     os._exit(code)
 
 

@@ -1,6 +1,6 @@
 """``build_model`` at ZeRO-3 on 2 CPU ranks (gloo), launched and checked by tests/e2e/test_big_models.py:
 
-    deepspeed --num_gpus 2 tests/e2e/big_models_worker.py OUT
+    torchrun --nproc_per_node 2 tests/e2e/big_models_worker.py OUT
 
 Every parameter partitioned (``stage3_param_persistence_threshold: 0``). For the tiny text model,
 with LoRA, and the tiny Qwen2-VL model: the model built partitioned (random init, and a saved

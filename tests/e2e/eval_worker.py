@@ -1,6 +1,6 @@
-"""One rank of the evaluation test (tests/e2e/test_evaluate.py), started by the deepspeed launcher.
+"""One rank of the evaluation test (tests/e2e/test_evaluate.py), started by torchrun (or DeepSpeed's runner).
 
-Usage: deepspeed --num_gpus W tests/e2e/eval_worker.py SCENARIO.json
+Usage: torchrun --nproc_per_node W tests/e2e/eval_worker.py SCENARIO.json
 
 The scenario: ``model`` (a config JSON), ``data``, ``max_samples``, ``image_folder`` (or null),
 ``evals`` (each ``{"name", "batching": odb settings over configs/odb.json, "num_workers"}``),
@@ -123,7 +123,7 @@ def run(scenario: dict, rank: int, world: int) -> dict:
 
 
 def main() -> None:
-    scenario = json.loads(Path(sys.argv[-1]).read_text())  # the launcher puts --local_rank first
+    scenario = json.loads(Path(sys.argv[-1]).read_text())  # (DeepSpeed's runner puts --local_rank first)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     deepspeed.init_distributed(timeout=timedelta(seconds=120))

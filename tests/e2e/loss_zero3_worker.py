@@ -1,6 +1,6 @@
-"""One rank of tests/e2e/test_loss_zero3.py, started by the deepspeed launcher.
+"""One rank of tests/e2e/test_loss_zero3.py, started by torchrun (or DeepSpeed's runner).
 
-Usage: deepspeed --num_gpus 2 tests/e2e/loss_zero3_worker.py OUT_FOLDER
+Usage: torchrun --nproc_per_node 2 tests/e2e/loss_zero3_worker.py OUT_FOLDER
 
 For each tiny model (Gemma-2: tied embeddings, final soft-capping 30; Qwen2 with LoRA on
 attention and the LM head), under ZeRO-3 with every parameter partitioned (persistence threshold
@@ -144,7 +144,7 @@ def run(name: str, rank: int, world: int) -> dict:
 
 
 def main() -> None:
-    out = Path(sys.argv[-1])  # the launcher puts --local_rank first
+    out = Path(sys.argv[-1])  # (DeepSpeed's runner puts --local_rank first)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(1)
     deepspeed.init_distributed(timeout=timedelta(seconds=120))

@@ -1,6 +1,6 @@
-"""One rank of tests/e2e/test_reshard.py, started by the deepspeed launcher.
+"""One rank of tests/e2e/test_reshard.py, started by torchrun (or DeepSpeed's runner).
 
-Usage: deepspeed --num_gpus W tests/e2e/reshard_worker.py ROOT JOB [JOB ...]
+Usage: torchrun --nproc_per_node W tests/e2e/reshard_worker.py ROOT JOB [JOB ...]
 
 Each JOB is ``PHASE:STAGE:MODEL:PRECISION`` (``save:2:full:fp32``, ``load:2:lora:bf16``, ...),
 run in turn, each with an engine of its own, and works in ``ROOT/<case>/`` where case is
@@ -172,7 +172,7 @@ def run_job(job: str, root: Path, *, rank: int, world: int) -> dict:
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher adds --local_rank
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # (DeepSpeed's runner adds --local_rank)
     root, jobs = Path(args[0]), args[1:]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(1)

@@ -1,7 +1,7 @@
 """``save_hf`` inside a live DeepSpeed ZeRO-3 run on 2 CPU ranks (gloo); tests/e2e/test_export.py
 launches it and checks what it reports:
 
-    deepspeed --num_gpus 2 tests/e2e/save_hf_worker.py OUT
+    torchrun --nproc_per_node 2 tests/e2e/save_hf_worker.py OUT
 
 For full fine-tuning and for LoRA, on the tiny model with every parameter partitioned
 (``stage3_param_persistence_threshold: 0``): one training step, the engine's own forward on a held

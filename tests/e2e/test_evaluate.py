@@ -5,7 +5,7 @@ The oracle: one process, no DeepSpeed, no packing, the same weights in a model w
 (shifted inside the sample) summed in float64 over every sample, / the label tokens. The evaluator
 must give the same number to 1e-6 on simulated ranks (any world size, packed or one sample per
 micro-batch, skipped, dropped and truncated records) and on 1 and 2 ZeRO-3 ranks under the
-deepspeed launcher (tests/e2e/eval_worker.py), text and a tiny Qwen2-VL with images.
+DeepSpeed backend (tests/e2e/eval_worker.py), text and a tiny Qwen2-VL with images.
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def test_no_label_tokens_gives_no_loss_and_an_error_restores_the_mode_it_found(t
         assert [e.module.training for e in engines] == [training, training]
 
 
-# ---- real ranks: ZeRO-3 under the deepspeed launcher ---------------------------------------------
+# ---- real ranks: ZeRO-3 under torchrun (tests/launch.py deepspeed()) ------------------------------
 
 def launch(tmp_path: Path, scenario: dict, nproc: int) -> list[dict]:
     """Runs eval_worker.py on ``nproc`` CPU ranks; every rank's JSON. The launch must leave no

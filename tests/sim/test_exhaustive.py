@@ -1,6 +1,7 @@
-"""The smallest instances of the finite proof (tests/exhaustive.py): every instance of up to 4
-samples on 2 ranks and 3 samples on 3 ranks, static and dynamic, in the loop while coding. The
-larger ones (up to 6 samples, about 2 minutes) are tests/proof/test_exhaustive_large.py."""
+"""The smallest instances of the finite proof (tests/exhaustive.py), in the loop while coding:
+every static instance of up to 4 samples on 2 ranks and 3 samples on 3 ranks, every dynamic one
+of up to 4 samples. The larger ones (up to 6 samples, about 90 s) are
+tests/proof/test_exhaustive_large.py."""
 
 import pytest
 
