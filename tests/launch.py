@@ -216,6 +216,13 @@ def shm_leftovers(port: int) -> list[str]:
     return [path.name for path in left]
 
 
+def launcher(name: str, nproc: int) -> list[str]:
+    """The start of a launch command: DeepSpeed's runner (``deepspeed``) or ``torchrun`` of this
+    environment, for ``nproc`` ranks on this host."""
+    flag = {"deepspeed": "--num_gpus", "torchrun": "--nproc_per_node"}[name]
+    return [str(Path(sys.executable).with_name(name)), flag, str(nproc)]
+
+
 @launches
 def deepspeed(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Path = TRAIN, runner: bool = False
               ) -> subprocess.CompletedProcess:
@@ -231,11 +238,8 @@ def deepspeed(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Pa
     # (its runner sets it; torchrun does not), so the launches check that buffer's removal either way
     env = launch_env(DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", **({} if runner else {"LOCAL_SIZE": str(nproc)}))
     build_cpu_ops(env)
-    if runner:
-        launcher = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(nproc)]
-    else:
-        launcher = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", str(nproc)]
-    proc, port = _run(lambda port: [*launcher, "--master_port", str(port), str(script), *args], env, timeout)
+    start = launcher("deepspeed" if runner else "torchrun", nproc)
+    proc, port = _run(lambda port: [*start, "--master_port", str(port), str(script), *args], env, timeout)
     left = shm_leftovers(port)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     assert not left, f"the run left DeepSpeed's shared memory behind: {left}"
@@ -246,9 +250,8 @@ def deepspeed(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Pa
 def torchrun(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Path = TRAIN
              ) -> subprocess.CompletedProcess:
     """``script`` on ``nproc`` CPU ranks under torchrun (the FSDP2 backend's launcher); it must succeed."""
-    launcher = Path(sys.executable).with_name("torchrun")
-    proc, _ = _run(lambda port: [str(launcher), "--nproc_per_node", str(nproc), "--master_port", str(port),
-                                 str(script), *args], launch_env(PYTHONUNBUFFERED="1"), timeout)
+    proc, _ = _run(lambda port: [*launcher("torchrun", nproc), "--master_port", str(port), str(script), *args],
+                   launch_env(PYTHONUNBUFFERED="1"), timeout)
     assert proc.returncode == 0, f"{proc.stdout[-1500:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
     return proc
 
@@ -271,12 +274,11 @@ def deepspeed_watched(args: list[str], *, nproc: int = 2, timeout: int = 300
                       ) -> tuple[int, str, list[tuple[psutil.Process, int, str]]]:
     """The launcher, watched: its exit code, its output, and every process seen under it while it
     ran (each with its parent's pid and its command line, as first seen), polled every 0.1 s."""
-    launcher = Path(sys.executable).with_name("deepspeed")
     env = launch_env(DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
     build_cpu_ops(env)
     for attempt in (1, 2):
         port, held = _reserve_port()
-        cmd = [str(launcher), "--num_gpus", str(nproc), "--master_port", str(port), str(TRAIN), *args]
+        cmd = [*launcher("deepspeed", nproc), "--master_port", str(port), str(TRAIN), *args]
         seen: dict[int, tuple[psutil.Process, int, str]] = {}
         with tempfile.TemporaryFile("w+") as output:
             try:
@@ -327,8 +329,8 @@ class Run:
         self.port = port
         try:
             if not self.apart:
-                cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(self._nproc),
-                       "--master_port", str(self.port), str(TRAIN), *self._args]
+                cmd = [*launcher("deepspeed", self._nproc), "--master_port", str(self.port), str(TRAIN),
+                       *self._args]
                 self.procs = [subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
                                                env=self._env, cwd=ROOT)]
             else:

@@ -90,6 +90,3 @@ def _initialize_weights_gathered(model) -> None:
 
     with guard_torch_init_functions():
         visit(model, model._initialize_weights)
-
-
-
