@@ -1,12 +1,12 @@
-"""Running launch/train.py for real: N CPU ranks on gloo (the DeepSpeed backend under torchrun or
-DeepSpeed's own runner, FSDP2 under torchrun) or one plain process, with a timeout so that a hang
-fails the test instead of stalling CI.
+"""Running launch/train.py for real: N CPU ranks on gloo (the DeepSpeed backend as one process per
+rank, as ``srun`` starts them, or under DeepSpeed's own runner; FSDP2 under torchrun) or one plain
+process, with a timeout so that a hang fails the test instead of stalling CI.
 
 Every launch gets ``TORCH_EXTENSIONS_DIR`` (the checkout's own .torch_extensions unless the caller
 set one: checkouts and venvs never share DeepSpeed's op builds), DeepSpeed's CPU op built once per
 test session before the first DeepSpeed launch (:func:`build_cpu_ops`, not by every rank of the
 first launch on the launch's clock), and a rendezvous port from :func:`free_port` held until the
-launcher starts; a launch whose port was taken all the same is started once more on another."""
+launcher (or the ranks) start; a launch whose port was taken all the same is started once more on another."""
 
 from __future__ import annotations
 
@@ -224,22 +224,81 @@ def launcher(name: str, nproc: int) -> list[str]:
 
 
 @launches
+def _ranks(script: Path, args: list[str], nproc: int, env: dict[str, str], timeout: float
+           ) -> tuple[subprocess.CompletedProcess, int]:
+    """``script`` started ``nproc`` times on this host, one process per rank with its rank's
+    environment (what torchrun or ``srun`` give a rank: RANK, LOCAL_RANK, WORLD_SIZE, ...), and no
+    launcher process over them. Run to the end: the first exit code that is not 0 (else 0), and
+    every rank's output, rank 0's first. Like a launcher, it ends the others once one has failed
+    (after ``GRACE_S``, for them to say why on their own). Started once more on another port if the
+    first was taken."""
+    for attempt in (1, 2):
+        port, held = _reserve_port()
+        logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(nproc)]
+        procs = []
+        try:
+            for rank, (out, err) in enumerate(logs):
+                rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                            "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+                rank_env.setdefault("OMP_NUM_THREADS", "1")  # (as torchrun sets it)
+                procs.append(subprocess.Popen([sys.executable, str(script), *args], stdout=out, stderr=err,
+                                              text=True, env=rank_env, cwd=ROOT))
+        finally:
+            held.close()
+        deadline, failed_at = time.monotonic() + timeout, None
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+                failed_at = now
+            if now > deadline or (failed_at is not None and now > failed_at + GRACE_S):
+                for proc in procs:
+                    if proc.poll() is None:
+                        _kill_tree(proc)
+                        proc.wait()
+                if now > deadline:
+                    shm_leftovers(port)
+                    raise subprocess.TimeoutExpired([str(script), *args], timeout)
+            time.sleep(0.1)
+        texts = []
+        for out, err in logs:
+            out.seek(0), err.seek(0)
+            texts.append((out.read(), err.read()))
+            out.close(), err.close()
+        codes = [p.returncode for p in procs]
+        done = subprocess.CompletedProcess([sys.executable, str(script), *args], next((c for c in codes if c), 0),
+                                           "".join(o for o, _ in texts), "".join(e for _, e in texts))
+        if attempt == 1 and _port_taken(done.returncode, done.stdout + done.stderr, port):
+            shm_leftovers(port)
+            continue
+        return done, port
+    raise AssertionError("unreachable")
+
+
+GRACE_S = 10  # after one rank failed, the others' time to end on their own (gloo fails their next collective)
+
+
+@launches
 def deepspeed(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Path = TRAIN, runner: bool = False
               ) -> subprocess.CompletedProcess:
     """``script`` (launch/train.py, or a test's worker) on ``nproc`` CPU ranks of the DeepSpeed
     backend; it must succeed and leave no shared memory behind.
 
-    The ranks are started by torchrun, which DeepSpeed supports (``deepspeed.init_distributed``
-    reads the environment torchrun sets), or with ``runner=True`` by DeepSpeed's own runner
-    (``deepspeed --num_gpus N``, the README's command): the runner and its per-node launcher are
-    two more Python processes that import torch and DeepSpeed before any rank starts, about 5 s a
-    launch here, so only the tests of what the runner does pay for it."""
+    Each rank is its own process with the environment a launcher gives it (:func:`_ranks`, as
+    ``srun`` starts the ranks of launch/slurm.sbatch), or with ``runner=True`` DeepSpeed's own
+    runner starts them (``deepspeed --num_gpus N``, the README's command). A launcher is one more
+    Python process that imports torch before any rank starts (the runner two, with DeepSpeed: about
+    2 s and 5 s of CPU a launch here), so only the tests of what the launchers do pay for one:
+    ``runner=True`` here, :class:`Run`, :func:`deepspeed_watched`, and :func:`torchrun` (FSDP2's
+    launcher, with its own store)."""
     # LOCAL_SIZE: DeepSpeed's CPU all-reduce uses shared memory only where it equals the world size
-    # (its runner sets it; torchrun does not), so the launches check that buffer's removal either way
+    # (its runner sets it), so every launch checks that buffer's removal
     env = launch_env(DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", **({} if runner else {"LOCAL_SIZE": str(nproc)}))
     build_cpu_ops(env)
-    start = launcher("deepspeed" if runner else "torchrun", nproc)
-    proc, port = _run(lambda port: [*start, "--master_port", str(port), str(script), *args], env, timeout)
+    if runner:
+        start = launcher("deepspeed", nproc)
+        proc, port = _run(lambda port: [*start, "--master_port", str(port), str(script), *args], env, timeout)
+    else:
+        proc, port = _ranks(script, args, nproc, env, timeout)
     left = shm_leftovers(port)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     assert not left, f"the run left DeepSpeed's shared memory behind: {left}"
