@@ -2,7 +2,7 @@
 
 Every test is marked with its layer, the folder it lives in: ``unit``, ``sim``, ``dist`` or ``e2e``
 (declared in pyproject.toml). A test that starts a process through tests/launch.py (it calls a
-helper marked ``@launches`` there: ``deepspeed``, ``torchrun``, ``plain``, ``Run``, ... directly,
+helper marked ``@launches`` there: ``deepspeed``, ``fsdp2``, ``plain``, ``Run``, ... directly,
 through a helper of its module or a function nested in it, or through a fixture) is ``e2e``
 wherever it lives, and so is one marked ``@pytest.mark.e2e`` by hand. Such tests live in
 tests/e2e: tests/unit/test_layers_of_tests.py fails on one found in tests/unit or tests/sim. The

@@ -1,6 +1,7 @@
-"""Running launch/train.py for real: N CPU ranks on gloo (the DeepSpeed backend as one process per
-rank, as ``srun`` starts them, or under DeepSpeed's own runner; FSDP2 under torchrun) or one plain
-process, with a timeout so that a hang fails the test instead of stalling CI.
+"""Running launch/train.py for real: N CPU ranks on gloo, each rank its own process with the
+environment a launcher gives it (as ``srun`` starts the ranks of launch/slurm.sbatch), or under
+DeepSpeed's own runner; or one plain process. With a timeout, so that a hang fails the test instead
+of stalling CI.
 
 Every launch gets ``TORCH_EXTENSIONS_DIR`` (the checkout's own .torch_extensions unless the caller
 set one: checkouts and venvs never share DeepSpeed's op builds), DeepSpeed's CPU op built once per
@@ -216,11 +217,9 @@ def shm_leftovers(port: int) -> list[str]:
     return [path.name for path in left]
 
 
-def launcher(name: str, nproc: int) -> list[str]:
-    """The start of a launch command: DeepSpeed's runner (``deepspeed``) or ``torchrun`` of this
-    environment, for ``nproc`` ranks on this host."""
-    flag = {"deepspeed": "--num_gpus", "torchrun": "--nproc_per_node"}[name]
-    return [str(Path(sys.executable).with_name(name)), flag, str(nproc)]
+def runner(nproc: int) -> list[str]:
+    """The start of a command of DeepSpeed's runner of this environment, for ``nproc`` ranks on this host."""
+    return [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(nproc)]
 
 
 @launches
@@ -278,25 +277,24 @@ GRACE_S = 10  # after one rank failed, the others' time to end on their own (glo
 
 
 @launches
-def deepspeed(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Path = TRAIN, runner: bool = False
+def deepspeed(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Path = TRAIN, use_runner: bool = False
               ) -> subprocess.CompletedProcess:
     """``script`` (launch/train.py, or a test's worker) on ``nproc`` CPU ranks of the DeepSpeed
     backend; it must succeed and leave no shared memory behind.
 
     Each rank is its own process with the environment a launcher gives it (:func:`_ranks`, as
-    ``srun`` starts the ranks of launch/slurm.sbatch), or with ``runner=True`` DeepSpeed's own
+    ``srun`` starts the ranks of launch/slurm.sbatch), or with ``use_runner=True`` DeepSpeed's own
     runner starts them (``deepspeed --num_gpus N``, the README's command). A launcher is one more
-    Python process that imports torch before any rank starts (the runner two, with DeepSpeed: about
-    2 s and 5 s of CPU a launch here), so only the tests of what the launchers do pay for one:
-    ``runner=True`` here, :class:`Run`, :func:`deepspeed_watched`, and :func:`torchrun` (FSDP2's
-    launcher, with its own store)."""
+    Python process that imports torch and watches its ranks (the runner two; a tiny 2-rank run here
+    took 13 CPU-seconds started this way, about 15 under torchrun), so only the tests of what the
+    launchers do pay for one: ``use_runner=True`` here, :class:`Run` and :func:`deepspeed_watched`
+    (torchrun: tests/e2e/test_torchrun_restarts.py)."""
     # LOCAL_SIZE: DeepSpeed's CPU all-reduce uses shared memory only where it equals the world size
     # (its runner sets it), so every launch checks that buffer's removal
-    env = launch_env(DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", **({} if runner else {"LOCAL_SIZE": str(nproc)}))
+    env = launch_env(DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", **({} if use_runner else {"LOCAL_SIZE": str(nproc)}))
     build_cpu_ops(env)
-    if runner:
-        start = launcher("deepspeed", nproc)
-        proc, port = _run(lambda port: [*start, "--master_port", str(port), str(script), *args], env, timeout)
+    if use_runner:
+        proc, port = _run(lambda port: [*runner(nproc), "--master_port", str(port), str(script), *args], env, timeout)
     else:
         proc, port = _ranks(script, args, nproc, env, timeout)
     left = shm_leftovers(port)
@@ -306,11 +304,12 @@ def deepspeed(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Pa
 
 
 @launches
-def torchrun(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Path = TRAIN
-             ) -> subprocess.CompletedProcess:
-    """``script`` on ``nproc`` CPU ranks under torchrun (the FSDP2 backend's launcher); it must succeed."""
-    proc, _ = _run(lambda port: [*launcher("torchrun", nproc), "--master_port", str(port), str(script), *args],
-                   launch_env(PYTHONUNBUFFERED="1"), timeout)
+def fsdp2(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Path = TRAIN
+          ) -> subprocess.CompletedProcess:
+    """``script`` on ``nproc`` CPU ranks of the FSDP2 backend, each rank its own process with the
+    environment torchrun gives it (:func:`_ranks`); it must succeed. (torchrun itself, with its
+    agent's store and restarts: tests/e2e/test_torchrun_restarts.py.)"""
+    proc, _ = _ranks(script, args, nproc, launch_env(PYTHONUNBUFFERED="1"), timeout)
     assert proc.returncode == 0, f"{proc.stdout[-1500:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
     return proc
 
@@ -337,7 +336,7 @@ def deepspeed_watched(args: list[str], *, nproc: int = 2, timeout: int = 300
     build_cpu_ops(env)
     for attempt in (1, 2):
         port, held = _reserve_port()
-        cmd = [*launcher("deepspeed", nproc), "--master_port", str(port), str(TRAIN), *args]
+        cmd = [*runner(nproc), "--master_port", str(port), str(TRAIN), *args]
         seen: dict[int, tuple[psutil.Process, int, str]] = {}
         with tempfile.TemporaryFile("w+") as output:
             try:
@@ -388,7 +387,7 @@ class Run:
         self.port = port
         try:
             if not self.apart:
-                cmd = [*launcher("deepspeed", self._nproc), "--master_port", str(self.port), str(TRAIN),
+                cmd = [*runner(self._nproc), "--master_port", str(self.port), str(TRAIN),
                        *self._args]
                 self.procs = [subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
                                                env=self._env, cwd=ROOT)]

@@ -25,6 +25,7 @@ from odb.data.collate import collate_packed  # noqa: E402
 from odb.training.backends import deepspeed as ds_backend  # noqa: E402
 from odb.training.model import build_model  # noqa: E402
 from odb.training.mrope import packed_position_ids  # noqa: E402
+from odb.training.run import end_process  # noqa: E402
 
 TINY = ROOT / "configs" / "tiny_model.json"
 VL = ROOT / "configs" / "tiny_vl_model.json"
@@ -176,3 +177,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[-1]))
+    end_process(0)  # as launch/train.py ends: no C++ destructors of torch's threads at exit

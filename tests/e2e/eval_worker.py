@@ -36,6 +36,7 @@ from odb.training.backends.deepspeed import DeepSpeedBackend, release  # noqa: E
 from odb.training.engine import BLANK_IMAGE_TOKENS, OdbEngine  # noqa: E402
 from odb.training.evaluate import Evaluator  # noqa: E402
 from odb.training.model import build_model, load_tokenizer, vision_spec  # noqa: E402
+from odb.training.run import end_process  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -138,3 +139,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process(0)  # as launch/train.py ends: no C++ destructors of torch's threads at exit

@@ -38,6 +38,7 @@ from odb.batching.plan import MicroBatch, StepPlan  # noqa: E402
 from odb.training.attention import register  # noqa: E402
 from odb.training.backends.deepspeed import DeepSpeedBackend, release  # noqa: E402
 from odb.training.engine import OdbEngine  # noqa: E402
+from odb.training.run import end_process  # noqa: E402
 
 TEXT = {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "initializer_range": 0.1,
@@ -159,3 +160,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process(0)  # as launch/train.py ends: no C++ destructors of torch's threads at exit

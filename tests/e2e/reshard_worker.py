@@ -58,6 +58,7 @@ from odb.training.backends.universal import prepare_load  # noqa: E402
 from odb.training.config import OptimizationSettings  # noqa: E402
 from odb.training.engine import token_loss_sum  # noqa: E402
 from odb.training.model import load_tokenizer  # noqa: E402
+from odb.training.run import end_process  # noqa: E402
 
 TAG = "step2"
 ROWS, TOKENS = 6, 24  # rows divide among 2 and 3 ranks
@@ -196,3 +197,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process(0)  # as launch/train.py ends: no C++ destructors of torch's threads at exit

@@ -34,6 +34,7 @@ from odb.training.faults import (  # noqa: E402
     connect_store,
     process_group_kwargs,
 )
+from odb.training.run import end_process  # noqa: E402
 
 TIMEOUT_S = 4.0  # heartbeats every 0.5 s, a peer's abort acted on 1.5 s after it is read
 
@@ -70,3 +71,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process(0)  # as launch/train.py ends: no C++ destructors of torch's threads at exit

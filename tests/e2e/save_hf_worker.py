@@ -25,6 +25,7 @@ from odb.training.backends.deepspeed import DeepSpeedBackend, release  # noqa: E
 from odb.training.engine import token_loss_sum  # noqa: E402
 from odb.training.export import save_hf  # noqa: E402
 from odb.training.model import build_model, load_tokenizer  # noqa: E402
+from odb.training.run import end_process  # noqa: E402
 
 TINY = ROOT / "configs" / "tiny_model.json"
 DS_CONFIG = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
@@ -101,3 +102,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[-1]))
+    end_process(0)  # as launch/train.py ends: no C++ destructors of torch's threads at exit

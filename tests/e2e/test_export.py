@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import bundled_tokenizer
-from launch import ROOT, deepspeed, ds_config, odb_config, torchrun, write_json
+from launch import ROOT, deepspeed, ds_config, fsdp2, odb_config, write_json
 from odb.data.images import ImageProcessor, VisionSpec
 from odb.data.processing import SampleDataset
 from odb.training.export import export_checkpoint, find_checkpoint
@@ -180,7 +180,7 @@ def test_lora_on_the_head_of_a_tied_embedding_model_exports_merged(tmp_path, cas
               "--warmup_ratio", "0", "--num_workers", "0", "--lr", "1e-2", "--output_dir", str(out),
               "--lora", str(write_json(tmp_path / "lora.json", lora)), "--save_hf"]
     if backend == "fsdp2":
-        torchrun(["--backend", "fsdp2", *common])
+        fsdp2(["--backend", "fsdp2", *common])
     else:
         deepspeed(["--deepspeed_config", str(ds_config(tmp_path, 2)), *common])
     oracle = get_peft_model(fresh_model(), LoraConfig(task_type="CAUSAL_LM", **lora)).eval()

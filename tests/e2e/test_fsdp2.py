@@ -1,4 +1,4 @@
-"""The FSDP2 backend end to end on CPU: torchrun, 2 ranks on gloo, ``launch/train.py --backend fsdp2``.
+"""The FSDP2 backend end to end on CPU: 2 ranks on gloo, ``launch/train.py --backend fsdp2``.
 
 Oracles: one process's gradient of (sum of token losses) / (label tokens) with the model's own
 forward on each sample alone; an uninterrupted run for resume; the checkpoint's weights for the
@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import bundled_tokenizer
-from launch import ROOT, Run, audit, deepspeed, ds_config, odb_config, steps_trained, torchrun, write_json
+from launch import ROOT, Run, audit, deepspeed, ds_config, fsdp2, odb_config, steps_trained, write_json
 from odb.data.processing import DataConfig, SampleDataset
 from odb.training.engine import token_loss_sum
 from odb.training.export import export_checkpoint
@@ -77,7 +77,7 @@ def test_one_step_on_two_ranks_equals_one_process(tmp_path, case):
         build_model(TINY, seed=5, vocab_size=len(TOKENIZER)).save_pretrained(model_path)
         TOKENIZER.save_pretrained(model_path)
     out, lr = tmp_path / "out", 1e4  # a large step: the update dominates the fp32 rounding of the weights
-    torchrun(["--backend", "fsdp2", "--fsdp_config", str(fsdp_config(tmp_path, gradient_clipping=0.0, **fsdp_settings)),
+    fsdp2(["--backend", "fsdp2", "--fsdp_config", str(fsdp_config(tmp_path, gradient_clipping=0.0, **fsdp_settings)),
               "--model", str(model_path), "--data", str(data), "--max_samples", "3",
               "--odb_config", str(odb_config(tmp_path, max_tokens=max_tokens, window=4, gas=2, sharding="static")),
               "--output_dir", str(out), "--optimizer", "sgd", "--lr", str(lr), "--warmup_ratio", "0",
@@ -136,13 +136,13 @@ def test_a_run_is_aligned_exactly_once_resumes_exactly_exports_and_matches_deeps
               "--odb_config", str(odb_config(tmp_path, max_tokens=512, window=16, gas=2))]
     fsdp = ["--backend", "fsdp2", *common]
     full, part, ds = tmp_path / "full", tmp_path / "part", tmp_path / "ds"
-    torchrun([*fsdp, "--output_dir", str(full), "--save_hf"])
+    fsdp2([*fsdp, "--output_dir", str(full), "--save_hf"])
     rows = check_audit(full, 2, 120)
-    torchrun([*fsdp, "--output_dir", str(part), "--max_steps", "3", "--save_steps", "3", "--no_final_checkpoint"])
+    fsdp2([*fsdp, "--output_dir", str(part), "--max_steps", "3", "--save_steps", "3", "--no_final_checkpoint"])
     first = audit(part, 2)
     for rank in range(2):
         (part / f"emitted_ids.rank{rank}.jsonl").rename(part / f"first.rank{rank}.jsonl")
-    proc = torchrun([*fsdp, "--output_dir", str(part), "--resume"])
+    proc = fsdp2([*fsdp, "--output_dir", str(part), "--resume"])
     assert "resumed from" in proc.stdout
     second = audit(part, 2)
     assert [a + b for a, b in zip(first, second)] == rows  # the same micro-batches, before and after
@@ -189,7 +189,7 @@ def test_a_run_is_aligned_exactly_once_resumes_exactly_exports_and_matches_deeps
 def test_a_signal_stops_every_rank_at_one_step_and_the_run_resumes_on_three_ranks(tmp_path):
     """The stop, the watchdog and the resume do not know the backend: SIGUSR1 to rank 1 of 2 (each
     rank its own process, no launcher) saves one checkpoint at one step and exits 75 everywhere;
-    torchrun on 3 ranks resumes it (DCP reshards the model and optimizer, odb re-deals the samples):
+    3 ranks resume it (DCP reshards the model and optimizer, odb re-deals the samples):
     every sample exactly once, the loss goes on where it was, and a validation loss at the end."""
     out, samples = tmp_path / "out", 300
     args = ["--backend", "fsdp2", "--odb_config", str(odb_config(tmp_path, max_tokens=512, window=16)),
@@ -208,7 +208,7 @@ def test_a_signal_stops_every_rank_at_one_step_and_the_run_resumes_on_three_rank
     assert len(stopped) == 1 and (out / "checkpoints" / "latest").read_text() == f"step{min(stopped)}"
     before = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
-    proc = torchrun([*args, "--resume"], nproc=3)
+    proc = fsdp2([*args, "--resume"], nproc=3)
     assert "saved by 2 ranks, its untrained samples dealt to 3" in proc.stdout
     rows = [row for rank_rows in audit(out, 3) for row in rank_rows]
     assert Counter(i for row in rows for i in row["ids"]) == Counter(range(samples)), "each sample exactly once"

@@ -3,7 +3,7 @@
 2 ranks, GAS 2, static shards: rank 0 trains two micro-batches, rank 1 one and a dummy (three
 chats of 29, 45 and 61 tokens under ``max_tokens`` 61: one sample per micro-batch). At ZeRO-3
 (DeepSpeed's launcher; every parameter partitioned, the experts' 3-D tensors gathered per layer)
-and under FSDP2 (torchrun; each decoder layer a unit), one SGD step must move every weight by
+and under FSDP2 (each decoder layer a unit), one SGD step must move every weight by
 ``lr x`` the gradient of the step's objective computed on one process with the model's own
 forward and eager attention on each sample alone (:mod:`odb.training.moe`)::
 
@@ -27,7 +27,7 @@ import torch
 from test_fsdp2 import check_audit, checkpoint_model, fsdp_config, three_chats
 
 from conftest import bundled_tokenizer
-from launch import ROOT, deepspeed, ds_config, odb_config, torchrun, write_json
+from launch import ROOT, deepspeed, ds_config, fsdp2, odb_config, write_json
 from odb.data.processing import SampleDataset
 from odb.training.engine import token_loss_sum
 from odb.training.model import build_model, hf_model
@@ -56,7 +56,7 @@ def fsdp2_weights(out: Path, tmp: Path) -> dict[str, torch.Tensor]:
 BACKENDS = {  # launcher, its flags, the trained weights after the step
     "zero3": (deepspeed, lambda tmp: ["--deepspeed_config", str(ds_config(tmp, 3, gradient_clipping=0.0))],
               zero3_weights),
-    "fsdp2": (torchrun, lambda tmp: ["--backend", "fsdp2", "--fsdp_config",
+    "fsdp2": (fsdp2, lambda tmp: ["--backend", "fsdp2", "--fsdp_config",
                                      str(fsdp_config(tmp, gradient_clipping=0.0))], fsdp2_weights),
 }
 CASES = {  # backend, model, flags

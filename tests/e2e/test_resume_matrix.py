@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import ROOT, audit, deepspeed, ds_config, odb_config, torchrun
+from launch import ROOT, audit, deepspeed, ds_config, fsdp2, odb_config
 from wandb_offline import offline_histories
 
 STOP = 2  # steps the first part trains (a multiple of --eval_steps: no extra evaluation at its end)
@@ -42,7 +42,7 @@ def launch(case: dict, tmp: Path, out: Path, *extra: str) -> None:
     flags = ["--odb_config", str(odb), "--max_samples", "48", "--audit_ids", "--output_dir", str(out),
              "--no_final_checkpoint", *case["flags"], *extra]
     if case.get("backend") == "fsdp2":
-        torchrun(["--backend", "fsdp2", *flags])
+        fsdp2(["--backend", "fsdp2", *flags])
     else:
         deepspeed(["--deepspeed_config", str(ds_config(tmp, case["stage"], **case.get("ds", {}))), *flags])
 

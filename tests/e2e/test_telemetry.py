@@ -29,7 +29,7 @@ def wandb_run(tmp_path_factory):
                           "--odb_config", str(odb_config(tmp, max_tokens=512, window=16, gas=2)),
                           "--max_samples", "120", "--output_dir", str(out), "--audit_ids", "--no_final_checkpoint",
                           "--report_to", "wandb", "--run_name", "odb-test", "--wandb_tags", "ci,tiny"],
-                         runner=True)  # DeepSpeed's own runner, as the README's first command
+                         use_runner=True)  # DeepSpeed's own runner, as the README's first command
     finally:
         del os.environ["WANDB_MODE"]
     return out, proc

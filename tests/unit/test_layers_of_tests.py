@@ -84,7 +84,7 @@ def _imports(path: Path) -> list[tuple[int, str, str]]:
 
 def test_no_test_module_in_unit_or_sim_imports_a_launching_helper():
     helpers = _launch_helpers()
-    assert {"deepspeed", "torchrun", "plain", "deepspeed_watched", "Run"} <= helpers
+    assert {"deepspeed", "fsdp2", "plain", "deepspeed_watched", "Run"} <= helpers
     bad = []
     for layer in FAST:
         for path in sorted((TESTS / layer).rglob("*.py")):
@@ -124,8 +124,8 @@ def test_every_helper_of_launch_py_that_starts_a_process_is_registered():
 CASES = {
     "direct": ("from launch import deepspeed\n"
                "def test(tmp_path):\n    deepspeed(['--output_dir', str(tmp_path)])\n", "deepspeed"),
-    "default script argument": ("from launch import torchrun\n"
-                                "def test():\n    torchrun([], nproc=2)\n", "torchrun"),
+    "default script argument": ("from launch import fsdp2\n"
+                                "def test():\n    fsdp2([], nproc=2)\n", "fsdp2"),
     "nested function": ("from launch import plain\n"
                         "def test():\n    def run():\n        return plain([])\n    assert run()\n", "plain"),
     "module helper": ("from launch import Run\n"
@@ -137,8 +137,8 @@ CASES = {
                            "def test():\n    outer()\n", "deepspeed_watched"),
     "module attribute": ("import launch as L\n"
                          "def test():\n    L.deepspeed([])\n", "deepspeed"),
-    "held in a dict": ("from launch import deepspeed, torchrun\n"
-                       "BACKENDS = {'zero3': (deepspeed, 1), 'fsdp2': (torchrun, 2)}\n"
+    "held in a dict": ("from launch import deepspeed, fsdp2\n"
+                       "BACKENDS = {'zero3': (deepspeed, 1), 'fsdp2': (fsdp2, 2)}\n"
                        "def test():\n    launch, _ = BACKENDS['fsdp2']\n    launch([])\n", None),
     "default argument": ("from launch import plain\n"
                          "def helper(run=plain):\n    return run([])\n"
