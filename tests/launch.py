@@ -227,45 +227,45 @@ def _ranks(script: Path, args: list[str], nproc: int, env: dict[str, str], timeo
            ) -> tuple[subprocess.CompletedProcess, int]:
     """``script`` started ``nproc`` times on this host, one process per rank with its rank's
     environment (what torchrun or ``srun`` give a rank: RANK, LOCAL_RANK, WORLD_SIZE, ...), and no
-    launcher process over them. Run to the end: the first exit code that is not 0 (else 0), and
-    every rank's output, rank 0's first. Like a launcher, it ends the others once one has failed
-    (after ``GRACE_S``, for them to say why on their own). Started once more on another port if the
-    first was taken."""
+    launcher process over them; run to the end. Like a launcher, it ends the others once one has
+    failed, after ``GRACE_S`` for them to end on their own, and says so (``KILLED`` in stderr: a
+    test of a failure can check that every rank ended by itself). The result: the exit code of the
+    rank that failed first (else 0), and every rank's output, that rank's last. Started once more on
+    another port if the first was taken."""
     for attempt in (1, 2):
         port, held = _reserve_port()
         logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(nproc)]
-        procs = []
+        procs: list[subprocess.Popen] = []
         try:
-            for rank, (out, err) in enumerate(logs):
-                rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                            "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-                rank_env.setdefault("OMP_NUM_THREADS", "1")  # (as torchrun sets it)
-                procs.append(subprocess.Popen([sys.executable, str(script), *args], stdout=out, stderr=err,
-                                              text=True, env=rank_env, cwd=ROOT))
+            try:
+                for rank, (out, err) in enumerate(logs):
+                    rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                                "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+                    rank_env.setdefault("OMP_NUM_THREADS", "1")  # (as torchrun sets it)
+                    procs.append(subprocess.Popen([sys.executable, str(script), *args], stdout=out, stderr=err,
+                                                  text=True, env=rank_env, cwd=ROOT))
+            finally:
+                held.close()
+            first, killed, timed_out = _wait_ranks(procs, timeout)
         finally:
-            held.close()
-        deadline, failed_at = time.monotonic() + timeout, None
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
-                failed_at = now
-            if now > deadline or (failed_at is not None and now > failed_at + GRACE_S):
-                for proc in procs:
-                    if proc.poll() is None:
-                        _kill_tree(proc)
-                        proc.wait()
-                if now > deadline:
-                    shm_leftovers(port)
-                    raise subprocess.TimeoutExpired([str(script), *args], timeout)
-            time.sleep(0.1)
-        texts = []
-        for out, err in logs:
-            out.seek(0), err.seek(0)
-            texts.append((out.read(), err.read()))
-            out.close(), err.close()
-        codes = [p.returncode for p in procs]
-        done = subprocess.CompletedProcess([sys.executable, str(script), *args], next((c for c in codes if c), 0),
-                                           "".join(o for o, _ in texts), "".join(e for _, e in texts))
+            for proc in procs:  # (an error or interrupt above: no rank outlives the test)
+                if proc.poll() is None:
+                    _kill_tree(proc)
+                    proc.wait()
+            texts = []
+            for out, err in logs:
+                out.seek(0), err.seek(0)
+                texts.append((out.read(), err.read()))
+                out.close(), err.close()
+        order = [r for r in range(nproc) if r != first] + ([first] if first is not None else [])
+        stdout, stderr = "".join(texts[r][0] for r in order), "".join(texts[r][1] for r in order)
+        if killed:
+            stderr += f"\n{KILLED}: rank(s) {killed} still running {GRACE_S} s after rank {first} failed\n"
+        if timed_out:
+            shm_leftovers(port)
+            raise subprocess.TimeoutExpired([str(script), *args], timeout, output=stdout, stderr=stderr)
+        code = procs[first].returncode if first is not None else 0
+        done = subprocess.CompletedProcess([sys.executable, str(script), *args], code, stdout, stderr)
         if attempt == 1 and _port_taken(done.returncode, done.stdout + done.stderr, port):
             shm_leftovers(port)
             continue
@@ -274,6 +274,28 @@ def _ranks(script: Path, args: list[str], nproc: int, env: dict[str, str], timeo
 
 
 GRACE_S = 10  # after one rank failed, the others' time to end on their own (gloo fails their next collective)
+KILLED = "tests/launch.py: killed"
+
+
+def _wait_ranks(procs: list[subprocess.Popen], timeout: float) -> tuple[int | None, list[int], bool]:
+    """Waits for every rank: the rank seen failing first (None if none did), the ranks killed
+    ``GRACE_S`` after it, and whether the time ran out (every rank still running then killed)."""
+    deadline, first, failed_at = time.monotonic() + timeout, None, 0.0
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if first is None:
+            first = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+            failed_at = now
+        if now > deadline or (first is not None and now > failed_at + GRACE_S):
+            killed = [r for r, p in enumerate(procs) if p.poll() is None]
+            for rank in killed:
+                _kill_tree(procs[rank])
+                procs[rank].wait()
+            return first, killed, now > deadline
+        time.sleep(0.1)
+    if first is None:
+        first = next((r for r, p in enumerate(procs) if p.returncode != 0), None)
+    return first, [], False
 
 
 @launches

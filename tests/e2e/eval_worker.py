@@ -1,4 +1,4 @@
-"""One rank of the evaluation test (tests/e2e/test_evaluate.py), started by torchrun (or DeepSpeed's runner).
+"""One rank of tests/e2e/test_evaluate.py, one process per rank (tests/launch.py, or by hand under torchrun).
 
 Usage: torchrun --nproc_per_node W tests/e2e/eval_worker.py SCENARIO.json
 

@@ -1,4 +1,4 @@
-"""One rank of tests/e2e/test_loss_zero3.py, started by torchrun (or DeepSpeed's runner).
+"""One rank of tests/e2e/test_loss_zero3.py, one process per rank (tests/launch.py, or by hand under torchrun).
 
 Usage: torchrun --nproc_per_node 2 tests/e2e/loss_zero3_worker.py OUT_FOLDER
 

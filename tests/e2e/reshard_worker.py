@@ -1,4 +1,4 @@
-"""One rank of tests/e2e/test_reshard.py, started by torchrun (or DeepSpeed's runner).
+"""One rank of tests/e2e/test_reshard.py, one process per rank (tests/launch.py, or by hand under torchrun).
 
 Usage: torchrun --nproc_per_node W tests/e2e/reshard_worker.py ROOT JOB [JOB ...]
 

@@ -198,7 +198,7 @@ def test_no_label_tokens_gives_no_loss_and_an_error_restores_the_mode_it_found(t
         assert [e.module.training for e in engines] == [training, training]
 
 
-# ---- real ranks: ZeRO-3 under torchrun (tests/launch.py deepspeed()) ------------------------------
+# ---- real ranks: ZeRO-3, a process per rank (tests/launch.py deepspeed()) -------------------------
 
 def launch(tmp_path: Path, scenario: dict, nproc: int) -> list[dict]:
     """Runs eval_worker.py on ``nproc`` CPU ranks; every rank's JSON. The launch must leave no

@@ -2,7 +2,7 @@
 
 2 ranks, GAS 2, static shards: rank 0 trains two micro-batches, rank 1 one and a dummy (three
 chats of 29, 45 and 61 tokens under ``max_tokens`` 61: one sample per micro-batch). At ZeRO-3
-(DeepSpeed's launcher; every parameter partitioned, the experts' 3-D tensors gathered per layer)
+(DeepSpeed; every parameter partitioned, the experts' 3-D tensors gathered per layer)
 and under FSDP2 (each decoder layer a unit), one SGD step must move every weight by
 ``lr x`` the gradient of the step's objective computed on one process with the model's own
 forward and eager attention on each sample alone (:mod:`odb.training.moe`)::

@@ -1,5 +1,5 @@
 """A user's first real run: a Hugging Face model folder with its family's stock chat template (no
-``{% generation %}`` blocks), under the deepspeed launcher at ZeRO-3, with validation and a
+``{% generation %}`` blocks), on 2 DeepSpeed ranks at ZeRO-3, with validation and a
 Hugging Face model at the end; and the cuts a real corpus needs, counted exactly."""
 
 import copy

@@ -8,6 +8,7 @@ from collections import Counter
 
 from conftest import bundled_tokenizer
 from launch import ROOT, audit, deepspeed, deepspeed_watched, ds_config, odb_config
+from odb.batching.state import is_finished, upgrade_state
 from odb.training.model import build_model
 from odb.training.mrope import supports_packing
 
@@ -119,8 +120,12 @@ def test_a_checkpoint_of_every_step_whose_run_did_not_finish_resumes_into_the_en
     second = summary(out)
     assert second["steps"] == first["steps"] and second["samples_emitted"] == first["samples_emitted"] == 32
     assert second["eval_loss"] == first["eval_loss"]  # the same weights, evaluated at the end again
-    # the run is marked finished again: a further --resume is refused (launched in the test above)
-    assert (out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip() / "finished").is_file()
+    # what makes a further --resume refuse (odb/training/checkpoint.py; the refusal is launched in the
+    # test above): the latest checkpoint, saved again by this resume, is marked finished and its
+    # batcher state has every step planned and trained
+    tag = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    state = upgrade_state(json.loads((tag / "odb_state.rank0.json").read_text()))
+    assert (tag / "finished").is_file() and is_finished(state) and state["epoch"] >= 1
 
 
 def test_quota_mode_labels_each_sample_with_its_own_epoch(tmp_path):

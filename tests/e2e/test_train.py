@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import bundled_tokenizer
-from launch import ROOT, audit, deepspeed, ds_config, odb_config, plain, write_json
+from launch import KILLED, ROOT, audit, deepspeed, ds_config, odb_config, plain, write_json
 from odb.data.collate import collate_packed
 from odb.data.processing import SampleDataset
 from odb.training.attention import register
@@ -168,5 +168,6 @@ def test_a_deepspeed_config_that_contradicts_odb_fails_on_every_rank(tmp_path):
     proc = plain(["--deepspeed_config", str(bad), "--output_dir", str(tmp_path / "o")])
     assert proc.returncode != 0 and "train_batch_size=7 cannot hold" in proc.stderr
     assert "init_distributed" not in proc.stderr
-    with pytest.raises(AssertionError, match="train_batch_size=7 cannot hold"):  # 2 ranks: no hang
+    with pytest.raises(AssertionError, match="train_batch_size=7 cannot hold") as failed:  # 2 ranks: no hang
         deepspeed(["--deepspeed_config", str(bad), "--output_dir", str(tmp_path / "o")], timeout=120)
+    assert KILLED not in str(failed.value)  # every rank ended by itself
