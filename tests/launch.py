@@ -46,6 +46,16 @@ def launches(helper: _Launcher) -> _Launcher:
 EXTENSIONS = ROOT / ".torch_extensions"  # this checkout's own DeepSpeed op builds
 
 
+def train_args(args: list[str], script: Path = TRAIN) -> list[str]:
+    """``args`` for ``script``; launch/train.py's with ``--preflight off`` unless they name
+    ``--preflight`` or an ``auto`` budget. The preflight adds a worst-case step to every start (2 s
+    of a tiny 2-rank run) and changes nothing the tests look at, as tests/e2e/test_preflight_launch.py
+    checks against runs without it; the SLURM and torchrun tests start it as users do."""
+    if script != TRAIN or any(a.startswith("--preflight") or a == "auto" for a in args):
+        return list(args)
+    return [*args, "--preflight", "off"]
+
+
 def launch_env(**values: str) -> dict[str, str]:
     """This process's environment for a launch, with ``values``; ``TORCH_EXTENSIONS_DIR`` is the
     checkout's .torch_extensions unless set already."""
@@ -315,6 +325,7 @@ def deepspeed(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Pa
     # (its runner sets it), so every launch checks that buffer's removal
     env = launch_env(DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", **({} if use_runner else {"LOCAL_SIZE": str(nproc)}))
     build_cpu_ops(env)
+    args = train_args(args, script)
     if use_runner:
         proc, port = _run(lambda port: [*runner(nproc), "--master_port", str(port), str(script), *args], env, timeout)
     else:
@@ -331,7 +342,7 @@ def fsdp2(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Path =
     """``script`` on ``nproc`` CPU ranks of the FSDP2 backend, each rank its own process with the
     environment torchrun gives it (:func:`_ranks`); it must succeed. (torchrun itself, with its
     agent's store and restarts: tests/e2e/test_torchrun_restarts.py.)"""
-    proc, _ = _ranks(script, args, nproc, launch_env(PYTHONUNBUFFERED="1"), timeout)
+    proc, _ = _ranks(script, train_args(args, script), nproc, launch_env(PYTHONUNBUFFERED="1"), timeout)
     assert proc.returncode == 0, f"{proc.stdout[-1500:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
     return proc
 
@@ -340,7 +351,7 @@ def fsdp2(args: list[str], *, nproc: int = 2, timeout: int = 420, script: Path =
 def plain(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     """One process, no launcher (the bad-input tests: they must fail before any process group)."""
     env = {k: v for k, v in launch_env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.run([sys.executable, str(TRAIN), *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(TRAIN), *train_args(args)], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
 
 
@@ -358,7 +369,7 @@ def deepspeed_watched(args: list[str], *, nproc: int = 2, timeout: int = 300
     build_cpu_ops(env)
     for attempt in (1, 2):
         port, held = _reserve_port()
-        cmd = [*runner(nproc), "--master_port", str(port), str(TRAIN), *args]
+        cmd = [*runner(nproc), "--master_port", str(port), str(TRAIN), *train_args(args)]
         seen: dict[int, tuple[psutil.Process, int, str]] = {}
         with tempfile.TemporaryFile("w+") as output:
             try:
@@ -396,7 +407,7 @@ class Run:
     def __init__(self, args: list[str], *, nproc: int, apart: bool = False, port: int | None = None,
                  rank_args: dict[int, list[str]] | None = None) -> None:
         self.log = tempfile.TemporaryFile("w+")
-        self.apart, self._args, self._nproc, self._rank_args = apart, args, nproc, rank_args or {}
+        self.apart, self._args, self._nproc, self._rank_args = apart, train_args(args), nproc, rank_args or {}
         self._env = launch_env(DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
         self._retry = port is None  # (a port the caller chose is used as it is)
         build_cpu_ops(self._env)

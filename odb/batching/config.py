@@ -7,18 +7,30 @@ are loaded strictly: an unknown key is an error that lists the known keys.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from odb.settings import check_bool, check_int, check_number, load_json_config
+from odb.settings import check_bool, check_int, check_number, flag, load_json_config
 
-__all__ = ["OdbConfig", "load_odb_config"]
+__all__ = ["AUTO", "OdbConfig", "load_odb_config"]
 
 _POLICIES = ("odb", "fixed", "gmt", "bmt")
 _MODES = ("join", "quota")
 _OVER_CAP = ("truncate", "drop", "error")
 _SHARDING = ("dynamic", "static")
+AUTO = "auto"
+"""``max_tokens`` / ``max_patches``: measured at start-up (the trainer's preflight), not written."""
+
+
+def _budget(value: str) -> int | str:
+    """A budget flag's value: an integer, or 'auto'."""
+    if value == AUTO:
+        return AUTO
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"a budget must be an integer or 'auto', got {value!r}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,8 +47,9 @@ class OdbConfig:
     Errors name a field as ``--<field>``.
     """
 
-    max_tokens: int = 8192
-    """Hard cap on tokens in one micro-batch (visual tokens included)."""
+    max_tokens: int | str = field(default=8192, metadata=flag(parse=_budget))
+    """Hard cap on tokens in one micro-batch (visual tokens included); 'auto': the largest whose
+    worst-case step fits the device's memory, measured at start-up (the trainer's preflight)."""
     window: int = 1024
     """Processed samples a rank holds while packing (K)."""
     gas: int = 1
@@ -47,8 +60,9 @@ class OdbConfig:
     """Samples to train in quota mode (e.g. epochs x dataset size)."""
     over_cap: str = "truncate"
     """A sample longer than max_tokens: 'truncate' it, 'drop' it (counted) or raise an 'error'."""
-    max_patches: int | None = None
-    """Optional cap on vision-encoder patches in one micro-batch."""
+    max_patches: int | str | None = field(default=None, metadata=flag(parse=_budget))
+    """Optional cap on vision-encoder patches in one micro-batch; 'auto': the patches of the
+    largest images the budget's tokens hold, as the preflight measured them fitting."""
     attn_coef: float = 0.0
     """Cost = tokens + attn_coef * sum(sample_tokens^2) + patch_coef * patches."""
     patch_coef: float = 0.0
@@ -75,8 +89,10 @@ class OdbConfig:
     """The run's one seed: the sample order of every epoch, augmentation, a random init, LoRA's init."""
 
     def __post_init__(self) -> None:
-        for name, minimum in (("max_tokens", 1), ("window", 1), ("gas", 1), ("batch_size", 1), ("bucket_size", 1),
-                              ("lookahead", 0), ("seed", 0)):
+        if self.max_tokens != AUTO:
+            check_int("--max_tokens", self.max_tokens, 1)  # (or 'auto')
+        for name, minimum in (("window", 1), ("gas", 1), ("batch_size", 1), ("bucket_size", 1), ("lookahead", 0),
+                              ("seed", 0)):
             check_int(f"--{name}", getattr(self, name), minimum)
         if self.window < self.gas:
             raise ValueError(f"--window ({self.window}) must be >= --gas ({self.gas}): a rank needs GAS "
@@ -91,8 +107,8 @@ class OdbConfig:
             check_int("--quota", self.quota, 1)
         elif self.quota is not None:
             raise ValueError("--quota is only used with --mode quota; drop it or set --mode quota")
-        if self.max_patches is not None:
-            check_int("--max_patches", self.max_patches, 1)  # (or null: no cap)
+        if self.max_patches not in (None, AUTO):
+            check_int("--max_patches", self.max_patches, 1)  # (or null: no cap, or 'auto')
         for name in ("attn_coef", "patch_coef"):
             check_number(f"--{name}", getattr(self, name), 0)
         for name in ("min_fill", "max_carry"):
@@ -110,6 +126,11 @@ class OdbConfig:
             raise ValueError(f"--policy {self.policy} does not support --mode quota (it needs every length of "
                              "its shard before its first step, and quota mode streams the data over and over); "
                              "use --mode join with --epochs, or --policy odb / fixed for quota mode")
+
+    @property
+    def is_resolved(self) -> bool:
+        """No budget is left 'auto' (the trainer's preflight resolves them before anything plans)."""
+        return AUTO not in (self.max_tokens, self.max_patches)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -58,6 +58,9 @@ class CostModel:
 
     @classmethod
     def from_config(cls, config) -> CostModel:
+        if not config.is_resolved:
+            raise ValueError("max_tokens / max_patches 'auto' must be resolved before batching (the trainer's "
+                             "preflight measures them); pass numbers")
         return cls(max_tokens=config.max_tokens, max_patches=config.max_patches,
                    attn_coef=config.attn_coef, patch_coef=config.patch_coef, over_cap=config.over_cap)
 

@@ -21,7 +21,7 @@ import torch
 
 from odb.batching.align import TorchCommunicator
 from odb.batching.batcher import OnlineBatcher
-from odb.batching.config import OdbConfig
+from odb.batching.config import AUTO, OdbConfig
 from odb.data.feed import SampleFeed
 from odb.data.processing import SampleDataset, sample_sizes
 from odb.telemetry import Telemetry
@@ -33,10 +33,22 @@ from odb.training.evaluate import Evaluator
 from odb.training.faults import Watchdog, WatchedCommunicator, collective_timeout_s
 from odb.training.model import hf_model, load_tokenizer, vision_spec
 from odb.training.mrope import supports_packing
+from odb.training.preflight import (
+    PreflightReport,
+    local_ranks,
+    memory_cap_mb,
+    preflight,
+    special_token_ids,
+    worst_images,
+)
 from odb.training.schedule import ProgressSchedule
 from odb.training.startup import announced_wait, probed_attention
 
-__all__ = ["Components", "build_backend", "build_components", "init_distributed"]
+__all__ = ["MAX_AUTO_TOKENS", "Components", "build_backend", "build_components", "init_distributed", "run_preflight"]
+
+MAX_AUTO_TOKENS = 131072
+"""max_tokens auto searches up to this, or the model's context length (max_position_embeddings)
+where shorter: one sample of the budget stays one the model was built for."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +57,8 @@ class Components:
 
     rank: int
     world_size: int
+    config: RunConfig
+    """The run's config as it runs: ``max_tokens`` / ``max_patches`` 'auto' resolved by the preflight."""
     batching: OdbConfig
     """odb's settings as this model runs them (room for a blank image, padded rows)."""
     tokenizer: Any
@@ -57,6 +71,8 @@ class Components:
     telemetry: Telemetry
     settings: dict[str, Any]
     """The effective settings, logged at start and sent to W&B."""
+    preflight: PreflightReport | None
+    """What the preflight measured (None with ``--preflight off``)."""
     evaluator: Evaluator | None
     """The validation loss over ``--eval_data`` or the ``--val_ratio`` split, or None."""
     wandb_run: Any | None
@@ -105,8 +121,21 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
     tokenizer = load_tokenizer(config.model.tokenizer)
     backend = build_backend(config, rank=rank, vocab_size=len(tokenizer), load=load)
     model = hf_model(backend.module)
-    batching = config.batching
     vision = vision_spec(model, config.data.processing, source=config.model.path)
+    comm = TorchCommunicator(timeout_s=collective_timeout_s(config.run.dist_timeout_s))
+    watched = comm if watchdog is None else WatchedCommunicator(comm, watchdog)
+    packed = supports_packing(model)
+    measured = None
+    if config.preflight.preflight == "on":
+        if watchdog is not None:
+            watchdog.progress("preflight: the worst-case step")
+        measured = run_preflight(config, backend, watched, tokenizer=tokenizer, vision=vision, packed=packed,
+                                 world_size=world_size, log=log)
+        budgets = {"max_tokens": measured.max_tokens}
+        if config.batching.max_patches == AUTO:
+            budgets["max_patches"] = measured.max_patches
+        config = dataclasses.replace(config, batching=dataclasses.replace(config.batching, **budgets))
+    batching = config.batching
     if vision is not None:
         # a micro-batch without images carries a 3-token blank image (odb/training/engine.py): keep room
         batching = dataclasses.replace(batching, max_tokens=batching.max_tokens - BLANK_IMAGE_TOKENS)
@@ -117,7 +146,6 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
     with announced_wait(what, check, timeout_s=config.run.dist_timeout_s):
         dataset, eval_dataset = _datasets(config, tokenizer, vision,
                                           truncate_to=batching.max_tokens if batching.over_cap == "truncate" else None)
-    packed = supports_packing(model)
     if not packed:
         log(f"odb: cannot pack {model.config.model_type} correctly (its rotary positions are "
             "unknown to odb): training on PADDED micro-batches instead, each within "
@@ -129,8 +157,6 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
                        loss_chunk_tokens=config.model.loss_chunk_tokens)
     feed = SampleFeed(dataset, sample_sizes, num_workers=config.data.num_workers,
                       prefetch_factor=config.data.prefetch_factor)
-    comm = TorchCommunicator(timeout_s=collective_timeout_s(config.run.dist_timeout_s))
-    watched = comm if watchdog is None else WatchedCommunicator(comm, watchdog)
     evaluator = None if eval_dataset is None else Evaluator(
         engine, eval_dataset, batching, watched, num_workers=config.data.num_workers,
         prefetch_factor=config.data.prefetch_factor)
@@ -146,9 +172,50 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
     telemetry = Telemetry(rank=rank, max_steps_per_round=batcher.capacity // batching.gas + 1,
                           max_tokens=batching.max_tokens, dataset_size=len(dataset), output_dir=config.output_dir,
                           sink=(lambda row: wandb_run.log(row, step=row["step"])) if wandb_run else None)
-    return Components(rank=rank, world_size=world_size, batching=batching, tokenizer=tokenizer, engine=engine,
-                      dataset=dataset, feed=feed, comm=comm, batcher=batcher, schedule=schedule,
-                      telemetry=telemetry, settings=settings, wandb_run=wandb_run, evaluator=evaluator)
+    return Components(rank=rank, world_size=world_size, config=config, batching=batching, tokenizer=tokenizer,
+                      engine=engine, dataset=dataset, feed=feed, comm=comm, batcher=batcher, schedule=schedule,
+                      telemetry=telemetry, settings=settings, preflight=measured, wandb_run=wandb_run,
+                      evaluator=evaluator)
+
+
+def run_preflight(config: RunConfig, backend: Backend, comm, *, tokenizer, vision, packed: bool, world_size: int,
+                  log: Callable[[str], None]) -> PreflightReport:
+    """The worst-case step at the run's budget, or the search for one (``max_tokens`` 'auto'), on
+    the run's own engine (collective; :mod:`odb.training.preflight`). The optimizer's state and the
+    random generators are left as they were."""
+    model, batching = hf_model(backend.module), config.batching
+    engines: dict[int, OdbEngine] = {}
+
+    def step(samples: list[dict[str, Any]], budget: int) -> None:
+        if budget not in engines:  # (its loss chunks are those of a run at this budget)
+            engines[budget] = OdbEngine(backend, world_size=world_size, max_tokens=budget,
+                                        pad_token_id=tokenizer.pad_token_id, packed=packed,
+                                        loss_chunk_tokens=config.model.loss_chunk_tokens)
+        engines[budget].probe_step(samples)
+
+    images = None
+    if vision is not None:
+        largest = vision.max_pixels // vision.patch_size ** 2
+        cap = None if batching.max_patches in (None, AUTO) else batching.max_patches
+        images = lambda budget: worst_images(model.config, budget, largest_image=largest, max_patches=cap)  # noqa: E731
+    text = getattr(model.config, "text_config", None) or model.config
+    upper = min(MAX_AUTO_TOKENS, getattr(text, "max_position_embeddings", None) or MAX_AUTO_TOKENS)
+    settings = config.preflight
+    cap_mb = memory_cap_mb(backend.device, fraction=settings.memory_fraction, limit_mb=settings.memory_limit_mb,
+                           local_ranks=local_ranks())
+    backend.train(True)
+    with backend.pristine():
+        report = preflight(step, budget=batching.max_tokens, upper=upper, gather=comm.all_gather,
+                           device=backend.device, cap_mb=cap_mb, world_size=world_size,
+                           vocab_size=min(len(tokenizer), model.get_input_embeddings().num_embeddings),
+                           avoid=special_token_ids(model.config), images=images, log=log)
+    if backend.device.type == "cuda":
+        torch.cuda.empty_cache()
+    chosen = " (auto)" if batching.max_tokens == AUTO else ""
+    log(f"odb: preflight: max_tokens {report.max_tokens}{chosen}: worst-case step peaks at {report.peak_mb:.0f} MB "
+        f"of {report.limit_mb:.0f} MB ({report.device}), {report.step_s:.2f} s, about {report.tokens_per_s:.0f} "
+        f"tokens/s over {world_size} ranks at the worst case; {len(report.trials)} trial(s), {report.seconds:.1f} s")
+    return report
 
 
 def build_backend(config: RunConfig, *, rank: int, vocab_size: int, load: Any = None) -> Backend:

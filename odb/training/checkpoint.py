@@ -16,12 +16,14 @@ resumes under the backend that saved it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from odb.batching.config import AUTO
 from odb.batching.redeal import redeal_states
 from odb.batching.state import is_finished, upgrade_state
 from odb.telemetry import Telemetry
@@ -110,6 +112,24 @@ def load_plan(config: RunConfig, tag: str, *, rank: int, world_size: int) -> Che
         raise ValueError(f"--resume: {folder / tag} was saved by --backend {saved}, this run is --backend {backend}; "
                          f"resume it with --backend {saved}, or start a new --output_dir")
     return backends.get(backend).plan_load(config, folder, tag, rank=rank, world_size=world_size)
+
+
+def saved_budgets(config: RunConfig, tag: str, log: Callable[[str], None]) -> RunConfig:
+    """``config`` with its ``max_tokens`` / ``max_patches`` 'auto' replaced by the budgets the
+    checkpoint's run resolved at its start (its ``run_config.json``): a resumed run plans as the run
+    it continues, whatever a new search would measure (the preflight still checks that the budget
+    fits here)."""
+    auto = [name for name in ("max_tokens", "max_patches") if getattr(config.batching, name) == AUTO]
+    if not auto:
+        return config
+    path = _folder(config) / tag / "run_config.json"
+    batching = _read_json(path, "run config").get("batching", {})
+    saved = {name: batching.get(name) for name in auto}
+    if any(value == AUTO or not (value is None or isinstance(value, int)) for value in saved.values()):
+        raise ValueError(f"--resume: {path} has no resolved {' / '.join(auto)} ({saved}); resume with the budgets "
+                         "the run trained with (--max_tokens N)")
+    log(f"odb: {', '.join(f'{k} auto: {v}, as the checkpoint resolved it' for k, v in saved.items())}")
+    return dataclasses.replace(config, batching=dataclasses.replace(config.batching, **saved))
 
 
 def _tags(folder: Path) -> list[str]:

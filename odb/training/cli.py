@@ -26,6 +26,7 @@ from odb.training.config import (
     LoggingSettings,
     ModelSettings,
     OptimizationSettings,
+    PreflightSettings,
     RunConfig,
     RunSettings,
 )
@@ -88,6 +89,7 @@ def parser(defaults: FileDefaults) -> argparse.ArgumentParser:
               override=True)
     add_flags(p.add_argument_group("optimization"), OptimizationSettings, skip=backends.NAMES)
     add_flags(p.add_argument_group("run"), RunSettings)
+    add_flags(p.add_argument_group("preflight: the worst-case step before the first sample"), PreflightSettings)
     checkpoints = p.add_argument_group("checkpoints and export")
     add_flags(checkpoints, CheckpointSettings)
     checkpoints.add_argument("--overwrite_output_dir", action="store_true",
@@ -320,4 +322,5 @@ def parse_config(argv: list[str] | None = None, *, defaults: FileDefaults) -> Ru
         optimization=OptimizationSettings(**flag_values(OptimizationSettings, args, skip=backends.NAMES),
                                           **{backend.NAME: backend_settings}),
         checkpoints=CheckpointSettings(**{**flag_values(CheckpointSettings, args), "resume": resume}),
-        logging=LoggingSettings(**flag_values(LoggingSettings, args)))
+        logging=LoggingSettings(**flag_values(LoggingSettings, args)),
+        preflight=PreflightSettings(**flag_values(PreflightSettings, args)))

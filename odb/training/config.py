@@ -35,7 +35,7 @@ from odb.training.lora import check_lora
 from odb.training.loss import DEFAULT_LOSS_CHUNK_TOKENS
 
 __all__ = ["BACKENDS", "CheckpointSettings", "DataSettings", "Fsdp2Settings", "LoggingSettings", "ModelSettings",
-           "OptimizationSettings", "RunConfig", "RunSettings"]
+           "OptimizationSettings", "PreflightSettings", "RunConfig", "RunSettings"]
 
 OPTIMIZERS = ("adamw", "sgd")
 BACKENDS = ("deepspeed", "fsdp2")
@@ -267,6 +267,33 @@ class LoggingSettings:
         object.__setattr__(self, "wandb_tags", tuple(self.wandb_tags))
 
 
+PREFLIGHT = ("on", "off")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreflightSettings:
+    """The worst-case step measured before the first sample (:mod:`odb.training.preflight`)."""
+
+    preflight: str = field(default="on", metadata=flag(choices=PREFLIGHT))
+    """'on': before any data is read, every rank runs one forward, backward and optimizer step of a
+    synthetic worst-case micro-batch at the budget (max_tokens tokens as one sample and packed; a
+    vision model's largest images), which changes no weight, reports its peak memory and time, and
+    stops the run if it does not fit, naming the largest budget that does; needed by max_tokens
+    auto. 'off': skip it."""
+    memory_fraction: float = 0.9
+    """The worst-case step may peak at this share of the smallest rank's device memory (GPU), or
+    of the memory available to this machine's ranks (CPU)."""
+    memory_limit_mb: int | None = None
+    """A lower cap on the worst-case step's peak, in MiB (a shared GPU, headroom): on a GPU the
+    device memory allocated, on the CPU how much the step grows the resident memory."""
+
+    def __post_init__(self) -> None:
+        check(self.preflight in PREFLIGHT, f"--preflight must be one of {PREFLIGHT}, got {self.preflight!r}")
+        check_number("--memory_fraction", self.memory_fraction, 0, 1)
+        check(self.memory_fraction > 0, "--memory_fraction must be > 0")
+        check_optional_int("--memory_limit_mb", self.memory_limit_mb, 1)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Everything one run needs, identical on every rank."""
@@ -280,6 +307,12 @@ class RunConfig:
     run: RunSettings = field(default_factory=RunSettings)
     checkpoints: CheckpointSettings = field(default_factory=CheckpointSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
+    preflight: PreflightSettings = field(default_factory=PreflightSettings)
+
+    def __post_init__(self) -> None:
+        auto = [name for name in ("max_tokens", "max_patches") if getattr(self.batching, name) == "auto"]
+        check(not auto or self.preflight.preflight == "on",
+              f"{' and '.join(auto)} auto is measured by the preflight: drop --preflight off, or set a number")
 
     @property
     def seed(self) -> int:

@@ -25,7 +25,14 @@ from odb.batching.plan import StepPlan
 from odb.telemetry import StepTimes
 from odb.training import backends
 from odb.training.build import Components, build_components, init_distributed
-from odb.training.checkpoint import load_checkpoint, load_plan, mark_finished, resolve_tag, save_checkpoint
+from odb.training.checkpoint import (
+    load_checkpoint,
+    load_plan,
+    mark_finished,
+    resolve_tag,
+    save_checkpoint,
+    saved_budgets,
+)
 from odb.training.config import RunConfig
 from odb.training.export import save_hf
 from odb.training.faults import (
@@ -74,9 +81,11 @@ class Trainer:
         if config.checkpoints.resume:
             tag = resolve_tag(config, config.checkpoints.resume)
             plan = load_plan(config, tag, rank=self.rank, world_size=self.world_size)
+            config = saved_budgets(config, tag, self.log)  # 'auto' as the run resolved it when it started
         self.parts = build_components(config, rank=self.rank, world_size=self.world_size,
                                       report=self._report, on_reports=self._on_reports, log=self.log,
                                       watchdog=self.watchdog, load=plan)
+        self.config = self.parts.config  # (budgets resolved: the checkpoints' run_config.json holds them)
         if plan is not None:
             load_checkpoint(self.parts, config, tag, plan, self.log)
         self.log("odb: " + ", ".join(f"{k} {v}" for k, v in self.parts.settings.items()))
@@ -255,6 +264,7 @@ class Trainer:
                                     rounds=batcher.stats.rounds, collectives=parts.comm.num_collectives,
                                     policy=parts.batching.policy)
         summary["this_process"]["peak_memory_mb"] = _peak_memory_mb()
+        summary["preflight"] = parts.preflight.to_dict() if parts.preflight is not None else None
         summary["config"] = config.to_dict()
         if self.rank == 0:
             (config.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -4,7 +4,9 @@ from settings to clean-up). :class:`LocalBackend` is the one-process backend of 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import copy
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -13,7 +15,7 @@ import torch
 if TYPE_CHECKING:
     from odb.training.config import OptimizationSettings, RunConfig
 
-__all__ = ["Backend", "BackendModule", "CheckpointLoad", "LocalBackend", "torch_optimizer"]
+__all__ = ["Backend", "BackendModule", "CheckpointLoad", "LocalBackend", "optimizer_kept_fresh", "torch_optimizer"]
 
 
 def torch_optimizer(name: str, params: list[torch.nn.Parameter], *, lr: float,
@@ -22,6 +24,45 @@ def torch_optimizer(name: str, params: list[torch.nn.Parameter], *, lr: float,
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     return torch.optim.SGD(params, lr=lr)
+
+
+def optimizer_kept_fresh(optimizer: Any, counters: Sequence[tuple[Any, str]] = ()
+                         ) -> contextlib.AbstractContextManager[None]:
+    """What runs inside leaves ``optimizer`` as built: every torch optimizer it holds (itself, or
+    DeepSpeed's wrapper's ``.optimizer``, and so on) gets its state cleared (torch's optimizers make
+    it at their first step) and its param groups' values (lr, ...) back, and each ``(object,
+    attribute)`` of ``counters`` (a wrapper's step counts, a loss scaler's) its value back. The
+    optimizer must not have stepped before (its state is empty): a resumed run's state is loaded
+    after this."""
+    return _kept_fresh(optimizer, counters)
+
+
+@contextlib.contextmanager
+def _kept_fresh(optimizer: Any, counters: Sequence[tuple[Any, str]]) -> Iterator[None]:
+    optimizers, seen = [], optimizer
+    while seen is not None and all(seen is not o for o in optimizers):
+        if isinstance(seen, torch.optim.Optimizer):
+            optimizers.append(seen)
+        seen = getattr(seen, "optimizer", None)
+    if not optimizers:
+        raise TypeError(f"no torch optimizer in {type(optimizer).__name__}: the preflight cannot reset its state "
+                        "(run with --preflight off)")
+    if any(opt.state for opt in optimizers):
+        raise RuntimeError("the optimizer has stepped already: its state cannot be reset to as built")
+    groups = [[{k: copy.deepcopy(v) for k, v in group.items() if k != "params"} for group in opt.param_groups]
+              for opt in optimizers]
+    values = [copy.deepcopy(getattr(owner, name)) for owner, name in counters]
+    try:
+        yield
+    finally:
+        for opt, saved in zip(optimizers, groups, strict=True):
+            opt.state.clear()
+            for group, kept in zip(opt.param_groups, saved, strict=True):
+                for key in [k for k in group if k != "params" and k not in kept]:
+                    del group[key]
+                group.update(kept)
+        for (owner, name), value in zip(counters, values, strict=True):
+            setattr(owner, name, value)
 
 
 class Backend(Protocol):
@@ -49,6 +90,10 @@ class Backend(Protocol):
         clears (collective)."""
 
     def train(self, mode: bool = True) -> None: ...
+
+    def pristine(self) -> contextlib.AbstractContextManager[None]:
+        """Steps taken inside leave the optimizer as built (state, step counts): the preflight's
+        (:mod:`odb.training.preflight`), before the first real step."""
 
     def release_cache(self) -> None:
         """Frees what forwards without a backward (evaluation) left gathered."""
@@ -92,6 +137,15 @@ class LocalBackend:
 
     def train(self, mode: bool = True) -> None:
         self.module.train(mode)
+
+    @contextlib.contextmanager
+    def pristine(self) -> Iterator[None]:
+        """No optimizer here; the gradients the steps inside left are dropped."""
+        try:
+            yield
+        finally:
+            for param in self.module.parameters():
+                param.grad = None
 
     def release_cache(self) -> None:
         pass

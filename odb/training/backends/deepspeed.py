@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from odb.settings import read_json_object
-from odb.training.backends.base import torch_optimizer
+from odb.training.backends.base import optimizer_kept_fresh, torch_optimizer
 from odb.training.backends.universal import LoadPlan, prepare_load
 from odb.training.backends.zero3 import Zero3Construction
 from odb.training.model import build_model as build_hf_model
@@ -269,6 +269,17 @@ class DeepSpeedBackend:
 
     def train(self, mode: bool = True) -> None:
         self.engine.train(mode)
+
+    def pristine(self):
+        """The torch optimizer inside DeepSpeed's as built, and the engine's step counts and loss
+        scaler (fp16) as they were."""
+        engine = self.engine
+        counters = [(engine, name) for name in ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+                    if hasattr(engine, name)]
+        scaler = getattr(engine.optimizer, "loss_scaler", None)
+        if scaler is not None:
+            counters += [(scaler, name) for name in vars(scaler)]
+        return optimizer_kept_fresh(engine.optimizer, counters)
 
     def release_cache(self) -> None:
         # ZeRO-3 keeps parameters a forward gathered for reuse (up to stage3_max_live_parameters)

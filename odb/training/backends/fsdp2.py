@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from odb.settings import field_names, load_json_config
-from odb.training.backends.base import torch_optimizer
+from odb.training.backends.base import optimizer_kept_fresh, torch_optimizer
 from odb.training.config import Fsdp2Settings, ModelSettings, OptimizationSettings
 from odb.training.model import build_model, hf_model
 
@@ -280,6 +280,9 @@ class Fsdp2Backend:
 
     def train(self, mode: bool = True) -> None:
         self.module.train(mode)
+
+    def pristine(self):
+        return optimizer_kept_fresh(self.optimizer)
 
     def release_cache(self) -> None:
         from torch.distributed.fsdp import FSDPModule
