@@ -16,6 +16,9 @@ import json
 import os
 import random
 import re
+import select
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -126,7 +129,7 @@ def _port_taken(returncode: int | None, output: str, port: int) -> bool:
     return returncode not in (0, None) and PORT_TAKEN.search(output) is not None and str(port) in output
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
+def _kill_tree(proc: subprocess.Popen | ForkedRank) -> None:
     try:
         for child in psutil.Process(proc.pid).children(recursive=True):
             child.kill()
@@ -237,23 +240,30 @@ def _ranks(script: Path, args: list[str], nproc: int, env: dict[str, str], timeo
            ) -> tuple[subprocess.CompletedProcess, int]:
     """``script`` started ``nproc`` times on this host, one process per rank with its rank's
     environment (what torchrun or ``srun`` give a rank: RANK, LOCAL_RANK, WORLD_SIZE, ...), and no
-    launcher process over them; run to the end. Like a launcher, it ends the others once one has
-    failed, after ``GRACE_S`` for them to end on their own, and says so (``KILLED`` in stderr: a
-    test of a failure can check that every rank ended by itself). The result: the exit code of the
-    rank that failed first (else 0), and every rank's output, that rank's last. Started once more on
-    another port if the first was taken."""
+    launcher process over them; run to the end. Each rank is forked from this test process's
+    :class:`Zygote` (its imports done once), or started fresh where the environment asks for it.
+    Like a launcher, it ends the others once one has failed, after ``GRACE_S`` for them to end on
+    their own, and says so (``KILLED`` in stderr: a test of a failure can check that every rank
+    ended by itself). The result: the exit code of the rank that failed first (else 0), and every
+    rank's output, that rank's last. Started once more on another port if the first was taken."""
+    zygote = Zygote.serving(env)
     for attempt in (1, 2):
         port, held = _reserve_port()
-        logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(nproc)]
-        procs: list[subprocess.Popen] = []
+        folder = Path(tempfile.mkdtemp(prefix="odb-ranks-"))
+        logs = [(folder / f"rank{rank}.out", folder / f"rank{rank}.err") for rank in range(nproc)]
+        procs: list[subprocess.Popen | ForkedRank] = []
         try:
             try:
                 for rank, (out, err) in enumerate(logs):
                     rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                                 "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
                     rank_env.setdefault("OMP_NUM_THREADS", "1")  # (as torchrun sets it)
-                    procs.append(subprocess.Popen([sys.executable, str(script), *args], stdout=out, stderr=err,
-                                                  text=True, env=rank_env, cwd=ROOT))
+                    if zygote is not None:
+                        procs.append(zygote.fork(script, args, rank_env, out, err))
+                        continue
+                    with open(out, "w") as stdout, open(err, "w") as stderr:
+                        procs.append(subprocess.Popen([sys.executable, str(script), *args], stdout=stdout,
+                                                      stderr=stderr, text=True, env=rank_env, cwd=ROOT))
             finally:
                 held.close()
             first, killed, timed_out = _wait_ranks(procs, timeout)
@@ -262,11 +272,9 @@ def _ranks(script: Path, args: list[str], nproc: int, env: dict[str, str], timeo
                 if proc.poll() is None:
                     _kill_tree(proc)
                     proc.wait()
-            texts = []
-            for out, err in logs:
-                out.seek(0), err.seek(0)
-                texts.append((out.read(), err.read()))
-                out.close(), err.close()
+            texts = [(out.read_text() if out.exists() else "", err.read_text() if err.exists() else "")
+                     for out, err in logs]
+            shutil.rmtree(folder, ignore_errors=True)
         order = [r for r in range(nproc) if r != first] + ([first] if first is not None else [])
         stdout, stderr = "".join(texts[r][0] for r in order), "".join(texts[r][1] for r in order)
         if killed:
@@ -283,11 +291,102 @@ def _ranks(script: Path, args: list[str], nproc: int, env: dict[str, str], timeo
     raise AssertionError("unreachable")
 
 
+ZYGOTE = Path(__file__).resolve().parent / "zygote.py"
+
+
+@launches
+class Zygote:
+    """This test process's zygote (tests/zygote.py): a process that imported what a rank imports,
+    started at the first launch it can serve and kept for the session; ranks are forked from it
+    (:meth:`fork`). It serves the launches whose environment differs from its own only in what is
+    read after the imports (``tests/zygote.py`` :func:`differs`); :meth:`serving` says None to the
+    others, which start fresh interpreters."""
+
+    _current: Zygote | None = None
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.proc = subprocess.Popen([sys.executable, str(ZYGOTE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=env, cwd=ROOT)
+        self.codes: dict[int, int] = {}
+        self._pending = b""
+        self._replies: list[dict] = []
+        ready = self._reply(timeout=300)
+        assert "ready" in ready, ready
+
+    @classmethod
+    def serving(cls, env: dict[str, str]) -> Zygote | None:
+        import zygote
+
+        if cls._current is None or cls._current.proc.poll() is not None:
+            base = {**{k: v for k, v in env.items() if k not in zygote.LATE}, **zygote.ACCELERATOR}
+            cls._current = cls(base)
+        return cls._current if not zygote.differs(env, cls._current.env) else None
+
+    def fork(self, script: Path, args: list[str], env: dict[str, str], out: Path, err: Path) -> ForkedRank:
+        request = {"script": str(script), "args": list(args), "env": env, "cwd": str(ROOT), "out": str(out),
+                   "err": str(err)}
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+        reply = self._reply(timeout=60)
+        return ForkedRank(self, reply["pid"])
+
+    def pump(self, timeout: float = 0.0) -> None:
+        """Reads what the zygote said: the ranks' ends into :attr:`codes`, replies queued."""
+        fd = self.proc.stdout.fileno()
+        while select.select([fd], [], [], timeout)[0]:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise RuntimeError(f"the zygote ended (exit {self.proc.wait()})")
+            self._pending += chunk
+            while b"\n" in self._pending:
+                line, self._pending = self._pending.split(b"\n", 1)
+                message = json.loads(line)
+                if "exit" in message:
+                    self.codes[message["exit"]] = message["code"]
+                else:
+                    self._replies.append(message)
+            timeout = 0.0
+
+    def _reply(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while not self._replies:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the zygote did not answer in {timeout} s")
+            self.pump(timeout=0.1)
+        return self._replies.pop(0)
+
+
+class ForkedRank:
+    """A rank forked by the :class:`Zygote`, with what :func:`_wait_ranks` uses of a ``Popen``."""
+
+    def __init__(self, zygote: Zygote, pid: int) -> None:
+        self.zygote, self.pid = zygote, pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.zygote.pump()
+            self.returncode = self.zygote.codes.pop(self.pid, None)
+        return self.returncode
+
+    def wait(self) -> int:
+        while self.poll() is None:
+            self.zygote.pump(timeout=0.05)
+        return self.returncode
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 GRACE_S = 10  # after one rank failed, the others' time to end on their own (gloo fails their next collective)
 KILLED = "tests/launch.py: killed"
 
 
-def _wait_ranks(procs: list[subprocess.Popen], timeout: float) -> tuple[int | None, list[int], bool]:
+def _wait_ranks(procs: list[subprocess.Popen | ForkedRank], timeout: float) -> tuple[int | None, list[int], bool]:
     """Waits for every rank: the rank seen failing first (None if none did), the ranks killed
     ``GRACE_S`` after it, and whether the time ran out (every rank still running then killed)."""
     deadline, first, failed_at = time.monotonic() + timeout, None, 0.0

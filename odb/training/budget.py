@@ -51,8 +51,8 @@ def search_budget(measure: Callable[[int], float], cap: float, *, upper: int, st
 
     def run(budget: int) -> None:
         nonlocal lo, hi
-        peak = measure(budget)
-        fits = peak <= cap
+        peak = float(measure(budget))
+        fits = bool(peak <= cap)
         trials.append(BudgetTrial(budget, peak, fits))
         if fits:
             lo = budget if lo is None else max(lo, budget)

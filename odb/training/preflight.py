@@ -24,6 +24,7 @@ through the watchdog (:mod:`odb.training.faults`).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import os
 import re
@@ -93,7 +94,8 @@ def measure(step: Callable[[], None], device: torch.device) -> tuple[float, floa
     """``(peak_mb, seconds)`` of ``step()``: on a GPU the device memory allocated at the step's
     peak (weights, optimizer state and activations: what the cap is a share of); on the CPU how
     much the process's resident set grew during the step (Linux: its high-water mark reset through
-    ``/proc/self/clear_refs`` before the step). Raises what the step raises (out of memory)."""
+    ``/proc/self/clear_refs`` before the step, after the C allocator returned what earlier steps
+    freed). Raises what the step raises (out of memory)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -101,12 +103,21 @@ def measure(step: Callable[[], None], device: torch.device) -> tuple[float, floa
         step()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) / 2**20, time.perf_counter() - began
+    _trim()  # what an earlier, larger step freed goes back to the system: it would hide this step's growth
     before = _status_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark (VmHWM) starts again from here
     began = time.perf_counter()
     step()
     seconds = time.perf_counter() - began
     return max(0.0, (_status_kb("VmHWM") - before) / 1024), seconds
+
+
+def _trim() -> None:
+    """glibc keeps freed heap memory for reuse; ``malloc_trim`` hands it back (no-op elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def memory_cap_mb(device: torch.device, *, fraction: float, limit_mb: int | None, local_ranks: int) -> float:
@@ -258,7 +269,7 @@ def preflight(step: Callable[[list[dict[str, Any]], int], None], *, budget: int 
                                      f"rank ({err}); {fix}, or max_tokens auto") from err
             peak, seconds = max(peak, used), max(seconds, took)
         agreed = gather(np.array([int(peak * 1024), int(seconds * 1e6)], dtype=np.int64))
-        peak, times[tokens] = agreed[:, 0].max() / 1024, agreed[:, 1].max() / 1e6
+        peak, times[tokens] = float(agreed[:, 0].max()) / 1024, float(agreed[:, 1].max()) / 1e6
         if peak <= cap:
             fits.add(tokens)
         shown = f" ({patches[tokens]} patches)" if patches[tokens] else ""
