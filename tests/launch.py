@@ -11,6 +11,7 @@ launcher (or the ranks) start; a launch whose port was taken all the same is sta
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import json
 import os
@@ -313,6 +314,17 @@ class Zygote:
         self._replies: list[dict] = []
         ready = self._reply(timeout=300)
         assert "ready" in ready, ready
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Ends the zygote (its stdin closed) and waits for it."""
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
     @classmethod
     def serving(cls, env: dict[str, str]) -> Zygote | None:

@@ -20,6 +20,7 @@ end is reported as ``{"exit": pid, "code": code}`` (``-N``: killed by signal N, 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
@@ -29,7 +30,7 @@ LATE = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "
         "LOCAL_SIZE")
 """Variables read only after the imports (by odb, torch.distributed, DeepSpeed's CPU all-reduce):
 a launch may set them as it likes."""
-LATE_PREFIXES = ("ODB_", "WANDB_")
+LATE_PREFIXES = ("ODB_", "WANDB_", "PYTEST_")
 ACCELERATOR = {"DS_ACCELERATOR": "cpu"}
 """The zygote imports DeepSpeed on the CPU accelerator (it picks one at import): a launch that
 names another is not served (one that names none runs no DeepSpeed: FSDP2's)."""
@@ -114,6 +115,7 @@ def main() -> None:
     os.dup2(2, 1)
     os.environ.update(ACCELERATOR)
     _imports()
+    gc.freeze()  # the imported objects: a rank's collector never walks them (writing to their pages copies them)
 
     def say(message: dict) -> None:
         os.write(channel, (json.dumps(message) + "\n").encode())

@@ -10,7 +10,9 @@
 #              ZeRO-2 in bf16, on chats with the shared sharegpt4o_like length profile: odb (packed)
 #              against fixed batches of 8 (padded), the same samples: samples/s, real tokens/s,
 #              padding, peak GPU memory, MFU (6 x params x tokens/s over the GPU's bf16 peak); and odb
-#              under FSDP2 (torchrun --nproc_per_node 1 ... --backend fsdp2, bf16 mixed precision)
+#              under FSDP2 (torchrun --nproc_per_node 1 ... --backend fsdp2, bf16 mixed precision); each
+#              run's preflight (the worst-case step's peak memory and time), and a run with
+#              max_tokens auto (the budget the preflight's search chose, its trials)
 #   loss       the chunked loss's peak memory against full logits at the model's vocabulary
 #
 #   bash tools/gpu_check.sh --prepare   # here, where the package registries answer: the wheels the
@@ -95,6 +97,8 @@ DEEPSPEED=(deepspeed --num_gpus 1 launch/train.py --deepspeed_config configs/ds_
 train odb '{"policy": "odb"}' "${DEEPSPEED[@]}"
 train fixed '{"policy": "fixed", "batch_size": 8, "sharding": "static"}' "${DEEPSPEED[@]}"
 train odb_fsdp2 '{"policy": "odb"}' torchrun --nproc_per_node 1 launch/train.py --backend fsdp2
+# max_tokens auto: the preflight's search for the largest budget whose worst-case step fits 0.9 of the GPU
+train odb_auto '{"policy": "odb", "max_tokens": "auto"}' "${DEEPSPEED[@]}" --max_steps 5
 
 $PY tools/bench_memory.py $LOSS_ARGS --json | tail -n 1 > "$WORK/loss.json"
 
@@ -113,11 +117,12 @@ gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 # dense bf16 peak by the vendor's datasheet (H100 / H200 SXM); None where unknown
 peak = 989e12 if any(name in gpu for name in ("H100", "H200")) else None
 train = {}
-for policy in ("odb", "fixed", "odb_fsdp2"):
+for policy in ("odb", "fixed", "odb_fsdp2", "odb_auto"):
     s = json.load(open(work / policy / "summary.json"))
     train[policy] = {k: s[k] for k in ("samples_emitted", "steps", "micro_batches", "samples_per_s", "tokens_per_s",
                                        "padding_ratio", "truncated_samples", "loss_first", "loss_last")}
     train[policy]["peak_memory_mb"] = s["this_process"]["peak_memory_mb"]
+    train[policy]["preflight"] = s.get("preflight")
     train[policy]["mfu"] = round(6 * params * s["tokens_per_s"] / peak, 4) if peak else None
 train["odb_vs_fixed_tokens_per_s"] = round(train["odb"]["tokens_per_s"] / max(1e-9, train["fixed"]["tokens_per_s"]), 3)
 versions = {name: __import__(name).__version__ for name in ("torch", "transformers", "deepspeed")}

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ import numpy as np
 
 from odb.batching.plan import StepPlan
 from odb.data.formats import SKIP_REASONS
+from odb.telemetry.flops import FlopsModel
 from odb.telemetry.reports import STEP_FIELDS, TOTALS, Step, StepReports, StepTimes, report_layout
 from odb.telemetry.rows import eval_row, step_loss, step_row
 from odb.telemetry.totals import TRUNCATION_WARNING_SHARE, RunTotals
@@ -80,11 +81,13 @@ class Telemetry:
         dataset_size: for epochs done.
         output_dir: where rank 0 writes ``metrics.jsonl``.
         sink: rank 0's extra consumer of each metrics dict (e.g. W&B's ``log``), or None.
+        flops: the model's FLOPs per token and the device's peak, for each row's ``mfu``.
     """
 
     def __init__(self, *, rank: int, max_steps_per_round: int, max_tokens: int, dataset_size: int,
-                 output_dir: Path, sink=None) -> None:
-        self.rank, self.max_tokens, self.dataset_size = rank, max_tokens, dataset_size
+                 output_dir: Path, sink=None, flops: FlopsModel | None = None) -> None:
+        self.rank, self.max_tokens, self.dataset_size, self.flops = rank, max_tokens, dataset_size, flops
+        self.on_row: Callable[[dict[str, Any]], None] | None = None  # rank 0: told of each step's row once written
         self.steps = StepReports(max_steps=max_steps_per_round, dataset_size=dataset_size)
         self.layout = self.steps.layout
         self.totals = RunTotals(rank=rank, dataset_size=dataset_size)
@@ -187,12 +190,15 @@ class Telemetry:
             self._rows_samples_done += step.plan.num_samples
             per_rank = {name: fields[name][:, i] for name in STEP_FIELDS}
             rows.append(step_row(step, per_rank, samples_done=self._rows_samples_done, dataset_size=self.dataset_size,
-                                 max_tokens=self.max_tokens, skipped=self.skipped, truncated=self.truncated))
+                                 max_tokens=self.max_tokens, skipped=self.skipped, truncated=self.truncated,
+                                 flops=self.flops))
             if step.plan.num_label_tokens:
                 self.losses.append(step_loss(step, per_rank))
         if rows:
             self.last = rows[-1]
         self.writer.write(rows)
+        for row in rows if self.on_row is not None else ():
+            self.on_row(row)
         self.writer.write_evals(up_to=rows[-1]["step"] if rows else -1)
         self._warn_truncation()
         return rows

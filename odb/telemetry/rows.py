@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from odb.telemetry.flops import FlopsModel
 from odb.telemetry.reports import Step
 
 __all__ = ["aux_loss", "eval_row", "step_loss", "step_row"]
@@ -20,10 +21,12 @@ def step_loss(step: Step, per_rank: Mapping[str, np.ndarray]) -> float:
 
 
 def step_row(step: Step, per_rank: Mapping[str, np.ndarray], *, samples_done: int, dataset_size: int,
-             max_tokens: int, skipped: Mapping[str, int], truncated: Mapping[str, int]) -> dict[str, Any]:
+             max_tokens: int, skipped: Mapping[str, int], truncated: Mapping[str, int],
+             flops: FlopsModel | None = None) -> dict[str, Any]:
     """The metrics of a trained step: ``per_rank``: every rank's report fields for it;
     ``samples_done``: the run's samples up to and including it; ``skipped`` / ``truncated``: the
-    run's record counts as of its round."""
+    run's record counts as of its round; ``flops``: the model's, for ``mfu`` (where the device's
+    peak is known)."""
     plan, step_s = step.plan, step.times.step
     rank_costs = np.array(plan.rank_costs)  # [micro, world]
     rank_tokens = np.array(plan.rank_tokens)
@@ -54,7 +57,14 @@ def step_row(step: Step, per_rank: Mapping[str, np.ndarray], *, samples_done: in
         "data_wait_s": float(per_rank["wait_us"].max()) / 1e6, "odb_plan_s": float(per_rank["plan_us"].max()) / 1e6,
         "odb_collective_s": float(per_rank["collective_us"].max()) / 1e6, "skipped": dict(skipped),
         "truncated_samples": truncated["samples"], "truncated_tokens": truncated["tokens"],
+        **_mfu(flops, tokens=real, attn_area=int(per_rank["attn_area"].sum()), seconds=step_s,
+               world_size=len(per_rank_tokens)),
     }
+
+
+def _mfu(flops: FlopsModel | None, **step: Any) -> dict[str, float]:
+    mfu = flops.mfu(**step) if flops is not None else None
+    return {} if mfu is None else {"mfu": round(mfu, 4)}
 
 
 def aux_loss(aux_sum_micro: np.ndarray, real_tokens: int) -> dict[str, float]:

@@ -31,7 +31,7 @@ from odb.training.config import RunConfig
 from odb.training.engine import BLANK_IMAGE_TOKENS, OdbEngine
 from odb.training.evaluate import Evaluator
 from odb.training.faults import Watchdog, WatchedCommunicator, collective_timeout_s
-from odb.training.model import hf_model, load_tokenizer, vision_spec
+from odb.training.model import flops_model, hf_model, load_tokenizer, vision_spec
 from odb.training.mrope import supports_packing
 from odb.training.preflight import (
     PreflightReport,
@@ -169,9 +169,11 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
                          planned=planned)
     settings["eval_samples"] = len(eval_dataset) if eval_dataset is not None else 0
     wandb_run = _wandb(config, settings, batching) if config.logging.report_to == "wandb" and rank == 0 else None
+    flops = flops_model(backend.module, backend.device, backends.get(config.optimization.backend).compute_dtype(
+        config.optimization))
     telemetry = Telemetry(rank=rank, max_steps_per_round=batcher.capacity // batching.gas + 1,
                           max_tokens=batching.max_tokens, dataset_size=len(dataset), output_dir=config.output_dir,
-                          sink=(lambda row: wandb_run.log(row, step=row["step"])) if wandb_run else None)
+                          sink=(lambda row: wandb_run.log(row, step=row["step"])) if wandb_run else None, flops=flops)
     return Components(rank=rank, world_size=world_size, config=config, batching=batching, tokenizer=tokenizer,
                       engine=engine, dataset=dataset, feed=feed, comm=comm, batcher=batcher, schedule=schedule,
                       telemetry=telemetry, settings=settings, preflight=measured, wandb_run=wandb_run,

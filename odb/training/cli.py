@@ -29,6 +29,7 @@ from odb.training.config import (
     PreflightSettings,
     RunConfig,
     RunSettings,
+    default_lr,
 )
 from odb.training.lora import lora_keys
 
@@ -41,6 +42,7 @@ class FileDefaults:
 
     deepspeed_config: Path
     odb_config: Path
+    """odb's settings for the bundled tiny models (the CPU demo's)."""
     model: Path
     data: Path
     tokenizer: Path
@@ -49,6 +51,8 @@ class FileDefaults:
     """What a bare ``--lora`` reads."""
     fsdp_config: Path | None = None
     """FSDP2's settings under ``--backend fsdp2`` (None: the built-in defaults)."""
+    own_odb_config: Path | None = None
+    """odb's settings for a model of the user's own (None: :attr:`odb_config`)."""
 
     @classmethod
     def bundled(cls, root: Path) -> FileDefaults:
@@ -57,7 +61,12 @@ class FileDefaults:
         return cls(deepspeed_config=configs / "ds_zero2.json", odb_config=configs / "odb.json",
                    model=configs / "tiny_model.json", data=root / "data" / "chat.jsonl",
                    tokenizer=root / "data" / "tokenizer", lora=configs / "lora.json",
-                   fsdp_config=configs / "fsdp2.json")
+                   fsdp_config=configs / "fsdp2.json", own_odb_config=configs / "recipes" / "odb.json")
+
+    def is_demo_model(self, model: str | Path) -> bool:
+        """Whether ``model`` is one of the bundled tiny model configs (in :attr:`model`'s folder)."""
+        path = Path(model).resolve()
+        return path.is_file() and path.parent == Path(self.model).resolve().parent
 
 
 def parser(defaults: FileDefaults) -> argparse.ArgumentParser:
@@ -69,8 +78,10 @@ def parser(defaults: FileDefaults) -> argparse.ArgumentParser:
                                             "(torchrun --nproc_per_node N launch/train.py --backend fsdp2 ...)",
                                 allow_abbrev=False)
     files = p.add_argument_group("settings files")
-    files.add_argument("--odb_config", default=str(defaults.odb_config),
-                       help=f"odb's batching settings JSON: the batching keys (default: {defaults.odb_config})")
+    own = defaults.own_odb_config or defaults.odb_config
+    files.add_argument("--odb_config", default=None,
+                       help=f"odb's batching settings JSON: the batching keys (default: {defaults.odb_config} for the "
+                            f"bundled tiny models, the CPU demo's; {own} for a model of your own)")
     files.add_argument("--data_config", default=None,
                        help="data settings JSON: the data keys (format, labels, truncation, augmentation, image "
                             "sizes, strict) (default: none, the built-in values)")
@@ -87,7 +98,8 @@ def parser(defaults: FileDefaults) -> argparse.ArgumentParser:
     add_flags(data, DataConfig, only=_DATA_OVERRIDES, override=True)
     add_flags(p.add_argument_group("batching: odb's keys, over --odb_config's"), OdbConfig, skip=_TRAINER_SETS,
               override=True)
-    add_flags(p.add_argument_group("optimization"), OptimizationSettings, skip=backends.NAMES)
+    add_flags(p.add_argument_group("optimization"), OptimizationSettings, skip=backends.NAMES,
+              defaults={"lr": None})  # (None: default_lr, once the model is known)
     add_flags(p.add_argument_group("run"), RunSettings)
     add_flags(p.add_argument_group("preflight: the worst-case step before the first sample"), PreflightSettings)
     checkpoints = p.add_argument_group("checkpoints and export")
@@ -160,7 +172,10 @@ def _world_size() -> int:
     return world_size
 
 
-def _batching(args: argparse.Namespace) -> OdbConfig:
+def _batching(args: argparse.Namespace, defaults: FileDefaults) -> OdbConfig:
+    if args.odb_config is None:
+        demo = defaults.is_demo_model(args.model)
+        args.odb_config = str(defaults.odb_config if demo else defaults.own_odb_config or defaults.odb_config)
     path = _need_file(args.odb_config, "odb config", "pass --odb_config configs/odb.json")
     return load_odb_config(path, **flag_values(OdbConfig, args, skip=_TRAINER_SETS, override=True))
 
@@ -298,7 +313,7 @@ def parse_config(argv: list[str] | None = None, *, defaults: FileDefaults) -> Ru
     """The run's config from ``argv`` (default: ``sys.argv[1:]``); raises naming the fix."""
     args = parser(defaults).parse_args(argv)
     run = RunSettings(**flag_values(RunSettings, args))
-    batching = _batching(args)
+    batching = _batching(args, defaults)
     import torch
 
     world_size = _world_size()
@@ -317,10 +332,12 @@ def parse_config(argv: list[str] | None = None, *, defaults: FileDefaults) -> Ru
         raise ValueError("--save_adapter_only saves a LoRA adapter: train with --lora, or drop the flag")
     data = _data(args)
     resume = _resume(args)
+    optimization = flag_values(OptimizationSettings, args, skip=backends.NAMES)
+    if optimization["lr"] is None:
+        optimization["lr"] = default_lr(lora=model.lora is not None, bundled_model=defaults.is_demo_model(model.path))
     return RunConfig(
         model=model, data=data, batching=batching, run=run,
-        optimization=OptimizationSettings(**flag_values(OptimizationSettings, args, skip=backends.NAMES),
-                                          **{backend.NAME: backend_settings}),
+        optimization=OptimizationSettings(**optimization, **{backend.NAME: backend_settings}),
         checkpoints=CheckpointSettings(**{**flag_values(CheckpointSettings, args), "resume": resume}),
         logging=LoggingSettings(**flag_values(LoggingSettings, args)),
         preflight=PreflightSettings(**flag_values(PreflightSettings, args)))

@@ -35,9 +35,18 @@ from odb.training.lora import check_lora
 from odb.training.loss import DEFAULT_LOSS_CHUNK_TOKENS
 
 __all__ = ["BACKENDS", "CheckpointSettings", "DataSettings", "Fsdp2Settings", "LoggingSettings", "ModelSettings",
-           "OptimizationSettings", "PreflightSettings", "RunConfig", "RunSettings"]
+           "OptimizationSettings", "PreflightSettings", "RunConfig", "RunSettings", "default_lr"]
 
 OPTIMIZERS = ("adamw", "sgd")
+FULL_LR, LORA_LR, DEMO_LR = 2e-5, 2e-4, 1e-3
+"""The learning rates a run gets without --lr: full fine-tuning of a pretrained model (the 1e-5 to
+2e-5 of the common 7B-70B SFT recipes), LoRA (1e-4 to 2e-4; its adapters start at zero), and the
+bundled tiny random-init model of the CPU demo, which learns nothing at the others."""
+
+
+def default_lr(*, lora: bool, bundled_model: bool) -> float:
+    """The peak learning rate of a run that names none (:data:`FULL_LR`, :data:`LORA_LR`, :data:`DEMO_LR`)."""
+    return DEMO_LR if bundled_model else LORA_LR if lora else FULL_LR
 BACKENDS = ("deepspeed", "fsdp2")
 REPORT_TO = ("none", "wandb")
 _MAX_TIMEOUT_S = int(timedelta.max.total_seconds())
@@ -181,9 +190,10 @@ class OptimizationSettings:
 
     optimizer: str = field(default="adamw", metadata=flag(choices=OPTIMIZERS))
     """A torch optimizer (unless DeepSpeed's JSON declares one)."""
-    lr: float = 1e-3
-    """The peak learning rate: linear warmup, then linear decay by progress (samples trained over
-    those planned)."""
+    lr: float = field(default=FULL_LR, metadata=flag(shown_default=f"{FULL_LR:g} (full fine-tuning), {LORA_LR:g} "
+                                                                   f"(--lora), {DEMO_LR:g} (the bundled tiny model)"))
+    """The peak learning rate: linear warmup, then cosine decay to a tenth of it by progress (samples
+    trained over those planned); left out, the method's."""
     warmup_ratio: float = 0.03
     """The share of the planned samples the learning rate warms up over."""
     weight_decay: float = 0.0
@@ -256,6 +266,9 @@ class LoggingSettings:
     """W&B tags, comma-separated on the command line."""
     audit_ids: bool = False
     """Write emitted_ids.rank<R>.jsonl: the dataset indices of every micro-batch."""
+    log_steps: int = 10
+    """Rank 0 prints a line every N steps (step, samples, loss, lr, tokens/s, MFU, padding, sync
+    efficiency, elapsed, ETA) where no terminal shows the progress bar (SLURM logs, files); 0: never."""
 
     def __post_init__(self) -> None:
         check(self.report_to in REPORT_TO, f"--report_to must be one of {REPORT_TO}, got {self.report_to!r}")
@@ -264,6 +277,7 @@ class LoggingSettings:
         check(isinstance(self.wandb_tags, (list, tuple)) and all(isinstance(t, str) for t in self.wandb_tags),
                f"--wandb_tags must be a list of strings, got {self.wandb_tags!r}")
         check_bool("--audit_ids", self.audit_ids)
+        check_int("--log_steps", self.log_steps, 0)
         object.__setattr__(self, "wandb_tags", tuple(self.wandb_tags))
 
 

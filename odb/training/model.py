@@ -19,9 +19,10 @@ from typing import Any, Protocol
 import torch
 
 from odb.data.images import VisionSpec, vision_spec_for
+from odb.telemetry.flops import FlopsModel
 from odb.training.attention import register
 
-__all__ = ["Construction", "build_model", "hf_model", "load_tokenizer", "vision_spec"]
+__all__ = ["PEAK_FLOPS", "Construction", "build_model", "flops_model", "hf_model", "load_tokenizer", "vision_spec"]
 
 
 def load_tokenizer(path: str | Path):
@@ -185,3 +186,32 @@ def vision_spec(model, data_config, source: str | Path | None = None) -> VisionS
         loaded_from = getattr(config, "_name_or_path", "") or ""
         source = loaded_from if loaded_from and Path(loaded_from).is_dir() else None
     return vision_spec_for(config, source, min_pixels=data_config.min_pixels, max_pixels=data_config.max_pixels)
+
+
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "H20": 148e12, "A100": 312e12, "A800": 312e12,
+              "B200": 2250e12, "L40S": 362e12}
+"""Dense bf16/fp16 FLOP/s of one device by the vendor's datasheet (SXM parts), by a part of its name."""
+
+
+def flops_model(model, device: torch.device, dtype: torch.dtype) -> FlopsModel:
+    """What the rows' ``mfu`` needs (:class:`odb.telemetry.flops.FlopsModel`): the parameters a
+    token meets in a matmul (every weight matrix but the input embedding's and a vision tower's; a head
+    tied to the embedding counts once, as the head; a mixture-of-experts model counts every expert,
+    so its MFU is overstated by its share of inactive experts), the language model's layers and
+    width, and the device's peak where odb knows it (a GPU of :data:`PEAK_FLOPS` in bf16 or fp16)."""
+    hf = hf_model(model)
+    text = getattr(hf.config, "text_config", None) or hf.config
+    numel = lambda p: int(getattr(p, "ds_numel", 0) or p.numel())  # noqa: E731 (ZeRO-3 partitions p)
+    embedding = hf.get_input_embeddings().weight
+    vision = getattr(getattr(hf, "model", None), "visual", None)
+    skipped = {id(p) for p in vision.parameters()} if vision is not None else set()
+    matrix = lambda p: len(getattr(p, "ds_shape", None) or p.shape) >= 2  # noqa: E731 (norms, biases: no matmul)
+    matmul = sum(numel(p) for p in hf.parameters() if id(p) not in skipped and p is not embedding and matrix(p))
+    head = hf.get_output_embeddings()
+    if head is not None and head.weight is embedding:
+        matmul += numel(embedding)
+    peak = None
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        name = torch.cuda.get_device_name(device)
+        peak = next((flops for part, flops in PEAK_FLOPS.items() if part in name), None)
+    return FlopsModel(matmul_params=matmul, layers=text.num_hidden_layers, hidden=text.hidden_size, peak_flops=peak)

@@ -59,6 +59,8 @@ class Trainer:
         self.evaluated_at: int | None = None  # steps done at the last evaluation
         self.watchdog: Watchdog | None = None  # from init() on (odb.training.faults)
         self.stop: GracefulStop | None = None
+        self.progress_lines = False  # rank 0 prints a line every --log_steps steps (no progress bar shown)
+        self._train_began: tuple[float, int] = (0.0, 0)  # time.time() and samples done when train() began
 
     @classmethod
     def init(cls, config: RunConfig) -> Trainer:
@@ -107,6 +109,11 @@ class Trainer:
         if config.logging.audit_ids:
             self.audit = open(config.output_dir / f"emitted_ids.rank{self.rank}.jsonl", "a")
         progress = self._progress_bar()
+        shown = progress is not None and not progress.disable
+        self.progress_lines = self.rank == 0 and bool(config.logging.log_steps) and not shown
+        self._train_began = (time.time(), telemetry.samples_done)
+        if self.progress_lines:
+            telemetry.on_row = self._log_row
         telemetry.start()
         steps_this_run = 0
         plans = iter(batcher)
@@ -176,6 +183,24 @@ class Trainer:
         telemetry.on_reports(reports)
         if telemetry.rounds == 1 and not self.config.checkpoints.resume:
             _check_labels(telemetry.skipped, telemetry.fetched)  # every rank has the same figures
+
+    def _log_row(self, row: dict[str, Any]) -> None:
+        if (row["step"] + 1) % self.config.logging.log_steps == 0:
+            print(self._progress_line(row), flush=True)
+
+    def _progress_line(self, row: dict[str, Any]) -> str:
+        """One step's line for a log without a terminal, as other trainers print them."""
+        total = self._built().schedule.total
+        began, done_before = self._train_began
+        elapsed = max(0.0, row["time"] - began)
+        done = row["samples_done"]
+        rate = (done - done_before) / elapsed if elapsed > 0 else 0.0
+        eta = _clock((total - done) / rate) if rate > 0 and total > done else "-"
+        mfu = f" | mfu {row['mfu']:.3f}" if "mfu" in row else ""
+        return (f"odb: step {row['step'] + 1} | samples {done}/{total} ({100 * done / max(1, total):.1f}%) | "
+                f"loss {row['loss']:.4f} | lr {row['lr']:.3g} | {row['tokens_per_s']:.0f} tok/s{mfu} | "
+                f"pad {row['padding_ratio']:.3f} | sync {row['sync_efficiency']:.3f} | {_clock(elapsed)} elapsed, "
+                f"eta {eta}")
 
     def _record_counts(self) -> dict[str, int]:
         """Records this rank processed over the run (``fetched``), those that will not train
@@ -341,6 +366,11 @@ def end_process(code: int) -> None:
     except (OSError, AttributeError):
         pass
     os._exit(code)
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def _show(progress, plan: StepPlan, last: dict[str, Any]) -> None:

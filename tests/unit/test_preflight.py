@@ -158,3 +158,26 @@ def test_a_fixed_budget_over_the_cap_names_the_largest_that_fits():
     fitting = [t["max_tokens"] for t in report.trials if t["fits"]]
     assert max(fitting) == report.max_tokens
     assert any(t["max_tokens"] == report.max_tokens + 64 and not t["fits"] for t in report.trials)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_a_vision_model_s_worst_case_runs_its_images_through_the_engine(family):
+    """The preflight of a vision model: its largest images (as many as half the budget holds) in
+    the one-sample shape, a blank image in the text-only packed one, through the real engine; the
+    zero-weight backward reaches the vision tower (every gradient there exists and is 0)."""
+    from odb.training.backends import LocalBackend
+    from odb.training.model import hf_model
+    from odb.training.preflight import worst_images
+
+    model = build(family, attention.register())
+    config = hf_model(model).config
+    engine = OdbEngine(LocalBackend(model), world_size=1, max_tokens=400, pad_token_id=0)
+    merge2 = config.vision_config.spatial_merge_size ** 2
+    report = preflight(lambda batch, budget: engine.probe_step(batch), budget=400, upper=400,
+                       gather=lambda v: np.asarray(v)[None], device=CPU, cap_mb=1e6, world_size=1,
+                       vocab_size=model.get_input_embeddings().num_embeddings, avoid=special_token_ids(config),
+                       images=lambda budget: worst_images(config, budget, largest_image=16 * merge2, max_patches=None),
+                       log=lambda _: None)
+    assert report.max_tokens == 400 and report.max_patches == 11 * 16 * merge2  # (200 tokens) // (16 + 2) images
+    vision = [p for name, p in model.named_parameters() if "visual" in name]
+    assert vision and all(p.grad is not None and not p.grad.any() for p in vision)

@@ -13,6 +13,9 @@ from odb.settings import field_docs, flag_fields, flag_name
 from odb.training import backends
 from odb.training.cli import FileDefaults, parse_config, parser
 from odb.training.config import (
+    DEMO_LR,
+    FULL_LR,
+    LORA_LR,
     CheckpointSettings,
     DataSettings,
     LoggingSettings,
@@ -53,11 +56,30 @@ def test_a_run_without_flags_gets_the_dataclass_defaults(tmp_path, monkeypatch):
     assert config.logging == LoggingSettings()
     assert config.batching == load_odb_config(ROOT / "configs" / "odb.json")
     assert config.data.processing == DataConfig()
+    assert config.optimization.lr == DEMO_LR  # the bundled tiny model's (the others: below)
     for cls, settings in ((OptimizationSettings, config.optimization), (DataSettings, config.data),
                           (ModelSettings, config.model)):
         for f in flag_fields(cls, skip=FROM_FILES.get(cls, ())):
-            if f.default is not dataclasses.MISSING:
+            if f.default is not dataclasses.MISSING and f.name != "lr":
                 assert getattr(settings, f.name) == f.default, f"{cls.__name__}.{f.name}"
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_model_of_one_s_own_gets_the_real_run_defaults(tmp_path, monkeypatch, lora):
+    """Not the CPU demo's: the learning rate of its method, and the recipes' odb settings (a
+    measured budget) unless --odb_config names a file."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text((ROOT / "configs" / "tiny_model.json").read_text())
+    config = parse_config(["--model", str(folder), *(["--lora"] if lora else [])], defaults=FileDefaults.bundled(ROOT))
+    assert config.optimization.lr == (LORA_LR if lora else FULL_LR) and OptimizationSettings().lr == FULL_LR
+    assert config.batching == load_odb_config(ROOT / "configs" / "recipes" / "odb.json")
+    assert config.batching.max_tokens == "auto"
+    given = parse_config(["--model", str(folder), "--lr", "3e-4", "--odb_config", str(ROOT / "configs" / "odb.json")],
+                         defaults=FileDefaults.bundled(ROOT))
+    assert given.optimization.lr == 3e-4 and given.batching.max_tokens == 2048
 
 
 def test_batching_and_data_flags_override_their_files(tmp_path, monkeypatch):
