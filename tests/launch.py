@@ -55,7 +55,10 @@ def train_args(args: list[str], script: Path = TRAIN) -> list[str]:
     ``--preflight`` or an ``auto`` budget. The preflight adds a worst-case step to every start (2 s
     of a tiny 2-rank run) and changes nothing the tests look at, as tests/e2e/test_preflight_launch.py
     checks against runs without it; the SLURM and torchrun tests start it as users do."""
-    if script != TRAIN or any(a.startswith("--preflight") or a == "auto" for a in args):
+    budgets = ("--max_tokens", "--max_patches")
+    auto = any(a in (f"{b}=auto" for b in budgets) or a == "auto" and i and args[i - 1] in budgets
+               for i, a in enumerate(args))
+    if script != TRAIN or auto or any(a.startswith("--preflight") for a in args):
         return list(args)
     return [*args, "--preflight", "off"]
 
@@ -314,6 +317,7 @@ class Zygote:
         self._replies: list[dict] = []
         ready = self._reply(timeout=300)
         assert "ready" in ready, ready
+        self.single_threaded = ready.get("threads") == 1
         atexit.register(self.close)
 
     def close(self) -> None:
@@ -333,7 +337,8 @@ class Zygote:
         if cls._current is None or cls._current.proc.poll() is not None:
             base = {**{k: v for k, v in env.items() if k not in zygote.LATE}, **zygote.ACCELERATOR}
             cls._current = cls(base)
-        return cls._current if not zygote.differs(env, cls._current.env) else None
+        usable = cls._current.single_threaded and not zygote.differs(env, cls._current.env)
+        return cls._current if usable else None
 
     def fork(self, script: Path, args: list[str], env: dict[str, str], out: Path, err: Path) -> ForkedRank:
         request = {"script": str(script), "args": list(args), "env": env, "cwd": str(ROOT), "out": str(out),
@@ -378,9 +383,17 @@ class ForkedRank:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.zygote.pump()
+            try:
+                self.zygote.pump()
+            except RuntimeError:  # the zygote ended: its ranks are init's now, their codes lost
+                alive = psutil.pid_exists(self.pid) and psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
+                return None if alive else self._lost()
             self.returncode = self.zygote.codes.pop(self.pid, None)
         return self.returncode
+
+    def _lost(self) -> int:
+        self.returncode = 1
+        return 1
 
     def wait(self) -> int:
         while self.poll() is None:

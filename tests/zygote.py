@@ -72,9 +72,11 @@ def _rank(request: dict, channel: int) -> None:
     code = 1
     try:
         os.close(channel)
-        for fd, path in ((1, request["out"]), (2, request["err"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        write = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        for fd, path, flags in ((1, request["out"], write), (2, request["err"], write), (0, os.devnull, os.O_RDONLY)):
+            opened = os.open(path, flags)
+            os.dup2(opened, fd)
+            os.close(opened)
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
@@ -120,7 +122,8 @@ def main() -> None:
     def say(message: dict) -> None:
         os.write(channel, (json.dumps(message) + "\n").encode())
 
-    say({"ready": os.getpid()})
+    # forking is safe only from a single thread: say how many there are (tests/launch.py uses none else)
+    say({"ready": os.getpid(), "threads": len(os.listdir("/proc/self/task"))})
     pending = b""
     children: set[int] = set()
     while True:

@@ -61,8 +61,8 @@ class OdbConfig:
     over_cap: str = "truncate"
     """A sample longer than max_tokens: 'truncate' it, 'drop' it (counted) or raise an 'error'."""
     max_patches: int | str | None = field(default=None, metadata=flag(parse=_budget))
-    """Optional cap on vision-encoder patches in one micro-batch; 'auto': the patches of the
-    largest images the budget's tokens hold, as the preflight measured them fitting."""
+    """Optional cap on vision-encoder patches in one micro-batch; 'auto': those of the preflight's
+    worst case at the budget (the largest images, as many as half its tokens hold)."""
     attn_coef: float = 0.0
     """Cost = tokens + attn_coef * sum(sample_tokens^2) + patch_coef * patches."""
     patch_coef: float = 0.0

@@ -39,6 +39,7 @@ from odb.training.preflight import (
     memory_cap_mb,
     preflight,
     special_token_ids,
+    worst_case_batches,
     worst_images,
 )
 from odb.training.schedule import ProgressSchedule
@@ -187,13 +188,19 @@ def run_preflight(config: RunConfig, backend: Backend, comm, *, tokenizer, visio
     random generators are left as they were."""
     model, batching = hf_model(backend.module), config.batching
     engines: dict[int, OdbEngine] = {}
+    vocab_size = min(len(tokenizer), model.get_input_embeddings().num_embeddings)
+    avoid = special_token_ids(model.config)
+
+    # with GAS > 1 the step's last micro-batch runs over what the earlier ones accumulated unreduced
+    # (FSDP2 without reduce_every_micro_batch: every rank's whole fp32 gradients): one small one first
+    earlier = worst_case_batches(64, vocab_size=vocab_size, avoid=avoid)[0] if batching.gas > 1 else None
 
     def step(samples: list[dict[str, Any]], budget: int) -> None:
         if budget not in engines:  # (its loss chunks are those of a run at this budget)
             engines[budget] = OdbEngine(backend, world_size=world_size, max_tokens=budget,
                                         pad_token_id=tokenizer.pad_token_id, packed=packed,
                                         loss_chunk_tokens=config.model.loss_chunk_tokens)
-        engines[budget].probe_step(samples)
+        engines[budget].probe_step(samples, earlier=earlier)
 
     images = None
     if vision is not None:
@@ -208,11 +215,11 @@ def run_preflight(config: RunConfig, backend: Backend, comm, *, tokenizer, visio
     backend.train(True)
     with backend.pristine():
         report = preflight(step, budget=batching.max_tokens, upper=upper, gather=comm.all_gather,
-                           device=backend.device, cap_mb=cap_mb, world_size=world_size,
-                           vocab_size=min(len(tokenizer), model.get_input_embeddings().num_embeddings),
-                           avoid=special_token_ids(model.config), images=images, log=log)
-    if backend.device.type == "cuda":
+                           device=backend.device, cap_mb=cap_mb, world_size=world_size, vocab_size=vocab_size,
+                           avoid=avoid, images=images, log=log)
+    if backend.device.type == "cuda":  # the run's own peak (summary.json) starts here
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(backend.device)
     chosen = " (auto)" if batching.max_tokens == AUTO else ""
     log(f"odb: preflight: max_tokens {report.max_tokens}{chosen}: worst-case step peaks at {report.peak_mb:.0f} MB "
         f"of {report.limit_mb:.0f} MB ({report.device}), {report.step_s:.2f} s, about {report.tokens_per_s:.0f} "

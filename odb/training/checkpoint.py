@@ -125,7 +125,10 @@ def saved_budgets(config: RunConfig, tag: str, log: Callable[[str], None]) -> Ru
     path = _folder(config) / tag / "run_config.json"
     batching = _read_json(path, "run config").get("batching", {})
     saved = {name: batching.get(name) for name in auto}
-    if any(value == AUTO or not (value is None or isinstance(value, int)) for value in saved.values()):
+    def resolved(name: str, value) -> bool:  # (max_patches may be null: no cap)
+        return isinstance(value, int) and not isinstance(value, bool) or value is None and name == "max_patches"
+
+    if not all(resolved(name, value) for name, value in saved.items()):
         raise ValueError(f"--resume: {path} has no resolved {' / '.join(auto)} ({saved}); resume with the budgets "
                          "the run trained with (--max_tokens N)")
     log(f"odb: {', '.join(f'{k} auto: {v}, as the checkpoint resolved it' for k, v in saved.items())}")

@@ -244,15 +244,22 @@ class OdbEngine:
         return StepResult(loss_sum=float(loss_sum), label_tokens=label_tokens, lr=lr, aux_sum=aux_sum,
                           aux_loss=self.router_loss.coef * aux_sum / step_tokens if step_tokens else 0.0)
 
-    def probe_step(self, samples: Sequence[dict[str, Any]]) -> None:
+    def probe_step(self, samples: Sequence[dict[str, Any]], *,
+                   earlier: Sequence[dict[str, Any]] | None = None) -> None:
         """One micro-batch of ``samples`` through the model (whole: no truncation), its backward and
         an optimizer step, at their real size and changing no weight: the loss (and a router loss)
         is backed with weight 0, so every gradient is 0, and the step runs at learning rate 0 (AdamW
-        and SGD then leave each weight as it is). The optimizer's state it makes is the caller's to
-        reset (:meth:`Backend.pristine`). The preflight's step (:mod:`odb.training.preflight`)."""
+        and SGD then leave each weight as it is). ``earlier``: a micro-batch run first without
+        reducing its gradients, as the earlier micro-batches of a step with GAS > 1 are. The
+        optimizer's state it makes is the caller's to reset (:meth:`Backend.pristine`). The
+        preflight's step (:mod:`odb.training.preflight`)."""
         self.backend.set_lr(0.0)
-        summed, aux = self._forward_loss(samples, padded=False, router=self.router_loss is not None, truncate=False)
-        self.backend.backward((summed if aux is None else summed + aux) * 0.0, sync=True)
+        router = self.router_loss is not None
+        for micro, last in ((earlier, False), (samples, True)):
+            if micro is None:
+                continue
+            summed, aux = self._forward_loss(micro, padded=False, router=router, truncate=False)
+            self.backend.backward((summed if aux is None else summed + aux) * 0.0, sync=last)
         self.backend.step()
 
     @torch.no_grad()

@@ -198,7 +198,9 @@ def flops_model(model, device: torch.device, dtype: torch.dtype) -> FlopsModel:
     token meets in a matmul (every weight matrix but the input embedding's and a vision tower's; a head
     tied to the embedding counts once, as the head; a mixture-of-experts model counts every expert,
     so its MFU is overstated by its share of inactive experts), the language model's layers and
-    width, and the device's peak where odb knows it (a GPU of :data:`PEAK_FLOPS` in bf16 or fp16)."""
+    attention width (heads x head dim; sliding windows not taken off), and the device's peak where
+    odb knows it (a GPU of :data:`PEAK_FLOPS` in bf16 or fp16; the SXM figure: a PCIe part's MFU is
+    understated)."""
     hf = hf_model(model)
     text = getattr(hf.config, "text_config", None) or hf.config
     numel = lambda p: int(getattr(p, "ds_numel", 0) or p.numel())  # noqa: E731 (ZeRO-3 partitions p)
@@ -214,4 +216,7 @@ def flops_model(model, device: torch.device, dtype: torch.dtype) -> FlopsModel:
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
         name = torch.cuda.get_device_name(device)
         peak = next((flops for part, flops in PEAK_FLOPS.items() if part in name), None)
-    return FlopsModel(matmul_params=matmul, layers=text.num_hidden_layers, hidden=text.hidden_size, peak_flops=peak)
+    heads = getattr(text, "num_attention_heads", None)
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
+    width = heads * head_dim if heads and head_dim else text.hidden_size  # (Qwen3, Gemma: not hidden_size)
+    return FlopsModel(matmul_params=matmul, layers=text.num_hidden_layers, hidden=width, peak_flops=peak)

@@ -76,6 +76,8 @@ class PreflightReport:
     """All ranks' tokens per second at the worst case: ``world_size * max_tokens / step_s``."""
     device: str
     """'cuda' or 'cpu': what ``peak_mb`` measures."""
+    collectives: int = 0
+    """odb's gathers it took (one for the cap, one per trial): not among the run's ``odb_collectives``."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -206,10 +208,14 @@ def special_token_ids(model_config) -> set[int]:
     ids: set[int] = set()
     for config in (model_config, getattr(model_config, "text_config", None)):
         for key, value in (vars(config).items() if config is not None else ()):
-            if (key.endswith("_token_id") or key.endswith("_token_index")) and isinstance(value, int):
+            if (key.endswith("_token_id") or key.endswith("_token_index")) and isinstance(value, int) \
+                    and not isinstance(value, bool):
                 ids.add(value)
-    return ids - {getattr(model_config, "pad_token_id", None), getattr(model_config, "eos_token_id", None),
-                  getattr(model_config, "bos_token_id", None)}
+    plain: set[int] = set()  # the pad, bos and eos tokens (eos may be a list: Llama-3.1's) are text
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        value = getattr(model_config, name, None)
+        plain.update(v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, int))
+    return ids - plain
 
 
 # ---- the preflight ----------------------------------------------------------------------------
@@ -252,6 +258,7 @@ def preflight(step: Callable[[list[dict[str, Any]], int], None], *, budget: int 
     patches: dict[int, int | None] = {}
     times: dict[int, float] = {}
     fits: set[int] = set()
+    gathered: list[int] = []  # the budgets of the trials' gathers
 
     def trial(tokens: int) -> float:
         image = images(tokens) if images is not None else None
@@ -265,10 +272,12 @@ def preflight(step: Callable[[list[dict[str, Any]], int], None], *, budget: int 
                 fix = (f"the largest budget measured to fit is {best}: set max_tokens {best} or lower" if best else
                        "no budget was measured to fit: lower max_tokens, or train with LoRA, gradient checkpointing "
                        "or a higher ZeRO stage")
+                hint = "" if budget == "auto" else ", or max_tokens auto"
                 raise PreflightError(f"the worst-case step at max_tokens {tokens} ran out of device memory on this "
-                                     f"rank ({err}); {fix}, or max_tokens auto") from err
+                                     f"rank ({err}); {fix}{hint}") from err
             peak, seconds = max(peak, used), max(seconds, took)
         agreed = gather(np.array([int(peak * 1024), int(seconds * 1e6)], dtype=np.int64))
+        gathered.append(tokens)
         peak, times[tokens] = float(agreed[:, 0].max()) / 1024, float(agreed[:, 1].max()) / 1e6
         if peak <= cap:
             fits.add(tokens)
@@ -308,9 +317,14 @@ def preflight(step: Callable[[list[dict[str, Any]], int], None], *, budget: int 
         trials=[{"max_tokens": t.budget, "peak_mb": round(t.peak, 1), "fits": t.fits,
                  "step_s": round(times[t.budget], 4)} for t in trials],
         step_s=round(times[chosen], 4), seconds=round(time.perf_counter() - began, 2),
-        tokens_per_s=round(world_size * chosen / times[chosen], 1) if times[chosen] else 0.0, device=device.type)
+        tokens_per_s=round(world_size * chosen / times[chosen], 1) if times[chosen] else 0.0, device=device.type,
+        collectives=1 + len(gathered))
 
 
 def local_ranks() -> int:
-    """Ranks on this machine (the launcher's LOCAL_WORLD_SIZE), 1 without a launcher."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    """Ranks on this machine: torchrun's and srun's LOCAL_WORLD_SIZE, DeepSpeed's runner's
+    LOCAL_SIZE, else WORLD_SIZE (1 without a launcher)."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "WORLD_SIZE"):
+        if os.environ.get(name, "").isdigit():
+            return max(1, int(os.environ[name]))
+    return 1

@@ -286,7 +286,9 @@ class Trainer:
             print(f"rank {self.rank} skipped records, e.g.: " + "; ".join(parts.feed.examples), flush=True)
         summary = telemetry.summary(totals, world_size=self.world_size,
                                     epochs=config.run.epochs if parts.batching.mode == "join" else None,
-                                    rounds=batcher.stats.rounds, collectives=parts.comm.num_collectives,
+                                    rounds=batcher.stats.rounds,
+                                    collectives=parts.comm.num_collectives - (parts.preflight.collectives
+                                                                              if parts.preflight else 0),
                                     policy=parts.batching.policy)
         summary["this_process"]["peak_memory_mb"] = _peak_memory_mb()
         summary["preflight"] = parts.preflight.to_dict() if parts.preflight is not None else None

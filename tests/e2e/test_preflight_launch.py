@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from launch import KILLED, TRAIN, _ranks, audit, deepspeed, ds_config, fsdp2, launch_env, odb_config
+
+WORKER = Path(__file__).with_name("preflight_worker.py")
 
 
 def losses(out):
@@ -50,6 +53,17 @@ def test_a_run_with_the_preflight_trains_exactly_as_one_without(tmp_path, backen
     with_, without = weights(tmp_path / "with"), weights(tmp_path / "without")
     assert with_.keys() == without.keys()
     assert all(torch.equal(with_[k], without[k]) for k in with_), "the preflight changed the trained weights"
+
+
+def test_after_the_probe_deepspeed_links_each_parameter_to_the_state_its_first_real_step_made(tmp_path):
+    """ZeRO-2 links each parameter to its optimizer state once, at the first step: the probe's step
+    must not keep that link (the probe's moments would stay alive, and what DeepSpeed reads of a
+    parameter's state would be theirs)."""
+    out = tmp_path / "links.json"
+    deepspeed([str(out), "2"], nproc=1, script=WORKER)
+    links = json.loads(out.read_text())["linked"]
+    viewed = [ok for keys in links.values() for ok in keys.values()]
+    assert len(viewed) >= 2 * 10 and all(viewed), links
 
 
 def test_max_tokens_auto_trains_with_the_largest_budget_under_the_cap_and_a_resume_keeps_it(tmp_path):

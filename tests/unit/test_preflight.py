@@ -181,3 +181,21 @@ def test_a_vision_model_s_worst_case_runs_its_images_through_the_engine(family):
     assert report.max_tokens == 400 and report.max_patches == 11 * 16 * merge2  # (200 tokens) // (16 + 2) images
     vision = [p for name, p in model.named_parameters() if "visual" in name]
     assert vision and all(p.grad is not None and not p.grad.any() for p in vision)
+
+
+def test_the_special_tokens_of_a_config_with_several_end_tokens(monkeypatch):
+    """Llama-3.1's eos_token_id is a list: text ids all the same; an image token is special."""
+    from transformers import AutoConfig
+
+    from odb.training.preflight import local_ranks
+
+    config = AutoConfig.for_model("llama", eos_token_id=[5, 6], bos_token_id=4, pad_token_id=None)
+    config.image_token_id = 9
+    assert special_token_ids(config) == {9}
+    for env, expected in (({"LOCAL_WORLD_SIZE": "4"}, 4), ({"LOCAL_SIZE": "3", "WORLD_SIZE": "8"}, 3),
+                          ({"WORLD_SIZE": "2"}, 2), ({}, 1)):
+        for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "WORLD_SIZE"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        assert local_ranks() == expected, env

@@ -28,12 +28,11 @@ def torch_optimizer(name: str, params: list[torch.nn.Parameter], *, lr: float,
 
 def optimizer_kept_fresh(optimizer: Any, counters: Sequence[tuple[Any, str]] = ()
                          ) -> contextlib.AbstractContextManager[None]:
-    """What runs inside leaves ``optimizer`` as built: every torch optimizer it holds (itself, or
-    DeepSpeed's wrapper's ``.optimizer``, and so on) gets its state cleared (torch's optimizers make
-    it at their first step) and its param groups' values (lr, ...) back, and each ``(object,
-    attribute)`` of ``counters`` (a wrapper's step counts, a loss scaler's) its value back. The
-    optimizer must not have stepped before (its state is empty): a resumed run's state is loaded
-    after this."""
+    """What runs inside leaves ``optimizer`` as it was: every torch optimizer it holds (itself, or
+    DeepSpeed's wrapper's ``.optimizer``, and so on) gets its state and param groups back (torch's
+    optimizers make their state at their first step: then it is simply cleared; one that made it at
+    construction, Adagrad, gets a CPU copy of it back), and each ``(object, attribute)`` of
+    ``counters`` (a wrapper's step counts, a loss scaler's) its value."""
     return _kept_fresh(optimizer, counters)
 
 
@@ -47,22 +46,26 @@ def _kept_fresh(optimizer: Any, counters: Sequence[tuple[Any, str]]) -> Iterator
     if not optimizers:
         raise TypeError(f"no torch optimizer in {type(optimizer).__name__}: the preflight cannot reset its state "
                         "(run with --preflight off)")
-    if any(opt.state for opt in optimizers):
-        raise RuntimeError("the optimizer has stepped already: its state cannot be reset to as built")
-    groups = [[{k: copy.deepcopy(v) for k, v in group.items() if k != "params"} for group in opt.param_groups]
-              for opt in optimizers]
+    saved = [_cpu_copy(opt.state_dict()) for opt in optimizers]
     values = [copy.deepcopy(getattr(owner, name)) for owner, name in counters]
     try:
         yield
     finally:
-        for opt, saved in zip(optimizers, groups, strict=True):
-            opt.state.clear()
-            for group, kept in zip(opt.param_groups, saved, strict=True):
-                for key in [k for k in group if k != "params" and k not in kept]:
-                    del group[key]
-                group.update(kept)
+        for opt, state in zip(optimizers, saved, strict=True):
+            opt.state.clear()  # (load_state_dict keeps what the saved state does not name)
+            opt.load_state_dict(state)
         for (owner, name), value in zip(counters, values, strict=True):
             setattr(owner, name, value)
+
+
+def _cpu_copy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _cpu_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cpu_copy(v) for v in value)
+    return copy.deepcopy(value)
 
 
 class Backend(Protocol):

@@ -22,10 +22,11 @@ module (:func:`gather_state_dict`) or, from a saved checkpoint, with DeepSpeed's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -270,16 +271,28 @@ class DeepSpeedBackend:
     def train(self, mode: bool = True) -> None:
         self.engine.train(mode)
 
-    def pristine(self):
-        """The torch optimizer inside DeepSpeed's as built, and the engine's step counts and loss
-        scaler (fp16) as they were."""
-        engine = self.engine
+    @contextlib.contextmanager
+    def pristine(self) -> Iterator[None]:
+        """The torch optimizer inside DeepSpeed's as built, the engine's step counts, loss scaler
+        (fp16) and its link from each parameter to its optimizer state as they were: ZeRO-1/2 and
+        the bf16 optimizer link them at their first step, once (``_hp_optimizer_states_linked``),
+        so the run's first step links the state it makes, and the probe's is freed now."""
+        engine, optimizer = self.engine, self.engine.optimizer
         counters = [(engine, name) for name in ("global_steps", "global_samples", "micro_steps", "skipped_steps")
                     if hasattr(engine, name)]
-        scaler = getattr(engine.optimizer, "loss_scaler", None)
+        scaler = getattr(optimizer, "loss_scaler", None)
         if scaler is not None:
             counters += [(scaler, name) for name in vars(scaler)]
-        return optimizer_kept_fresh(engine.optimizer, counters)
+        if hasattr(optimizer, "_hp_optimizer_states_linked"):
+            counters.append((optimizer, "_hp_optimizer_states_linked"))
+        with optimizer_kept_fresh(optimizer, counters):
+            try:
+                yield
+            finally:
+                for param in self.module.parameters():
+                    mapping = getattr(param, "_hp_mapping", None)
+                    if mapping is not None and hasattr(mapping, "optim_fragment"):
+                        mapping.optim_fragment = None  # (views of the probe's state)
 
     def release_cache(self) -> None:
         # ZeRO-3 keeps parameters a forward gathered for reuse (up to stage3_max_live_parameters)
