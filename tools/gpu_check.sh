@@ -86,11 +86,12 @@ train() {  # run name, extra odb settings, then the launcher with launch/train.p
     $PY - "$WORK/$name.json" "$MAX_TOKENS" "$settings" <<'EOF'
 import json, sys
 config = json.load(open("configs/odb.json"))
-config.update(max_tokens=int(sys.argv[2]), **json.loads(sys.argv[3]))
+config.update({"max_tokens": int(sys.argv[2]), **json.loads(sys.argv[3])})  # (a run's own settings win)
 json.dump(config, open(sys.argv[1], "w"))
 EOF
     "$@" --model "$MODEL" --data "$WORK/data.jsonl" --odb_config "$WORK/$name.json" --max_samples "$SAMPLES" \
         --lr 1e-4 --gradient_checkpointing --num_workers 4 --no_final_checkpoint --output_dir "$WORK/$name" \
+        --overwrite_output_dir \
         > "$WORK/$name.log" 2>&1 || { tail -n 40 "$WORK/$name.log"; exit 1; }
 }
 DEEPSPEED=(deepspeed --num_gpus 1 launch/train.py --deepspeed_config configs/ds_zero2.json)
