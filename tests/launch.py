@@ -387,13 +387,10 @@ class ForkedRank:
                 self.zygote.pump()
             except RuntimeError:  # the zygote ended: its ranks are init's now, their codes lost
                 alive = psutil.pid_exists(self.pid) and psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
-                return None if alive else self._lost()
+                self.returncode = None if alive else 1
+                return self.returncode
             self.returncode = self.zygote.codes.pop(self.pid, None)
         return self.returncode
-
-    def _lost(self) -> int:
-        self.returncode = 1
-        return 1
 
     def wait(self) -> int:
         while self.poll() is None:

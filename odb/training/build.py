@@ -34,6 +34,7 @@ from odb.training.faults import Watchdog, WatchedCommunicator, collective_timeou
 from odb.training.model import flops_model, hf_model, load_tokenizer, vision_spec
 from odb.training.mrope import supports_packing
 from odb.training.preflight import (
+    WARMUP_TOKENS,
     PreflightReport,
     local_ranks,
     memory_cap_mb,
@@ -193,7 +194,7 @@ def run_preflight(config: RunConfig, backend: Backend, comm, *, tokenizer, visio
 
     # with GAS > 1 the step's last micro-batch runs over what the earlier ones accumulated unreduced
     # (FSDP2 without reduce_every_micro_batch: every rank's whole fp32 gradients): one small one first
-    earlier = worst_case_batches(64, vocab_size=vocab_size, avoid=avoid)[0] if batching.gas > 1 else None
+    earlier = worst_case_batches(WARMUP_TOKENS, vocab_size=vocab_size, avoid=avoid)[0] if batching.gas > 1 else None
 
     def step(samples: list[dict[str, Any]], budget: int) -> None:
         if budget not in engines:  # (its loss chunks are those of a run at this budget)

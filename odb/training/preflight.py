@@ -85,10 +85,11 @@ class PreflightReport:
 
 # ---- the memory probe -------------------------------------------------------------------------
 
-def _status_kb(field: str) -> int:
-    match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
+def _proc_kb(path: str, field: str) -> int:
+    """A ``Field:  N kB`` line of a /proc file (``/proc/self/status``, ``/proc/meminfo``)."""
+    match = re.search(rf"^{field}:\s+(\d+) kB", Path(path).read_text(), re.MULTILINE)
     if match is None:
-        raise OSError(f"/proc/self/status has no {field}")
+        raise OSError(f"{path} has no {field}")
     return int(match.group(1))
 
 
@@ -106,12 +107,12 @@ def measure(step: Callable[[], None], device: torch.device) -> tuple[float, floa
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) / 2**20, time.perf_counter() - began
     _trim()  # what an earlier, larger step freed goes back to the system: it would hide this step's growth
-    before = _status_kb("VmRSS")
+    before = _proc_kb("/proc/self/status", "VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark (VmHWM) starts again from here
     began = time.perf_counter()
     step()
     seconds = time.perf_counter() - began
-    return max(0.0, (_status_kb("VmHWM") - before) / 1024), seconds
+    return max(0.0, (_proc_kb("/proc/self/status", "VmHWM") - before) / 1024), seconds
 
 
 def _trim() -> None:
@@ -129,16 +130,9 @@ def memory_cap_mb(device: torch.device, *, fraction: float, limit_mb: int | None
     if device.type == "cuda":
         total = torch.cuda.mem_get_info(device)[1] / 2**20
     else:
-        total = _meminfo_kb("MemAvailable") / 1024 / max(1, local_ranks)
+        total = _proc_kb("/proc/meminfo", "MemAvailable") / 1024 / max(1, local_ranks)
     cap = fraction * total
     return min(cap, float(limit_mb)) if limit_mb is not None else cap
-
-
-def _meminfo_kb(field: str) -> int:
-    match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.MULTILINE)
-    if match is None:
-        raise OSError(f"/proc/meminfo has no {field}")
-    return int(match.group(1))
 
 
 # ---- the worst-case micro-batches ---------------------------------------------------------------
@@ -297,8 +291,8 @@ def preflight(step: Callable[[list[dict[str, Any]], int], None], *, budget: int 
                                      "or train with LoRA, gradient checkpointing or a higher ZeRO stage")
         else:
             assert isinstance(budget, int)
-            trials = [BudgetTrial(budget, trial(budget), False)]
-            trials[0] = BudgetTrial(budget, trials[0].peak, budget in fits)
+            peak = trial(budget)
+            trials = [BudgetTrial(budget, peak, budget in fits)]
             if budget not in fits:
                 best = None
                 if budget > QUANTUM:
