@@ -116,6 +116,10 @@ def main() -> None:
     channel = os.dup(1)  # the protocol's; what the libraries print goes to stderr
     os.dup2(2, 1)
     os.environ.update(ACCELERATOR)
+    # one thread, as a rank starts (tests/launch.py sets OMP_NUM_THREADS=1, as torchrun does): numpy's
+    # OpenBLAS reads it at import and otherwise starts a thread per core, and a process with more than
+    # one thread is not forked from (tests/launch.py then starts every rank fresh)
+    os.environ["OMP_NUM_THREADS"] = "1"
     _imports()
     gc.freeze()  # the imported objects: a rank's collector never walks them (writing to their pages copies them)
 
