@@ -52,15 +52,36 @@ EXTENSIONS = ROOT / ".torch_extensions"  # this checkout's own DeepSpeed op buil
 
 def train_args(args: list[str], script: Path = TRAIN) -> list[str]:
     """``args`` for ``script``; launch/train.py's with ``--preflight off`` unless they name
-    ``--preflight`` or an ``auto`` budget. The preflight adds a worst-case step to every start (2 s
+    ``--preflight`` or an ``auto`` budget, and with ``--cost_model manual`` unless they or their
+    ``--odb_config`` name a cost model. The preflight adds a worst-case step to every start (2 s
     of a tiny 2-rank run) and changes nothing the tests look at, as tests/e2e/test_preflight_launch.py
-    checks against runs without it; the SLURM and torchrun tests start it as users do."""
+    checks against runs without it; the SLURM and torchrun tests start it as users do. The fitted
+    cost model makes a run's plans depend on its measured times, and most tests compare one run's
+    plans with another's (a resume with the uninterrupted run): the tests of the fit name it
+    (tests/e2e/test_cost_fit_launch.py)."""
+    if script != TRAIN:
+        return list(args)
     budgets = ("--max_tokens", "--max_patches")
     auto = any(a in (f"{b}=auto" for b in budgets) or a == "auto" and i and args[i - 1] in budgets
                for i, a in enumerate(args))
-    if script != TRAIN or auto or any(a.startswith("--preflight") for a in args):
-        return list(args)
-    return [*args, "--preflight", "off"]
+    extra = [] if auto or _names(args, "--preflight") else ["--preflight", "off"]
+    if not _names(args, "--cost_model") and "cost_model" not in _odb_file(args):
+        extra += ["--cost_model", "manual"]
+    return [*args, *extra]
+
+
+def _names(args: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def _odb_file(args: list[str]) -> dict:
+    """The keys of the ``--odb_config`` file ``args`` name (none: {})."""
+    for i, a in enumerate(args):
+        path = args[i + 1] if a == "--odb_config" and i + 1 < len(args) else a.partition("=")[2] \
+            if a.startswith("--odb_config=") else None
+        if path and Path(path).is_file():
+            return json.loads(Path(path).read_text())
+    return {}
 
 
 def launch_env(**values: str) -> dict[str, str]:
@@ -220,7 +241,9 @@ def ds_config(tmp: Path, stage: int, **overrides) -> Path:
 
 
 def odb_config(tmp: Path, **values) -> Path:
-    config = json.loads((ROOT / "configs" / "odb.json").read_text())
+    """configs/odb.json with ``values``, and ``cost_model`` manual unless given (:func:`train_args`
+    says why; the SLURM and torchrun tests pass the file without that function)."""
+    config = {**json.loads((ROOT / "configs" / "odb.json").read_text()), "cost_model": "manual"}
     config.update(values)
     return write_json(tmp / "odb.json", config)
 
@@ -300,13 +323,17 @@ ZYGOTE = Path(__file__).resolve().parent / "zygote.py"
 
 @launches
 class Zygote:
-    """This test process's zygote (tests/zygote.py): a process that imported what a rank imports,
+    """A zygote of this test process (tests/zygote.py): a process that imported what a rank imports,
     started at the first launch it can serve and kept for the session; ranks are forked from it
     (:meth:`fork`). It serves the launches whose environment differs from its own only in what is
-    read after the imports (``tests/zygote.py`` :func:`differs`); :meth:`serving` says None to the
-    others, which start fresh interpreters."""
+    read after the imports (``tests/zygote.py`` :func:`differs`): :meth:`serving` keeps one per
+    environment the launches ask for."""
 
-    _current: Zygote | None = None
+    _pool: dict[frozenset, Zygote] = {}  # by the environment each was started with, the latest used last
+    POOL = 2
+    """Zygotes a test process keeps: one per environment its launches ask for, the least recently
+    used closed beyond this many. A zygote costs one process's imports, about what a fresh launch's
+    every rank pays, so one started for a single launch costs nothing extra."""
 
     def __init__(self, env: dict[str, str]) -> None:
         self.env = env
@@ -332,13 +359,21 @@ class Zygote:
 
     @classmethod
     def serving(cls, env: dict[str, str]) -> Zygote | None:
+        """The zygote for a launch with ``env`` (started if there is none), or None where ranks must
+        start fresh (a zygote that has more than one thread cannot fork safely)."""
         import zygote
 
-        if cls._current is None or cls._current.proc.poll() is not None:
-            base = {**{k: v for k, v in env.items() if k not in zygote.LATE}, **zygote.ACCELERATOR}
-            cls._current = cls(base)
-        usable = cls._current.single_threaded and not zygote.differs(env, cls._current.env)
-        return cls._current if usable else None
+        base = {**{k: v for k, v in env.items() if k not in zygote.LATE and not k.startswith(zygote.LATE_PREFIXES)},
+                **zygote.ACCELERATOR}
+        key = frozenset(base.items())
+        current = cls._pool.pop(key, None)
+        if current is None or current.proc.poll() is not None:
+            current = cls(base)
+        cls._pool[key] = current
+        while len(cls._pool) > cls.POOL:
+            cls._pool.pop(next(iter(cls._pool))).close()
+        assert not zygote.differs(env, current.env)
+        return current if current.single_threaded else None
 
     def fork(self, script: Path, args: list[str], env: dict[str, str], out: Path, err: Path) -> ForkedRank:
         request = {"script": str(script), "args": list(args), "env": env, "cwd": str(ROOT), "out": str(out),

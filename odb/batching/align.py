@@ -203,6 +203,7 @@ class Aligner:
         self.comm = comm
         self.collective_s = 0.0  # time spent inside collectives (waiting for the other ranks)
         self.reports = np.zeros((comm.world_size, 0), dtype=np.int64)  # the last round's telemetry
+        self.extra: dict[str, np.ndarray] = {}  # the last round's extra fields, every rank's
 
     @property
     def rank(self) -> int:
@@ -239,22 +240,27 @@ class Aligner:
         return self.comm.all_gather(np.asarray(values, dtype=np.int64))
 
     def round(self, proposal: Proposal, *, max_bins: int, max_samples: int, report: np.ndarray | None = None,
-              **decide_args: Any) -> Decision:
+              extra: tuple[Layout, dict[str, Any]] | None = None, **decide_args: Any) -> Decision:
         """One round: exactly one all_gather, then the pure decision (same on every rank).
 
         The vector is the proposal (:func:`odb.batching.wire.proposal_layout` with ``max_bins`` and
-        ``max_samples`` slots), then ``report`` (the same length on every rank): telemetry figures
-        that need no collective of their own. Every rank's comes back in :attr:`reports`
-        ``[world, len]``.
+        ``max_samples`` slots), then ``extra`` (a layout and this rank's values: the cost fit's
+        observations, :mod:`odb.batching.fit`), then ``report`` (the same length on every rank):
+        telemetry figures that need no collective of their own. Every rank's comes back in
+        :attr:`reports` ``[world, len]``, and every rank's ``extra`` fields in :attr:`extra`.
         """
         report = np.zeros(0, dtype=np.int64) if report is None else report
-        layout = proposal.layout(max_bins, max_samples).then(Layout(arrays={"report": len(report)}))
-        payload = layout.encode(**proposal.values(), report=report)
+        layout, values = proposal.layout(max_bins, max_samples), proposal.values()
+        if extra is not None:
+            layout, values = layout.then(extra[0]), {**values, **extra[1]}
+        layout = layout.then(Layout(arrays={"report": len(report)}))
+        payload = layout.encode(**values, report=report)
         start = time.perf_counter()
         gathered = self.comm.all_gather(payload)
         self.collective_s += time.perf_counter() - start
         fields = layout.decode(gathered)
         self.reports = fields.pop("report")
+        self.extra = {name: fields.pop(name) for name in (extra[0].names if extra is not None else ())}
         failed = np.flatnonzero(fields["is_fatal"]).tolist()
         if failed:
             raise PeerStopped(f"rank(s) {failed} stopped the run; their error names the cause")

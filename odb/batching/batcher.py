@@ -29,13 +29,14 @@ import numpy as np
 from odb.batching.align import Aligner, Communicator, PeerStopped
 from odb.batching.config import OdbConfig
 from odb.batching.cost import CostModel
+from odb.batching.fit import CostFit, Fitted, Observation
 from odb.batching.packer import make_packer
 from odb.batching.plan import Decision, MicroBatch, StepPlan
 from odb.batching.state import Snapshot, decode_state, encode_state
 from odb.batching.stream import UidStream, epoch_order
 from odb.batching.wire import Proposal
 
-__all__ = ["BatcherStats", "Feed", "OnlineBatcher", "epoch_order"]  # epoch_order lives in odb.batching.stream
+__all__ = ["BatcherStats", "Feed", "OnlineBatcher", "epoch_order", "features"]  # (epoch_order: odb.batching.stream)
 
 
 class Feed(Protocol):
@@ -86,6 +87,17 @@ class BatcherStats:
         return self.skipped + self.dropped
 
 
+def features(micro: MicroBatch) -> tuple[int, int, int]:
+    """What the cost fit sees of a micro-batch: tokens (padding included), the sum of its samples'
+    squared lengths (a padded one: its rows, each as long as the longest), vision patches."""
+    if micro.padded:
+        longest = max(s.tokens for s in micro.samples)
+        area = len(micro.samples) * longest * longest
+    else:
+        area = sum(s.tokens * s.tokens for s in micro.samples)
+    return micro.materialized, area, sum(s.patches for s in micro.samples)
+
+
 class OnlineBatcher:
     """One rank's batcher. Construction is collective (it checks settings across ranks).
 
@@ -118,6 +130,9 @@ class OnlineBatcher:
                                 shards=shards)
         self.cost_model = CostModel.from_config(config)
         self.packer = make_packer(config, self.cost_model)
+        self.fit = (CostFit(rank=self.rank, attn_coef=config.attn_coef, patch_coef=config.patch_coef)
+                    if config.cost_model == "fit" else None)
+        self.is_warm = False  # this process has trained a step: the first's times are not the run's pace
         self.capacity = dataset_size if self.packer.is_offline else config.window + config.lookahead
         self.aligner.check_settings({**(settings or {}), **config.to_dict(), "world_size": self.world_size,
                                      "dataset_size": dataset_size, "num_epochs": num_epochs,
@@ -148,6 +163,25 @@ class OnlineBatcher:
                             collective_s=self.aligner.collective_s, observed_samples=self.observed_samples,
                             skipped=counts["skipped"], dropped=counts["dropped"], truncated=counts["truncated"],
                             truncated_tokens=counts["truncated_tokens"])
+
+    @property
+    def cost_fit(self) -> Fitted | None:
+        """The fitted coefficients in effect (``cost_model: "fit"``), None before the first fit."""
+        return self.fit.fitted if self.fit is not None else None
+
+    def observe(self, plan: StepPlan, seconds: list[float]) -> None:
+        """This rank's forward + backward time of each micro-batch of a step it trained
+        (``cost_model: "fit"``; nothing otherwise): they join the fit at the next round. The first
+        step of a process is left out (allocations, kernel choices: not the run's pace), and so
+        are dummies."""
+        if self.fit is None:
+            return
+        if not self.is_warm:
+            self.is_warm = True
+            return
+        for micro, time_s in zip(plan.micro_batches, seconds, strict=True):
+            if not micro.is_dummy:
+                self.fit.observe(Observation(*features(micro), round(time_s * 1e6)))
 
     def gather_reports(self, values) -> np.ndarray:
         """The run's final collective (:meth:`odb.batching.align.Aligner.gather_reports`): every
@@ -192,12 +226,15 @@ class OnlineBatcher:
                 self._proposal(), max_bins=self.capacity, max_samples=self.capacity, gas=self.config.gas,
                 seed=self.config.seed, epoch=self.epoch, round_index=self.round_index,
                 quota_left=quota_left, stream_left=self.stream.left(), inflight_target=self.stream.inflight_target,
-                report=self.report() if self.report else None)
+                report=self.report() if self.report else None,
+                extra=(self.fit.layout, self.fit.fields()) if self.fit is not None else None)
         except PeerStopped:
             if self.fatal is not None:
                 raise self.fatal from None  # this rank's own error, with its message
             raise
         self._apply(decision)
+        if self.fit is not None and self.fit.merge(self.aligner.extra):
+            self._reprice()
         self._deal()
         waited = self.fetch_s + self.aligner.collective_s - waited
         self.plan_s += time.perf_counter() - start - waited
@@ -282,6 +319,18 @@ class OnlineBatcher:
             assert not self.packer.num_samples and not self.stream.pending, "epoch ended with samples left"
             self._next_epoch()
 
+    def _reprice(self) -> None:
+        """The fit's new coefficients: the window's samples priced with them, and the observed cost
+        figures (the dealer's estimate of samples not fetched yet) scaled as the window's cost moved."""
+        held = [s for b in self.packer.bins for s in b.samples] + list(self.packer.unpacked)
+        before = sum(s.cost for s in held)
+        self.cost_model.set_coefficients(*self.fit.coefficients)
+        self.packer.reprice()
+        if before:
+            ratio = sum(self.cost_model.reprice(s).cost for s in held) / before
+            self.observed_cost = round(self.observed_cost * ratio)
+            self.observed_cost_sq = round(self.observed_cost_sq * ratio * ratio)
+
     def _next_epoch(self) -> None:
         self.stream.next_epoch()
         if self.config.mode == "join" and self.epoch >= self.num_epochs:
@@ -298,7 +347,8 @@ class OnlineBatcher:
             num_emitted=self.num_emitted, bins=[list(b.samples) for b in self.packer.bins],
             unpacked=list(self.packer.unpacked), queue=list(self.queue),
             observed=(self.observed_cost, self.observed_cost_sq, self.observed_samples),
-            counts=dict(self.counts), is_planned=self.is_planned)
+            counts=dict(self.counts), is_planned=self.is_planned,
+            fit=self.fit.state_dict() if self.fit is not None else None)
         return encode_state(snapshot, num_epochs=self.num_epochs, **self._identity())
 
     def load_state_dict(self, state: dict) -> None:
@@ -312,6 +362,10 @@ class OnlineBatcher:
         self.queue = deque(s.queue)
         self.observed_cost, self.observed_cost_sq, self.observed_samples = s.observed
         self.counts, self.is_planned = {**dict.fromkeys(self.counts, 0), **s.counts}, s.is_planned
+        if self.fit is not None and s.fit is not None:  # (a state of a run without the fit: it starts now)
+            self.fit.load_state_dict(s.fit)
+            self.cost_model.set_coefficients(*self.fit.coefficients)
+            self.packer.reprice()  # (samples re-dealt from another world size's queues: planned earlier)
         if self.is_planned and self.config.mode == "join" and self.epoch < self.num_epochs:
             self.is_planned = False  # resumed with more epochs: the next one starts (after the queued steps)
             self.stream.start_epoch()

@@ -19,6 +19,7 @@ _POLICIES = ("odb", "fixed", "gmt", "bmt")
 _MODES = ("join", "quota")
 _OVER_CAP = ("truncate", "drop", "error")
 _SHARDING = ("dynamic", "static")
+_COST_MODELS = ("fit", "manual")
 AUTO = "auto"
 """``max_tokens`` / ``max_patches``: measured at start-up (the trainer's preflight), not written."""
 
@@ -63,6 +64,10 @@ class OdbConfig:
     max_patches: int | str | None = field(default=None, metadata=flag(parse=_budget))
     """Optional cap on vision-encoder patches in one micro-batch; 'auto': those of the preflight's
     worst case at the budget (the largest images, as many as half its tokens hold)."""
+    cost_model: str = "fit"
+    """How ranks are balanced: 'fit': attn_coef and patch_coef fitted from the run's own
+    micro-batch times, from the values given until the first fit (plans then depend on the
+    machine's timings); 'manual': the values given, so plans depend on the seed and data alone."""
     attn_coef: float = 0.0
     """Cost = tokens + attn_coef * sum(sample_tokens^2) + patch_coef * patches."""
     patch_coef: float = 0.0
@@ -98,7 +103,7 @@ class OdbConfig:
             raise ValueError(f"--window ({self.window}) must be >= --gas ({self.gas}): a rank needs GAS "
                              "samples at hand to fill a step without dummies")
         for name, allowed in (("mode", _MODES), ("over_cap", _OVER_CAP), ("sharding", _SHARDING),
-                              ("policy", _POLICIES)):
+                              ("policy", _POLICIES), ("cost_model", _COST_MODELS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.mode == "quota":

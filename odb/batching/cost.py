@@ -64,6 +64,15 @@ class CostModel:
         return cls(max_tokens=config.max_tokens, max_patches=config.max_patches,
                    attn_coef=config.attn_coef, patch_coef=config.patch_coef, over_cap=config.over_cap)
 
+    def set_coefficients(self, attn_coef: float, patch_coef: float) -> None:
+        """New coefficients (``cost_model: "fit"``, :mod:`odb.batching.fit`): samples measured from
+        now on are priced with them; those already held are the caller's to price again."""
+        self.attn_coef, self.patch_coef = attn_coef, patch_coef
+
+    def reprice(self, sample: SampleCost) -> SampleCost:
+        """``sample`` priced with the coefficients now in effect."""
+        return sample._replace(cost=self.cost(sample.tokens, sample.patches))
+
     def cost(self, tokens: int, patches: int = 0) -> int:
         if not (self.attn_coef or self.patch_coef):
             return tokens

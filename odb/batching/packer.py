@@ -123,6 +123,11 @@ class Packer:
         taken, self.bins = self.bins[:num_bins], self.bins[num_bins:]
         return taken
 
+    def reprice(self) -> None:
+        """Every held sample priced again by the cost model (its coefficients changed)."""
+        price = self.cost_model.reprice
+        self.restore([[price(s) for s in b.samples] for b in self.bins], [price(s) for s in self.unpacked])
+
     def restore(self, bins: list[list[SampleCost]], unpacked: list[SampleCost]) -> None:
         self.bins = [Bin.of(samples, self.cost_model, self.padded) for samples in bins]
         self.unpacked = list(unpacked)

@@ -89,13 +89,16 @@ def redeal_states(states: Sequence[dict[str, Any]], world_size: int) -> list[dic
     pending = sorted([row[0] for row in again] + [u for s in states for u in s["pending"]],
                      key=lambda u: u // size if size else 0)
     observed = [sum(s["observed"][i] for s in states) for i in range(3)]
-    observed = [observed[0] - sum(r[4] for r in again), observed[1] - sum(r[4] ** 2 for r in again),
-                observed[2] - len(again)]  # measured again when fetched again
+    observed = [max(0, observed[0] - sum(r[4] for r in again)), max(0, observed[1] - sum(r[4] ** 2 for r in again)),
+                observed[2] - len(again)]  # measured again when fetched again (cost_model "fit": prices may
+    # have moved since, and the observed figures were scaled, not summed again: never below 0)
     counts: dict[str, int] = {}
     for s in states:
         for key, value in s["counts"].items():
             counts[key] = counts.get(key, 0) + value
 
+    # the cost fit: every rank holds the same window and coefficients; what a rank had not sent yet is lost
+    fit = {**first["fit"], "unsent": []} if first.get("fit") else None
     epoch, is_planned = first["epoch"], first["is_planned"]
     if is_planned and first["config"]["mode"] == "join" and held:
         # the queue held the last epoch's last steps: that epoch is not over until they train
@@ -113,5 +116,6 @@ def redeal_states(states: Sequence[dict[str, Any]], world_size: int) -> list[dic
             "bins": [], "unpacked": sorted(unpacked[r], key=lambda row: row[0]), "queue": [],
             "observed": observed if r == 0 else [0, 0, 0],
             "counts": counts if r == 0 else dict.fromkeys(counts, 0), "is_planned": is_planned,
+            "fit": fit,
         })
     return out

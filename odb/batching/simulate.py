@@ -68,14 +68,20 @@ class SimulationResult:
     steps: list[list[StepPlan]]  # per rank
     batchers: list[OnlineBatcher]
     wall_s: float
+    seconds: list[list[list[float]]] | None = None  # per rank, step, micro-batch: what ``train`` returned
 
 
 def simulate(config: OdbConfig, lengths: list[tuple[int, int]], world_size: int, *,
              shards: list[list[int]] | None = None, num_epochs: int = 1,
-             max_steps: int | None = None, timeout_s: float = 300.0) -> SimulationResult:
+             max_steps: int | None = None, timeout_s: float = 300.0,
+             train: Callable[[int, StepPlan], list[float]] | None = None) -> SimulationResult:
     """Runs every rank's batcher to the end (or ``max_steps`` steps) over simulated samples
-    (``(tokens, patches)`` per dataset index, each rank with its own :class:`SimulatedFeed`)."""
+    (``(tokens, patches)`` per dataset index, each rank with its own :class:`SimulatedFeed`).
+    ``train(rank, step)``: what a rank does with each step, returning each micro-batch's seconds,
+    which the batcher observes (the cost fit, ``cost_model: "fit"``) as it would a trainer's
+    (one rank runs at a time: its time is its own)."""
     batchers: list[OnlineBatcher | None] = [None] * world_size
+    seconds: list[list[list[float]]] = [[] for _ in range(world_size)]
 
     def rank_main(comm) -> list[StepPlan]:
         batcher = OnlineBatcher(config, comm, dataset_size=len(lengths), feed=SimulatedFeed(lengths),
@@ -84,10 +90,14 @@ def simulate(config: OdbConfig, lengths: list[tuple[int, int]], world_size: int,
         steps = []
         for step in batcher:
             steps.append(step)
+            if train is not None:
+                seconds[comm.rank].append(train(comm.rank, step))
+                batcher.observe(step, seconds[comm.rank][-1])
             if max_steps is not None and len(steps) >= max_steps:
                 break
         return steps
 
     start = time.perf_counter()
     steps = run_ranks(world_size, rank_main, timeout_s=timeout_s)
-    return SimulationResult(steps=steps, batchers=batchers, wall_s=time.perf_counter() - start)
+    return SimulationResult(steps=steps, batchers=batchers, wall_s=time.perf_counter() - start,
+                            seconds=seconds if train is not None else None)

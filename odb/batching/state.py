@@ -12,6 +12,8 @@ new :class:`Snapshot`, never touching its input. The layout (``STATE_VERSION`` 2
                                                                    patches, cost], ...] per bin / unpacked
     queue                                                          planned, untrained steps (encode_steps)
     observed, counts                                               [cost, cost^2, samples]; over-cap counts
+    fit                                                            cost_model "fit": coefficients, window
+                                                                   (odb.batching.fit); absent or null: none
 
 ``is_planned``: every step of the run is planned, no round is left; the run itself is over only
 once the queue is empty too (:func:`is_finished`). The last round of a run may plan several
@@ -53,6 +55,7 @@ class Snapshot:
     observed: tuple[int, int, int]  # admitted samples' cost, cost squared, count
     counts: dict[str, int]  # truncated (samples), truncated_tokens, dropped, skipped
     is_planned: bool  # every step of the run planned: no more rounds (the queue may still hold steps)
+    fit: dict[str, Any] | None = None  # cost_model "fit": odb.batching.fit.CostFit.state_dict()
 
 
 def encode_state(snapshot: Snapshot, *, world_size: int, rank: int, config: dict[str, Any], dataset_size: int,
@@ -67,7 +70,7 @@ def encode_state(snapshot: Snapshot, *, world_size: int, rank: int, config: dict
         "bins": [[list(sample) for sample in samples] for samples in s.bins],
         "unpacked": [list(sample) for sample in s.unpacked],
         "queue": encode_steps(s.queue), "observed": list(s.observed), "counts": dict(s.counts),
-        "is_planned": s.is_planned,
+        "is_planned": s.is_planned, "fit": s.fit,
     }
 
 
@@ -102,7 +105,8 @@ def decode_state(state: dict[str, Any], *, world_size: int, rank: int, config: d
         round_index=state["round_index"], step_index=state["step_index"], num_emitted=state["num_emitted"],
         bins=[[SampleCost(*row) for row in samples] for samples in state["bins"]],
         unpacked=[SampleCost(*row) for row in state["unpacked"]], queue=decode_steps(state["queue"]),
-        observed=tuple(state["observed"]), counts=dict(state["counts"]), is_planned=state["is_planned"])
+        observed=tuple(state["observed"]), counts=dict(state["counts"]), is_planned=state["is_planned"],
+        fit=state.get("fit"))
 
 
 def check_state(state: dict[str, Any], *, world_size: int, rank: int, config: dict[str, Any],

@@ -100,6 +100,9 @@ class Telemetry:
         self.losses: list[float] = []  # rank 0: the global loss per token of each step with labels
         self.last: dict[str, Any] = {}  # rank 0: the last metrics row
         self._rows_samples_done = 0  # rank 0: samples_done as of the last row written
+        # rank 0, this process's steps: sums of the ranks' mean and slowest forward + backward time,
+        # and of the cost model's mean and slowest estimate per micro-batch position
+        self._balance = np.zeros(4)
         self._warned_truncation = False
 
     # ---- the run's progress (the same on every rank) ------------------------------------------
@@ -189,6 +192,9 @@ class Telemetry:
         for i, step in enumerate(reported):
             self._rows_samples_done += step.plan.num_samples
             per_rank = {name: fields[name][:, i] for name in STEP_FIELDS}
+            costs = np.array(step.plan.rank_costs, dtype=np.float64)  # [micro, world]
+            planned = (costs.mean(axis=1).sum(), costs.max(axis=1).sum()) if costs.size else (0.0, 0.0)
+            self._balance += (per_rank["compute_us"].mean(), per_rank["compute_us"].max(), *planned)
             rows.append(step_row(step, per_rank, samples_done=self._rows_samples_done, dataset_size=self.dataset_size,
                                  max_tokens=self.max_tokens, skipped=self.skipped, truncated=self.truncated,
                                  flops=self.flops))
@@ -233,10 +239,16 @@ class Telemetry:
                 collectives: int, policy: str) -> dict[str, Any]:
         """The whole run's figures (resumes included), and this process's apart
         (:meth:`odb.telemetry.totals.RunTotals.summary`; ``totals``: :meth:`on_final_reports`'s)."""
-        return self.totals.summary(totals, world_size=world_size, epochs=epochs, rounds=rounds,
-                                   collectives=collectives, policy=policy, losses=self.losses,
-                                   records={"skipped": self.skipped, "fetched": self.fetched,
-                                            "truncated": self.truncated}, max_tokens=self.max_tokens)
+        summary = self.totals.summary(totals, world_size=world_size, epochs=epochs, rounds=rounds,
+                                      collectives=collectives, policy=policy, losses=self.losses,
+                                      records={"skipped": self.skipped, "fetched": self.fetched,
+                                               "truncated": self.truncated}, max_tokens=self.max_tokens)
+        mean, slowest, planned_mean, planned_slowest = self._balance.tolist()
+        # this process's steps (rank 0 writes the summary): measured, and as the cost model planned them
+        summary["this_process"]["sync_efficiency"] = round(mean / slowest, 6) if slowest else None
+        summary["this_process"]["planned_sync_efficiency"] = (round(planned_mean / planned_slowest, 6)
+                                                              if planned_slowest else None)
+        return summary
 
     # ---- state ------------------------------------------------------------------------------
 

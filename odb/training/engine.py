@@ -33,8 +33,10 @@ single-process reference to ~1e-8 at every stage. What a backend must provide is
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +69,37 @@ class StepResult:
     aux_loss: float = 0.0
     """What this rank's micro-batches added to the trained objective: ``coef * aux_sum / T_s``
     (over all ranks these add up to ``coef * aux_loss``; 0 for a dense model)."""
+    micro_seconds: tuple[float, ...] = ()
+    """Each micro-batch's forward + backward time on this rank (:class:`MicroClock`), the
+    optimizer step left out."""
+
+
+class MicroClock:
+    """The time of each micro-batch's forward + backward on this rank: marks between them, read
+    after the step. On a GPU the marks are CUDA events on the compute stream (the device's own
+    time, no host sync per micro-batch; read once the last has run); elsewhere the wall clock.
+    Under ZeRO-3 and FSDP2 a micro-batch's time includes waiting for the layers' parameter gathers,
+    which the slowest rank paces."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.is_cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.is_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals(self) -> tuple[float, ...]:
+        """Seconds between consecutive marks."""
+        if not self.is_cuda:
+            return tuple(b - a for a, b in pairwise(self.marks))
+        if self.marks:
+            self.marks[-1].synchronize()
+        return tuple(a.elapsed_time(b) / 1e3 for a, b in pairwise(self.marks))
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -224,7 +257,9 @@ class OdbEngine:
         loss_sum, label_tokens = torch.zeros((), device=self.device), 0  # one host sync per step
         aux_sum = torch.zeros((), device=self.device)
         last = len(plan.micro_batches) - 1
+        clock = MicroClock(self.device)
         for m, (micro, micro_samples) in enumerate(zip(plan.micro_batches, samples, strict=True)):
+            clock.mark()
             if micro.is_dummy:
                 loss = self._dummy_loss()
             else:
@@ -237,12 +272,15 @@ class OdbEngine:
                     aux_sum += weighted.detach()
                     loss = loss + self.router_loss.coef * aux_scale * weighted
             self.backend.backward(loss, sync=m == last)
+        clock.mark()
         self.backend.step()
+        seconds = clock.intervals()
         if not router:
-            return StepResult(loss_sum=float(loss_sum), label_tokens=label_tokens, lr=lr)
+            return StepResult(loss_sum=float(loss_sum), label_tokens=label_tokens, lr=lr, micro_seconds=seconds)
         aux_sum = float(aux_sum)
         return StepResult(loss_sum=float(loss_sum), label_tokens=label_tokens, lr=lr, aux_sum=aux_sum,
-                          aux_loss=self.router_loss.coef * aux_sum / step_tokens if step_tokens else 0.0)
+                          aux_loss=self.router_loss.coef * aux_sum / step_tokens if step_tokens else 0.0,
+                          micro_seconds=seconds)
 
     def probe_step(self, samples: Sequence[dict[str, Any]], *,
                    earlier: Sequence[dict[str, Any]] | None = None) -> None:

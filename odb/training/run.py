@@ -131,7 +131,8 @@ class Trainer:
             after = batcher.stats
             times = StepTimes(wait=after.fetch_s - before.fetch_s, plan=after.plan_s - before.plan_s,
                               collective=after.collective_s - before.collective_s, step=time.perf_counter() - began,
-                              ended=time.time())
+                              ended=time.time(), compute=sum(result.micro_seconds))
+            batcher.observe(plan, list(result.micro_seconds))  # the cost fit's (cost_model "fit")
             telemetry.record(plan, loss_sum=result.loss_sum, lr=result.lr, times=times, aux_sum=result.aux_sum)
             self._audit(plan)
             steps_this_run += 1
@@ -292,6 +293,11 @@ class Trainer:
                                     policy=parts.batching.policy)
         summary["this_process"]["peak_memory_mb"] = _peak_memory_mb()
         summary["preflight"] = parts.preflight.to_dict() if parts.preflight is not None else None
+        fitted = batcher.cost_fit  # (cost_model "fit": None until the first fit)
+        summary["cost_model"] = {"mode": parts.batching.cost_model, "attn_coef": batcher.cost_model.attn_coef,
+                                 "patch_coef": batcher.cost_model.patch_coef,
+                                 "fit_r2": fitted.r2 if fitted else None,
+                                 "fit_micro_batches": fitted.observations if fitted else None}
         summary["config"] = config.to_dict()
         if self.rank == 0:
             (config.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

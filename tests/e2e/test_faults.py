@@ -6,12 +6,14 @@ a loaded machine stretches it; ``HANG_S`` only stops a test whose ranks never en
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 
 import psutil
 
 from launch import Run, audit, ds_config, odb_config, steps_trained
+from odb.batching.fit import MIN_OBSERVATIONS
 from odb.training.faults import EXIT_STALLED
 
 TIMEOUT_S = 10
@@ -77,7 +79,8 @@ def test_a_rank_killed_on_another_node_ends_the_others_and_a_resume_loses_nothin
     last checkpoint, every sample trains at least once over both runs, and everything after the
     checkpoint exactly once."""
     out = tmp_path / "out"
-    run = Run(args(tmp_path, out, "--max_samples", "600", "--save_steps", "2"), nproc=3, apart=True)
+    fit = ("--cost_model", "fit")  # the fitted cost model: its state rides in the checkpoint
+    run = Run(args(tmp_path, out, "--max_samples", "600", "--save_steps", "2", *fit), nproc=3, apart=True)
     try:
         run.wait_for(lambda: steps_trained(out) >= 5 and steps_trained(out) % 2 == 1)
         run.rank_process(2).kill()
@@ -95,7 +98,9 @@ def test_a_rank_killed_on_another_node_ends_the_others_and_a_resume_loses_nothin
     trained_before = max(row["step"] for rows in first for row in rows) + 1
     assert trained_before > saved, "the kill should fall between checkpoints"
 
-    resume = Run(args(tmp_path, out, "--max_samples", "600", "--save_steps", "2", "--resume"), nproc=3)
+    fit_state = json.loads((out / "checkpoints" / f"step{saved}" / "odb_state.rank0.json").read_text())["fit"]
+    assert fit_state["window"] or fit_state["unsent"], "the checkpoint holds the cost fit's micro-batch times"
+    resume = Run(args(tmp_path, out, "--max_samples", "600", "--save_steps", "2", "--resume", *fit), nproc=3)
     codes = resume.wait(420)
     assert codes == [0], f"the resumed run exited {codes}:\n{resume.output()[-3000:]}"
     first_rows = sum(len(r) for r in first)
@@ -107,6 +112,8 @@ def test_a_rank_killed_on_another_node_ends_the_others_and_a_resume_loses_nothin
     assert exact == Counter(range(600)), "from the checkpoint on, every sample exactly once"
     assert min(row["step"] for row in resumed) == saved
     assert first_rows > len(kept)  # the lost steps were trained again
+    cost_model = json.loads((out / "summary.json").read_text())["cost_model"]
+    assert cost_model["mode"] == "fit" and cost_model["fit_micro_batches"] >= MIN_OBSERVATIONS, cost_model
 
 
 def test_a_stuck_dataloader_worker_ends_every_rank(tmp_path):

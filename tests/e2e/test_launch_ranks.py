@@ -36,15 +36,18 @@ def test_every_rank_gets_its_environment_and_a_clean_run_reports_0(tmp_path):
 def test_the_ranks_of_a_test_launch_are_forked_from_the_zygote_with_its_imports(tmp_path):
     """What deepspeed() and fsdp2() give their ranks is served by the zygote (it was not, for a
     while, and nothing said so: numpy's OpenBLAS had started a thread in it): each rank starts with
-    torch imported, in its own process whose parent is the zygote, and torch keeps one thread."""
+    torch imported, in its own process whose parent is the zygote, and torch keeps one thread. A
+    launch with an environment of its own first (it was the first launch of a test process, and the
+    zygote it started served none of the others) gets a zygote of its own."""
     script = tmp_path / "rank.py"
     script.write_text("import os, sys\nprint('imported' if 'torch' in sys.modules else 'fresh', os.getppid())\n"
                       "import torch\nprint('threads', torch.get_num_threads())\n")
-    for env in (launch_env(DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", LOCAL_SIZE="2"),
+    for env in (launch_env(TEST_OWN_ENVIRONMENT="1"),
+                launch_env(DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", LOCAL_SIZE="2"),
                 launch_env(PYTHONUNBUFFERED="1")):
         done, _ = _ranks(script, [], 2, env, 120)
         assert done.returncode == 0, done.stderr
-        zygote = launch.Zygote._current
+        zygote = launch.Zygote.serving(env)  # (the one that served the launch)
         assert done.stdout.count(f"imported {zygote.proc.pid}") == 2, done.stdout
         assert done.stdout.count("threads 1") == 2, done.stdout
 

@@ -26,7 +26,7 @@ def wandb_run(tmp_path_factory):
     os.environ["WANDB_MODE"] = "offline"
     try:
         proc = deepspeed(["--deepspeed_config", str(ds_config(tmp, 2)),
-                          "--odb_config", str(odb_config(tmp, max_tokens=512, window=16, gas=2)),
+                          "--odb_config", str(odb_config(tmp, max_tokens=512, window=16, gas=2, cost_model="fit")),
                           "--max_samples", "120", "--output_dir", str(out), "--audit_ids", "--no_final_checkpoint",
                           "--report_to", "wandb", "--run_name", "odb-test", "--wandb_tags", "ci,tiny"],
                          use_runner=True)  # DeepSpeed's own runner, as the README's first command
@@ -63,10 +63,15 @@ def test_metrics_jsonl_matches_what_was_trained(wandb_run):
         assert row["micro_batches"] == sum(1 for m in micro if m["ids"])
         assert row["dummy_micro_batches"] == sum(1 for m in micro if not m["ids"])
         assert row["rank_tokens_max"] <= 2 * 512 and 0 < row["sync_efficiency"] <= 1
+        assert 0 < row["planned_sync_efficiency"] <= 1
         assert row["loss"] > 0 and row["lr"] > 0
     assert rows[-1]["samples_done"] == 120 == summary["samples_emitted"]
-    # telemetry rode on the rounds: the start check, one per round, one at the end, nothing else
+    # telemetry and the cost fit rode on the rounds: the start check, one per round, one at the end
     assert summary["this_process"]["odb_collectives"] == summary["rounds"] + 2
+    # (a run this short ends before 16 micro-batch times reach the fit: tests/e2e/test_faults.py has one that fits)
+    fit = summary["cost_model"]
+    assert fit["mode"] == "fit" and fit["attn_coef"] >= 0 and fit["patch_coef"] == 0, fit
+    assert 0 < summary["this_process"]["sync_efficiency"] <= 1
     # the run's first and last losses are the global per-step losses, not rank 0's own
     losses = [r["loss"] for r in rows if r["label_tokens"]]
     assert summary["loss_first"] == pytest.approx(sum(losses[:3]) / 3, abs=1e-5)

@@ -1,0 +1,190 @@
+"""Cost coefficients fitted from the run's own micro-batch times (``cost_model: "fit"``).
+
+The cost model prices a sample as ``tokens + attn_coef * tokens**2 + patch_coef * patches``, in
+units of one token's time (:class:`odb.batching.cost.CostModel`). Tokens alone misjudge a real
+step: at equal tokens, one long sample costs more than many short ones (attention grows with
+each sample's squared length), and a vision tower's patches cost apart from the text. With
+``cost_model: "fit"`` the coefficients come from the run itself. Every rank times each real
+micro-batch's forward and backward, and a least-squares fit over the recent micro-batches of all
+ranks solves
+
+    time_us ~ d + a * tokens + b * sum(L**2) + c * patches         a > 0,  b, c >= 0
+
+where ``L`` runs over the micro-batch's samples (a padded micro-batch: its rows, each as long as
+the longest). Then ``attn_coef = b / a`` and ``patch_coef = c / a``; ``d``, what any micro-batch
+costs whatever it holds, does not enter the balance (every rank runs the same number of
+micro-batches).
+
+Agreement, with no collective of its own: a rank's new observations ride on its next round's
+vector (:func:`fit_layout`); after the gather every rank adds every rank's, in rank order, to the
+same window of the last :data:`WINDOW`, and rank 0 solves. Its coefficients ride on the round
+after as the bits of two float64s, and every rank takes rank 0's: the same floats everywhere,
+whatever another machine's LAPACK would have computed from the same window. The batcher applies
+them from its next proposal on (:meth:`odb.batching.batcher.OnlineBatcher.observe`).
+
+The timings make the plans depend on the machine: two runs of the same seed plan alike only with
+``cost_model: "manual"``. A resume continues with the coefficients, window and unsent
+observations of its checkpoint (:meth:`CostFit.state_dict`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from odb.batching.wire import Layout
+
+__all__ = ["FIELDS", "WINDOW", "CostFit", "Fitted", "Observation", "fit_coefficients", "fit_layout"]
+
+WINDOW = 256
+"""Micro-batches (of all ranks) the fit looks at: the most recent."""
+MIN_OBSERVATIONS = 16
+"""The fit waits for this many micro-batches in its window."""
+SEND = 32
+"""A rank's observations per round, at most (the most recent: the window keeps no more anyway)."""
+FIELDS = ("tokens", "area", "patches", "time_us")
+
+
+class Observation(NamedTuple):
+    """One real micro-batch: its tokens (padding included), the sum of its samples' squared
+    lengths, its vision patches, and its forward + backward time in microseconds."""
+
+    tokens: int
+    area: int
+    patches: int
+    time_us: int
+
+
+class Fitted(NamedTuple):
+    """A fit: the cost model's coefficients, how well the model explains the times (R^2) and how
+    many micro-batches it saw."""
+
+    attn_coef: float
+    patch_coef: float
+    r2: float
+    observations: int
+
+
+def fit_layout(send: int = SEND) -> Layout:
+    """The fit's part of a round vector: ``send`` observations per field, how many are real, and
+    the fit rank 0 last solved (its coefficients as float64 bits, its R^2 in millionths and its
+    number of micro-batches; ``fit_ready`` 0: none yet)."""
+    return Layout(scalars=("fit_count", "fit_ready", "fit_attn_bits", "fit_patch_bits", "fit_r2_micro", "fit_n"),
+                  arrays={f"fit_{name}": send for name in FIELDS})
+
+
+def _bits(value: float) -> int:
+    return int(np.array(value, dtype=np.float64).view(np.int64))
+
+
+def _float(bits: int) -> float:
+    return float(np.array(bits, dtype=np.int64).view(np.float64))
+
+
+def _significant(value: float, digits: int = 4) -> float:
+    """``value`` to ``digits`` significant digits: a fit that moves by noise leaves costs alone."""
+    return float(f"{value:.{digits - 1}e}")
+
+
+def fit_coefficients(observations: list[Observation]) -> Fitted | None:
+    """The least-squares fit of the module docstring, or None when the times do not determine
+    it: fewer than :data:`MIN_OBSERVATIONS` micro-batches, or no fit with ``a > 0``.
+
+    ``b`` and ``c`` are held at 0 where the free fit makes them negative (each subset of the
+    attention and patch terms is tried; the feasible one with the least squared error wins), and
+    a term whose feature does not vary is left out (0)."""
+    if len(observations) < MIN_OBSERVATIONS:
+        return None
+    data = np.array(observations, dtype=np.float64)
+    x, y = data[:, :3], data[:, 3]
+    scale = np.maximum(np.abs(x).max(axis=0), 1.0)  # columns of order 1: the solve is well conditioned
+    columns = x / scale
+    varying = [j for j in (1, 2) if np.ptp(columns[:, j]) > 1e-9]
+    best: tuple[float, np.ndarray] | None = None
+    for size in range(len(varying), -1, -1):
+        for extra in itertools.combinations(varying, size):
+            used = [0, *extra]
+            design = np.column_stack([np.ones(len(y)), columns[:, used]])
+            solution, *_ = np.linalg.lstsq(design, y, rcond=None)
+            coef = np.zeros(3)
+            coef[used] = solution[1:] / scale[used]
+            if coef[0] <= 0 or (coef[1:] < 0).any():
+                continue
+            error = float(((design @ solution - y) ** 2).sum())
+            if best is None or error < best[0] - 1e-12 * max(1.0, error):
+                best = (error, coef)
+    if best is None:
+        return None
+    error, (a, b, c) = best
+    total = float(((y - y.mean()) ** 2).sum())
+    r2 = 1.0 - error / total if total > 0 else 1.0
+    return Fitted(_significant(b / a), _significant(c / a), round(r2, 4), len(observations))
+
+
+class CostFit:
+    """One rank's side of the fit (the module docstring): its observations not yet sent, the
+    window every rank holds alike, and the coefficients in effect.
+
+    Args:
+        rank: this rank (rank 0 solves).
+        attn_coef, patch_coef: the coefficients until the first fit (the config's).
+    """
+
+    def __init__(self, *, rank: int, attn_coef: float, patch_coef: float) -> None:
+        self.rank = rank
+        self.unsent: deque[Observation] = deque(maxlen=SEND)
+        self.window: deque[Observation] = deque(maxlen=WINDOW)
+        self.coefficients = (attn_coef, patch_coef)
+        self.fitted: Fitted | None = None  # the fit in effect (None: the config's coefficients)
+        self.solved: Fitted | None = None  # rank 0: its latest fit, sent at the next round
+        self.layout = fit_layout()
+
+    def observe(self, observation: Observation) -> None:
+        self.unsent.append(observation)
+
+    def fields(self) -> dict[str, Any]:
+        """This rank's part of the next round's vector; what it sends counts as sent."""
+        sent = list(self.unsent)
+        self.unsent.clear()
+        columns = {f"fit_{name}": [getattr(o, name) for o in sent] for name in FIELDS}
+        solved = self.solved if self.rank == 0 else None
+        return {"fit_count": len(sent), "fit_ready": int(solved is not None),
+                "fit_attn_bits": _bits(solved.attn_coef) if solved else 0,
+                "fit_patch_bits": _bits(solved.patch_coef) if solved else 0,
+                "fit_r2_micro": round(solved.r2 * 1e6) if solved else 0, "fit_n": solved.observations if solved else 0,
+                **columns}
+
+    def merge(self, gathered: Mapping[str, np.ndarray]) -> bool:
+        """After a round's gather (``gathered``: the fit's fields ``[world, ...]``): rank 0's
+        coefficients take effect, every rank's observations join the window, and rank 0 solves the
+        fit it sends next. Whether the coefficients in effect changed."""
+        changed = False
+        if gathered["fit_ready"][0]:
+            fitted = Fitted(_float(gathered["fit_attn_bits"][0]), _float(gathered["fit_patch_bits"][0]),
+                            int(gathered["fit_r2_micro"][0]) / 1e6, int(gathered["fit_n"][0]))
+            changed = (fitted.attn_coef, fitted.patch_coef) != self.coefficients
+            self.coefficients, self.fitted = (fitted.attn_coef, fitted.patch_coef), fitted
+        for rank in range(len(gathered["fit_count"])):
+            count = int(gathered["fit_count"][rank])
+            rows = zip(*(gathered[f"fit_{name}"][rank, :count].tolist() for name in FIELDS), strict=True)
+            self.window.extend(Observation(*row) for row in rows)
+        if self.rank == 0:
+            self.solved = fit_coefficients(list(self.window)) or self.solved
+        return changed
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data: the coefficients in effect, rank 0's pending fit, the window, the unsent."""
+        return {"coefficients": list(self.coefficients), "fitted": list(self.fitted) if self.fitted else None,
+                "solved": list(self.solved) if self.solved else None,
+                "window": [list(o) for o in self.window], "unsent": [list(o) for o in self.unsent]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.coefficients = tuple(state["coefficients"])
+        self.fitted = Fitted(*state["fitted"]) if state.get("fitted") else None
+        self.solved = Fitted(*state["solved"]) if state.get("solved") else None
+        self.window = deque((Observation(*o) for o in state["window"]), maxlen=WINDOW)
+        self.unsent = deque((Observation(*o) for o in state["unsent"]), maxlen=SEND)

@@ -1,0 +1,126 @@
+"""The cost fit (``cost_model: "fit"``, odb/batching/fit.py): the least squares against the
+coefficients the times were made with, and the fit inside the batcher over simulated ranks whose
+micro-batch times follow a known law: every rank takes the same coefficients, the invariants hold,
+and a state carries the fit."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from conftest import check_aligned, check_exact_once, roundtrip
+from odb.batching.batcher import OnlineBatcher, features
+from odb.batching.config import OdbConfig
+from odb.batching.fit import MIN_OBSERVATIONS, Observation, fit_coefficients
+from odb.batching.redeal import redeal_states
+from odb.batching.simulate import SimulatedFeed, run_ranks, simulate
+
+# a step's law: 300 us a micro-batch, 2 us a token, 0.004 us per squared token, 0.5 us a patch
+D, A, B, C = 300.0, 2.0, 0.004, 0.5
+
+
+def law(tokens: int, area: int, patches: int) -> float:
+    return D + A * tokens + B * area + C * patches
+
+
+def observations(count: int, seed: int, *, noise: float = 0.0, patches: bool = True) -> list[Observation]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        lengths = rng.integers(1, 2000, size=rng.integers(1, 6))
+        p = int(rng.integers(0, 40000)) if patches else 0
+        tokens, area = int(lengths.sum()), int((lengths ** 2).sum())
+        out.append(Observation(tokens, area, p, round(law(tokens, area, p) * (1 + noise * rng.standard_normal()))))
+    return out
+
+
+def test_the_fit_finds_the_coefficients_the_times_were_made_with():
+    fitted = fit_coefficients(observations(200, seed=1))
+    assert fitted.attn_coef == pytest.approx(B / A, rel=1e-3)
+    assert fitted.patch_coef == pytest.approx(C / A, rel=1e-3)
+    assert fitted.r2 > 0.9999 and fitted.observations == 200
+    noisy = fit_coefficients(observations(256, seed=2, noise=0.05))
+    assert noisy.attn_coef == pytest.approx(B / A, rel=0.15) and noisy.patch_coef == pytest.approx(C / A, rel=0.15)
+
+
+def test_a_term_the_times_do_not_show_is_zero_and_too_few_times_fit_nothing():
+    # text only: no patch varies, so no patch term; times with no attention term: b clamped at 0
+    text = fit_coefficients(observations(100, seed=3, patches=False))
+    assert text.patch_coef == 0 and text.attn_coef == pytest.approx(B / A, rel=1e-3)
+    flat = [o._replace(time_us=round(D + A * o.tokens - 1e-4 * o.area)) for o in observations(100, seed=4)]
+    assert fit_coefficients(flat).attn_coef == 0.0
+    assert fit_coefficients(observations(MIN_OBSERVATIONS - 1, seed=5)) is None
+    # times that fall as tokens grow: no fit with a > 0
+    assert fit_coefficients([o._replace(time_us=10**6 - o.tokens) for o in observations(50, seed=6)]) is None
+
+
+def micro_seconds(rank: int, step) -> list[float]:
+    """Times by the law (patches ignored: text), each rank a little slower than the one before."""
+    return [law(*features(m)) * (1 + 0.01 * rank) / 1e6 if not m.is_dummy else 1e-4 for m in step.micro_batches]
+
+
+def test_simulated_ranks_agree_on_the_fitted_coefficients_and_keep_the_invariants():
+    rng = np.random.default_rng(0)
+    lengths = [(int(t), 0) for t in rng.integers(20, 1500, size=600)]
+    config = OdbConfig(max_tokens=2048, window=32, gas=2, lookahead=8)
+    result = simulate(config, lengths, 4, num_epochs=2, train=micro_seconds)
+    check_aligned(result.steps)
+    check_exact_once(result.steps, Counter(e * 600 + i for e in range(2) for i in range(600)))
+    coefficients = {b.cost_model.attn_coef for b in result.batchers}
+    assert len(coefficients) == 1  # the same float on every rank (rank 0's, sent as bits)
+    fitted = result.batchers[0].cost_fit
+    assert fitted is not None and fitted.attn_coef == pytest.approx(B / A, rel=0.05)
+    assert all(b.cost_fit == fitted for b in result.batchers)
+    # the window is priced with what is in effect: a sample's cost is the model's at those coefficients
+    late = result.steps[0][-3].micro_batches[0].samples[0]
+    assert late.cost == round(late.tokens + fitted.attn_coef * late.tokens ** 2)
+
+
+def test_manual_and_fit_without_times_plan_alike():
+    """Without times the fit never moves: the plans are those of the manual cost model."""
+    rng = np.random.default_rng(1)
+    lengths = [(int(t), 0) for t in rng.integers(20, 900, size=300)]
+    plans = [simulate(OdbConfig(max_tokens=1024, window=24, gas=1, cost_model=mode), lengths, 3).steps
+             for mode in ("fit", "manual")]
+    assert plans[0] == plans[1]
+
+
+def test_a_state_carries_the_fit_and_a_resume_plans_as_the_uninterrupted_run():
+    rng = np.random.default_rng(2)
+    lengths = [(int(t), 0) for t in rng.integers(20, 1500, size=400)]
+    config = OdbConfig(max_tokens=2048, window=24, gas=1, lookahead=8)
+    whole = simulate(config, lengths, 2, train=micro_seconds)
+    cut = 40
+    states: list = [None, None]
+
+    def first_part(comm):
+        batcher = OnlineBatcher(config, comm, dataset_size=len(lengths), feed=SimulatedFeed(lengths))
+        steps = []
+        for step in batcher:
+            steps.append(step)
+            batcher.observe(step, micro_seconds(comm.rank, step))
+            if len(steps) == cut:
+                break
+        states[comm.rank] = roundtrip(batcher.state_dict())
+        return steps
+
+    def second_part(comm):
+        batcher = OnlineBatcher(config, comm, dataset_size=len(lengths), feed=SimulatedFeed(lengths))
+        batcher.load_state_dict(states[comm.rank])
+        batcher.is_warm = True  # (the uninterrupted run skipped only its very first step's times)
+        steps = []
+        for step in batcher:
+            steps.append(step)
+            batcher.observe(step, micro_seconds(comm.rank, step))
+        return steps, batcher.cost_model.attn_coef
+
+    first = run_ranks(2, first_part)
+    assert states[0]["fit"]["fitted"] is not None  # the fit was in effect when the state was taken
+    second = run_ranks(2, second_part)
+    for rank in range(2):
+        assert first[rank] + second[rank][0] == whole.steps[rank]
+    assert second[0][1] == whole.batchers[0].cost_model.attn_coef
+
+    # on another world size: every new rank takes the fit, without what a rank had not sent yet
+    dealt = redeal_states(states, 3)
+    assert all(s["fit"]["window"] == states[0]["fit"]["window"] and s["fit"]["unsent"] == [] for s in dealt)
