@@ -10,12 +10,19 @@ The ranks are simulated in this process (odb's real batcher and round over a sim
 rank computing at a time, so each rank's times are its own), and each rank trains every micro-batch
 of its plan for real: a forward and backward of a small model (the bundled tiny Llama; the tiny
 Qwen2-VL where the trace has vision patches) through odb's engine, on synthetic samples of the
-trace's lengths (and images of its patch counts), timed as the trainer times them
-(:class:`odb.training.engine.MicroClock`). The fit sees those times; the sync efficiency is
-measured from them: over the steps, the ranks' mean forward + backward time of a step over the
-slowest rank's (``micro_batch_sync_efficiency``: the same per micro-batch position, the pace of
-ZeRO-3's and FSDP2's per-layer gathers). ``seconds``: the sum over steps of the slowest rank's
-time, what a cluster would wait for. Prints one JSON object with ``--json``::
+trace's lengths (and images of its patch counts), its forward timed as the trainer times it
+(:class:`odb.training.engine.ForwardClock`). The fit sees those times; the sync efficiency is
+measured from them, as a run measures it: over the steps, the ranks' mean forward time of a step
+over the slowest rank's (``micro_batch_sync_efficiency``: the same per micro-batch position, the
+pace of ZeRO-3's and FSDP2's per-layer gathers). ``seconds``: the sum over steps of the slowest
+rank's forward time, what a cluster would wait for.
+
+Times on a CPU are noisy (the same micro-batch timed again differs by about 10% here), and the
+measured figures carry that noise. So the plans are also judged without it: a law ``time ~ d +
+a * tokens + b * sum(L^2) + c * patches`` fitted (free least squares) to every micro-batch time of
+every mode, and each plan's sync efficiency with each micro-batch's time from the law
+(``law_sync_efficiency``); ``law.noise``: the spread of the measured times about it (standard
+deviation over the mean). Prints one JSON object with ``--json``::
 
     {"fit": {"sync_efficiency": ..., "coefficients": {...}, ...}, "manual": {"sync_efficiency": ...}, ...}
 """
@@ -36,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench_batching import read_lengths  # noqa: E402
 
+from odb.batching.batcher import features  # noqa: E402
 from odb.batching.config import OdbConfig  # noqa: E402
 from odb.batching.plan import StepPlan  # noqa: E402
 from odb.batching.simulate import simulate  # noqa: E402
@@ -85,13 +93,16 @@ def run(mode: str, lengths: list[tuple[int, int]], *, world_size: int, max_token
 
     def train(rank: int, step: StepPlan) -> list[float]:
         samples = [[make(uid) for uid in micro.uids] for micro in step.micro_batches]
-        seconds = engine.train_step(step, samples, lr=0.0).micro_seconds
+        seconds = engine.train_step(step, samples, lr=0.0).forward_seconds
         model.zero_grad(set_to_none=True)
         return list(seconds)
 
     simulate(config, lengths[:2 * world_size], world_size, train=train)  # warm-up: first calls are slow
     began = time.perf_counter()
     result = simulate(config, lengths, world_size, train=train, timeout_s=24 * 3600)
+    micro = [[(features(m), t) for plan, seconds in zip(rank_steps, rank_seconds, strict=True)
+              for m, t in zip(plan.micro_batches, seconds, strict=True)]
+             for rank_steps, rank_seconds in zip(result.steps, result.seconds, strict=True)]
     per_step = np.array([[sum(step) for step in rank] for rank in result.seconds])  # [world, steps]
     per_micro = np.array([[t for step in rank for t in step] for rank in result.seconds])  # [world, micro]
     fitted = result.batchers[0].cost_fit
@@ -104,7 +115,27 @@ def run(mode: str, lengths: list[tuple[int, int]], *, world_size: int, max_token
                          "patch_coef": result.batchers[0].cost_model.patch_coef,
                          "r2": fitted.r2 if fitted else None, "micro_batches": fitted.observations if fitted else None},
         "wall_s": round(time.perf_counter() - began, 1),
+        "_micro": micro, "_gas": gas,
     }
+
+
+def law_balance(runs: dict[str, dict]) -> dict:
+    """The law of the module docstring, fitted to every run's micro-batch times, and each run's
+    sync efficiency with its micro-batches timed by the law (step by step, as measured)."""
+    rows = [(*f, t) for run in runs.values() for rank in run["_micro"] for f, t in rank if f[0]]
+    data = np.array(rows, dtype=np.float64)
+    design = np.column_stack([np.ones(len(data)), data[:, :3]])
+    coef, *_ = np.linalg.lstsq(design, data[:, 3], rcond=None)
+    noise = float(np.std(design @ coef - data[:, 3]) / data[:, 3].mean())
+    dummy = float(np.mean([t for run in runs.values() for rank in run["_micro"] for f, t in rank if not f[0]] or [0]))
+    for run in runs.values():
+        gas = run.pop("_gas")
+        timed = np.array([[coef @ (1, *f) if f[0] else dummy for f, _ in rank] for rank in run.pop("_micro")])
+        steps = timed.reshape(timed.shape[0], -1, gas).sum(axis=2)  # [world, steps]
+        run["law_sync_efficiency"] = round(float(steps.mean(axis=0).sum() / steps.max(axis=0).sum()), 4)
+    return {"d_s": round(float(coef[0]), 5), "a_s_per_token": float(f"{coef[1]:.4g}"),
+            "b_s_per_token2": float(f"{coef[2]:.4g}"), "c_s_per_patch": float(f"{coef[3]:.4g}"),
+            "noise": round(noise, 4), "micro_batches": len(data)}
 
 
 def main() -> None:
@@ -131,10 +162,12 @@ def main() -> None:
     for mode in args.modes.split(","):
         out[mode] = run(mode, lengths, world_size=args.world_size, max_tokens=args.max_tokens, gas=args.gas,
                         window=args.window, model_path=model, seed=args.seed)
-        if not args.json:
-            print(f"{mode}: {json.dumps(out[mode])}", flush=True)
+    out["law"] = law_balance({mode: out[mode] for mode in args.modes.split(",")})
     if args.json:
         print(json.dumps(out))
+    else:
+        for key, value in out.items():
+            print(f"{key}: {json.dumps(value)}")
 
 
 if __name__ == "__main__":

@@ -133,6 +133,9 @@ class OnlineBatcher:
         self.fit = (CostFit(rank=self.rank, attn_coef=config.attn_coef, patch_coef=config.patch_coef)
                     if config.cost_model == "fit" else None)
         self.is_warm = False  # this process has trained a step: the first's times are not the run's pace
+        # the observed cost figures as sent: held under what every rank's together fit in an int64
+        # (squared costs of a long run at long contexts would not; the dealer's estimate then saturates)
+        self._observed_cap = (1 << 62) // max(1, self.world_size)
         self.capacity = dataset_size if self.packer.is_offline else config.window + config.lookahead
         self.aligner.check_settings({**(settings or {}), **config.to_dict(), "world_size": self.world_size,
                                      "dataset_size": dataset_size, "num_epochs": num_epochs,
@@ -170,7 +173,7 @@ class OnlineBatcher:
         return self.fit.fitted if self.fit is not None else None
 
     def observe(self, plan: StepPlan, seconds: list[float]) -> None:
-        """This rank's forward + backward time of each micro-batch of a step it trained
+        """This rank's forward time of each micro-batch of a step it trained
         (``cost_model: "fit"``; nothing otherwise): they join the fit at the next round. The first
         step of a process is left out (allocations, kernel choices: not the run's pace), and so
         are dummies."""
@@ -283,8 +286,8 @@ class OnlineBatcher:
         return Proposal(
             is_fatal=self.fatal is not None, is_exhausted=is_exhausted, num_ready=num_ready,
             window_samples=self.packer.num_samples, window_cost=sum(b.cost for b in bins),
-            num_pending=len(self.stream.pending), observed_cost=self.observed_cost,
-            observed_cost_sq=self.observed_cost_sq, observed_samples=self.observed_samples,
+            num_pending=len(self.stream.pending), observed_cost=min(self.observed_cost, self._observed_cap),
+            observed_cost_sq=min(self.observed_cost_sq, self._observed_cap), observed_samples=self.observed_samples,
             is_first_pass_open=self.stream.is_first_pass_open(), num_skipped=self.counts["skipped"],
             num_dropped=self.counts["dropped"],
             bin_costs=[b.cost for b in bins], bin_samples=[len(b.samples) for b in bins],
@@ -341,7 +344,8 @@ class OnlineBatcher:
     # ---- state (I6): encoded and checked by odb.batching.state --------------------------------
 
     def state_dict(self) -> dict:
-        """Plain, JSON-able state; loading it into a fresh batcher reproduces the remaining plan."""
+        """Plain, JSON-able state; loading it into a fresh batcher reproduces the remaining plan
+        (with ``cost_model: "fit"``, as far as the measured times are the same)."""
         snapshot = Snapshot(
             stream=self.stream.state_dict(), round_index=self.round_index, step_index=self.step_index,
             num_emitted=self.num_emitted, bins=[list(b.samples) for b in self.packer.bins],
@@ -365,7 +369,9 @@ class OnlineBatcher:
         if self.fit is not None and s.fit is not None:  # (a state of a run without the fit: it starts now)
             self.fit.load_state_dict(s.fit)
             self.cost_model.set_coefficients(*self.fit.coefficients)
-            self.packer.reprice()  # (samples re-dealt from another world size's queues: planned earlier)
+        # priced as this run prices: samples re-dealt from another world size's queues were priced
+        # when planned, and a resume may change the cost model (odb.batching.state.RESUMABLE_CHANGES)
+        self.packer.reprice()
         if self.is_planned and self.config.mode == "join" and self.epoch < self.num_epochs:
             self.is_planned = False  # resumed with more epochs: the next one starts (after the queued steps)
             self.stream.start_epoch()

@@ -5,26 +5,33 @@ units of one token's time (:class:`odb.batching.cost.CostModel`). Tokens alone m
 step: at equal tokens, one long sample costs more than many short ones (attention grows with
 each sample's squared length), and a vision tower's patches cost apart from the text. With
 ``cost_model: "fit"`` the coefficients come from the run itself. Every rank times each real
-micro-batch's forward and backward, and a least-squares fit over the recent micro-batches of all
-ranks solves
+micro-batch's forward pass (not the backward, which ends waiting for the other ranks in the
+gradient reduction: :class:`odb.training.engine.ForwardClock`), and a least-squares fit over the
+recent micro-batches of all ranks solves
 
     time_us ~ d + a * tokens + b * sum(L**2) + c * patches         a > 0,  b, c >= 0
 
 where ``L`` runs over the micro-batch's samples (a padded micro-batch: its rows, each as long as
 the longest). Then ``attn_coef = b / a`` and ``patch_coef = c / a``; ``d``, what any micro-batch
 costs whatever it holds, does not enter the balance (every rank runs the same number of
-micro-batches).
+micro-batches). Full micro-batches all hold about ``max_tokens`` tokens, so ``d`` and ``a`` can
+only be told apart where the tokens vary (:data:`TOKEN_SPREAD`); else the fit has no ``d``. A fit
+is held to :data:`MAX_ATTENTION` and :data:`MAX_PATCH`, so that a noisy one cannot price a sample
+absurdly.
 
 Agreement, with no collective of its own: a rank's new observations ride on its next round's
 vector (:func:`fit_layout`); after the gather every rank adds every rank's, in rank order, to the
-same window of the last :data:`WINDOW`, and rank 0 solves. Its coefficients ride on the round
-after as the bits of two float64s, and every rank takes rank 0's: the same floats everywhere,
-whatever another machine's LAPACK would have computed from the same window. The batcher applies
-them from its next proposal on (:meth:`odb.batching.batcher.OnlineBatcher.observe`).
+same window of the last :data:`WINDOW` (each rank's newest, at most ``WINDOW // world`` a
+round, so that many ranks do not push each other out), and rank 0 solves. Its coefficients ride
+on the round after as the bits of two float64s, and every rank takes rank 0's: the same floats
+everywhere, whatever another machine's LAPACK would have computed from the same window. The
+batcher prices its window with them after that round's decision, so they plan from its next
+proposal on (:meth:`odb.batching.batcher.OnlineBatcher.observe` feeds the times).
 
 The timings make the plans depend on the machine: two runs of the same seed plan alike only with
 ``cost_model: "manual"``. A resume continues with the coefficients, window and unsent
-observations of its checkpoint (:meth:`CostFit.state_dict`).
+observations of its checkpoint (:meth:`CostFit.state_dict`); its plans match the uninterrupted
+run's only as far as the times do (its first step's are left out, as every process's are).
 """
 
 from __future__ import annotations
@@ -47,11 +54,18 @@ MIN_OBSERVATIONS = 16
 SEND = 32
 """A rank's observations per round, at most (the most recent: the window keeps no more anyway)."""
 FIELDS = ("tokens", "area", "patches", "time_us")
+TOKEN_SPREAD = 0.1
+"""The fit has a per-micro-batch term ``d`` only where the tokens of its micro-batches spread this
+much (standard deviation over mean)."""
+MAX_ATTENTION = 64.0
+"""The attention term of the longest sample seen is at most this many times its token term."""
+MAX_PATCH = 64.0
+"""A vision patch costs at most this many tokens."""
 
 
 class Observation(NamedTuple):
     """One real micro-batch: its tokens (padding included), the sum of its samples' squared
-    lengths, its vision patches, and its forward + backward time in microseconds."""
+    lengths, its vision patches, and its forward time in microseconds."""
 
     tokens: int
     area: int
@@ -104,14 +118,15 @@ def fit_coefficients(observations: list[Observation]) -> Fitted | None:
     scale = np.maximum(np.abs(x).max(axis=0), 1.0)  # columns of order 1: the solve is well conditioned
     columns = x / scale
     varying = [j for j in (1, 2) if np.ptp(columns[:, j]) > 1e-9]
+    intercept = [np.ones(len(y))] if x[:, 0].std() > TOKEN_SPREAD * x[:, 0].mean() else []
     best: tuple[float, np.ndarray] | None = None
     for size in range(len(varying), -1, -1):
         for extra in itertools.combinations(varying, size):
             used = [0, *extra]
-            design = np.column_stack([np.ones(len(y)), columns[:, used]])
+            design = np.column_stack([*intercept, columns[:, used]])
             solution, *_ = np.linalg.lstsq(design, y, rcond=None)
             coef = np.zeros(3)
-            coef[used] = solution[1:] / scale[used]
+            coef[used] = solution[len(intercept):] / scale[used]
             if coef[0] <= 0 or (coef[1:] < 0).any():
                 continue
             error = float(((design @ solution - y) ** 2).sum())
@@ -122,7 +137,9 @@ def fit_coefficients(observations: list[Observation]) -> Fitted | None:
     error, (a, b, c) = best
     total = float(((y - y.mean()) ** 2).sum())
     r2 = 1.0 - error / total if total > 0 else 1.0
-    return Fitted(_significant(b / a), _significant(c / a), round(r2, 4), len(observations))
+    longest = float((x[:, 1] / np.maximum(x[:, 0], 1.0)).max())  # (sum L^2 / sum L <= the longest L)
+    attn = min(b / a, MAX_ATTENTION / max(longest, 1.0))
+    return Fitted(_significant(attn), _significant(min(c / a, MAX_PATCH)), round(r2, 4), len(observations))
 
 
 class CostFit:
@@ -168,9 +185,12 @@ class CostFit:
                             int(gathered["fit_r2_micro"][0]) / 1e6, int(gathered["fit_n"][0]))
             changed = (fitted.attn_coef, fitted.patch_coef) != self.coefficients
             self.coefficients, self.fitted = (fitted.attn_coef, fitted.patch_coef), fitted
-        for rank in range(len(gathered["fit_count"])):
+        world = len(gathered["fit_count"])
+        share = max(1, WINDOW // world)  # each rank's newest: many ranks do not push each other out
+        for rank in range(world):
             count = int(gathered["fit_count"][rank])
-            rows = zip(*(gathered[f"fit_{name}"][rank, :count].tolist() for name in FIELDS), strict=True)
+            rows = zip(*(gathered[f"fit_{name}"][rank, max(0, count - share):count].tolist() for name in FIELDS),
+                       strict=True)
             self.window.extend(Observation(*row) for row in rows)
         if self.rank == 0:
             self.solved = fit_coefficients(list(self.window)) or self.solved

@@ -22,6 +22,7 @@ rank re-walks its own shard), and states of different runs or versions.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -98,7 +99,7 @@ def redeal_states(states: Sequence[dict[str, Any]], world_size: int) -> list[dic
             counts[key] = counts.get(key, 0) + value
 
     # the cost fit: every rank holds the same window and coefficients; what a rank had not sent yet is lost
-    fit = {**first["fit"], "unsent": []} if first.get("fit") else None
+    fit = {**copy.deepcopy(first["fit"]), "unsent": []} if first.get("fit") else None
     epoch, is_planned = first["epoch"], first["is_planned"]
     if is_planned and first["config"]["mode"] == "join" and held:
         # the queue held the last epoch's last steps: that epoch is not over until they train

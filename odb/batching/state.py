@@ -39,6 +39,10 @@ __all__ = ["STATE_VERSION", "Snapshot", "check_state", "decode_state", "decode_s
 STATE_VERSION = 2  # version 1 (still read: upgrade_state) called ``is_planned`` ``is_done``
 
 _STREAM_KEYS = ("epoch", "stream_pos", "pending", "epoch_of_shard")
+RESUMABLE_CHANGES = ("cost_model",)
+"""Settings a resume may change: how samples are priced (the loading batcher prices the window
+again; a checkpoint written before the fit existed ran as ``"manual"`` does and resumes under
+either)."""
 
 
 @dataclass
@@ -129,7 +133,8 @@ def check_state(state: dict[str, Any], *, world_size: int, rank: int, config: di
                          f"{dataset_size}; resume on the same data")
     # A setting added after the state was written held its default then (e.g. pad_rows).
     saved = {**{k: v for k, v in _defaults().items() if k in config}, **state["config"]}
-    differing = sorted(k for k in set(config) | set(saved) if config.get(k) != saved.get(k))
+    differing = sorted(k for k in set(config) | set(saved)
+                       if config.get(k) != saved.get(k) and k not in RESUMABLE_CHANGES)
     if differing:
         raise ValueError(f"odb settings differ from the checkpoint in {differing}; resume with the "
                          "settings the run started with")

@@ -100,7 +100,7 @@ class Telemetry:
         self.losses: list[float] = []  # rank 0: the global loss per token of each step with labels
         self.last: dict[str, Any] = {}  # rank 0: the last metrics row
         self._rows_samples_done = 0  # rank 0: samples_done as of the last row written
-        # rank 0, this process's steps: sums of the ranks' mean and slowest forward + backward time,
+        # rank 0, this process's steps: sums of the ranks' mean and slowest forward time,
         # and of the cost model's mean and slowest estimate per micro-batch position
         self._balance = np.zeros(4)
         self._warned_truncation = False
@@ -194,7 +194,7 @@ class Telemetry:
             per_rank = {name: fields[name][:, i] for name in STEP_FIELDS}
             costs = np.array(step.plan.rank_costs, dtype=np.float64)  # [micro, world]
             planned = (costs.mean(axis=1).sum(), costs.max(axis=1).sum()) if costs.size else (0.0, 0.0)
-            self._balance += (per_rank["compute_us"].mean(), per_rank["compute_us"].max(), *planned)
+            self._balance += (per_rank["forward_us"].mean(), per_rank["forward_us"].max(), *planned)
             rows.append(step_row(step, per_rank, samples_done=self._rows_samples_done, dataset_size=self.dataset_size,
                                  max_tokens=self.max_tokens, skipped=self.skipped, truncated=self.truncated,
                                  flops=self.flops))

@@ -7,8 +7,8 @@ whole-run record counts (``skipped`` by reason, in :data:`odb.data.formats.SKIP_
 times in microseconds; ``aux_sum_micro`` is a mixture-of-experts model's router loss times real
 tokens summed over the rank's micro-batches (-1: no router loss); ``epoch`` is the latest epoch of
 the rank's samples in the step (``uid // dataset_size``), or -1 for dummies only; ``attn_area`` is
-the sum of its samples' squared lengths (the attention term of the model FLOPs); ``compute_us`` the
-forward and backward time of its micro-batches (the measured sync efficiency). The final gather
+the sum of its samples' squared lengths (the attention term of the model FLOPs); ``forward_us`` the
+time of its micro-batches' forward passes (the measured sync efficiency). The final gather
 appends the rank's run totals (:data:`TOTALS`).
 """
 
@@ -27,7 +27,7 @@ from odb.data.formats import SKIP_REASONS
 __all__ = ["COUNTS", "RECORDS", "STEP_FIELDS", "TOTALS", "Step", "StepReports", "StepTimes", "report_layout"]
 
 STEP_FIELDS = ("loss_sum_micro", "materialized", "wait_us", "plan_us", "collective_us", "epoch", "aux_sum_micro",
-               "attn_area", "compute_us")
+               "attn_area", "forward_us")
 COUNTS = ("micro_batches", "dummy_micro_batches", "samples", "real_tokens", "materialized_tokens",
           "label_tokens", "steps", "wall_us")
 TOTALS = Layout(scalars=COUNTS + ("dropped",))
@@ -50,7 +50,7 @@ class StepTimes:
     collective: float  # inside odb's round collective
     step: float  # wall time of the whole step
     ended: float  # time.time() at its end
-    compute: float = 0.0  # the forward and backward of its micro-batches (odb.training.engine.MicroClock)
+    forward: float = 0.0  # the forward passes of its micro-batches (odb.training.engine.ForwardClock)
 
 
 @dataclass
@@ -97,7 +97,7 @@ class StepReports:
             "epoch": [max((u // size for m in s.plan.micro_batches for u in m.uids), default=-1) for s in steps],
             "aux_sum_micro": [-1 if s.aux_sum is None else round(s.aux_sum * 1e6) for s in steps],
             "attn_area": [sum(c.tokens ** 2 for m in s.plan.micro_batches for c in m.samples) for s in steps],
-            "compute_us": [round(s.times.compute * 1e6) for s in steps]}
+            "forward_us": [round(s.times.forward * 1e6) for s in steps]}
 
     def covers(self, fields: Mapping[str, np.ndarray]) -> bool:
         """Whether gathered ``fields`` report exactly this rank's reported steps, on every rank."""

@@ -49,7 +49,7 @@ def step_row(step: Step, per_rank: Mapping[str, np.ndarray], *, samples_done: in
         "micro_batches": micro, "dummy_micro_batches": int((rank_tokens == 0).sum()),
         "rank_tokens_min": int(per_rank_tokens.min()), "rank_tokens_mean": float(per_rank_tokens.mean()),
         "rank_tokens_max": int(per_rank_tokens.max()),
-        "sync_efficiency": _balance(per_rank["compute_us"]),
+        "sync_efficiency": _balance(per_rank["forward_us"]),
         "planned_sync_efficiency": round(float(rank_costs.mean(axis=1).sum() / slowest), 6) if slowest else 1.0,
         "step_s": round(step_s, 6),
         "samples_per_s": round(plan.num_samples / step_s, 3) if step_s else 0.0,
@@ -63,12 +63,13 @@ def step_row(step: Step, per_rank: Mapping[str, np.ndarray], *, samples_done: in
     }
 
 
-def _balance(compute_us: np.ndarray) -> float:
-    """Measured sync efficiency: the ranks' mean forward + backward time over the slowest's (1.0: no
-    time measured). ``planned_sync_efficiency`` is the same ratio of the cost model's estimates, per
-    micro-batch position."""
-    slowest = int(compute_us.max())
-    return round(float(compute_us.mean()) / slowest, 6) if slowest > 0 else 1.0
+def _balance(forward_us: np.ndarray) -> float:
+    """Measured sync efficiency: the ranks' mean time in the step's forward passes over the
+    slowest's (1.0: no time measured; why the forward: odb.training.engine.ForwardClock).
+    ``planned_sync_efficiency`` is the same ratio of the cost model's estimates, per micro-batch
+    position."""
+    slowest = int(forward_us.max())
+    return round(float(forward_us.mean()) / slowest, 6) if slowest > 0 else 1.0
 
 
 def _mfu(flops: FlopsModel | None, **step: Any) -> dict[str, float]:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -69,37 +68,48 @@ class StepResult:
     aux_loss: float = 0.0
     """What this rank's micro-batches added to the trained objective: ``coef * aux_sum / T_s``
     (over all ranks these add up to ``coef * aux_loss``; 0 for a dense model)."""
-    micro_seconds: tuple[float, ...] = ()
-    """Each micro-batch's forward + backward time on this rank (:class:`MicroClock`), the
-    optimizer step left out."""
+    forward_seconds: tuple[float, ...] = ()
+    """Each micro-batch's forward time (the loss included) on this rank (:class:`ForwardClock`)."""
 
 
-class MicroClock:
-    """The time of each micro-batch's forward + backward on this rank: marks between them, read
-    after the step. On a GPU the marks are CUDA events on the compute stream (the device's own
-    time, no host sync per micro-batch; read once the last has run); elsewhere the wall clock.
-    Under ZeRO-3 and FSDP2 a micro-batch's time includes waiting for the layers' parameter gathers,
-    which the slowest rank paces."""
+class ForwardClock:
+    """The time of each micro-batch's forward pass on this rank: the cost fit's and the measured
+    sync efficiency's measure of a rank's work. The forward, not the backward: a backward ends in
+    the gradient reduction (ZeRO-2's every micro-batch, the step's last one on every backend),
+    where a rank that finished early waits for the slowest, so its time would read the slowest
+    rank's. (Under ZeRO-3 and FSDP2 the forward still waits for each layer's parameter gather.)
+    On a GPU the marks are CUDA events on the compute stream, read after the step (no host sync
+    per micro-batch); on another accelerator the device is synchronized at each mark; on the CPU,
+    the wall clock."""
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.is_cuda = device.type == "cuda"
-        self.marks: list[Any] = []
+        self.spans: list[tuple[Any, Any]] = []
+        self._began: Any = None
 
-    def mark(self) -> None:
+    def _now(self) -> Any:
         if self.is_cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
+            return event
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)
+        return time.perf_counter()
 
-    def intervals(self) -> tuple[float, ...]:
-        """Seconds between consecutive marks."""
+    def start(self) -> None:
+        self._began = self._now()
+
+    def stop(self) -> None:
+        self.spans.append((self._began, self._now()))
+
+    def seconds(self) -> tuple[float, ...]:
+        """Each span's seconds (on CUDA once the last has run on the device)."""
         if not self.is_cuda:
-            return tuple(b - a for a, b in pairwise(self.marks))
-        if self.marks:
-            self.marks[-1].synchronize()
-        return tuple(a.elapsed_time(b) / 1e3 for a, b in pairwise(self.marks))
+            return tuple(end - begin for begin, end in self.spans)
+        if self.spans:
+            self.spans[-1][1].synchronize()
+        return tuple(begin.elapsed_time(end) / 1e3 for begin, end in self.spans)
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -257,9 +267,9 @@ class OdbEngine:
         loss_sum, label_tokens = torch.zeros((), device=self.device), 0  # one host sync per step
         aux_sum = torch.zeros((), device=self.device)
         last = len(plan.micro_batches) - 1
-        clock = MicroClock(self.device)
+        clock = ForwardClock(self.device)
         for m, (micro, micro_samples) in enumerate(zip(plan.micro_batches, samples, strict=True)):
-            clock.mark()
+            clock.start()
             if micro.is_dummy:
                 loss = self._dummy_loss()
             else:
@@ -271,16 +281,16 @@ class OdbEngine:
                     weighted = aux * micro.tokens
                     aux_sum += weighted.detach()
                     loss = loss + self.router_loss.coef * aux_scale * weighted
+            clock.stop()
             self.backend.backward(loss, sync=m == last)
-        clock.mark()
         self.backend.step()
-        seconds = clock.intervals()
+        seconds = clock.seconds()
         if not router:
-            return StepResult(loss_sum=float(loss_sum), label_tokens=label_tokens, lr=lr, micro_seconds=seconds)
+            return StepResult(loss_sum=float(loss_sum), label_tokens=label_tokens, lr=lr, forward_seconds=seconds)
         aux_sum = float(aux_sum)
         return StepResult(loss_sum=float(loss_sum), label_tokens=label_tokens, lr=lr, aux_sum=aux_sum,
                           aux_loss=self.router_loss.coef * aux_sum / step_tokens if step_tokens else 0.0,
-                          micro_seconds=seconds)
+                          forward_seconds=seconds)
 
     def probe_step(self, samples: Sequence[dict[str, Any]], *,
                    earlier: Sequence[dict[str, Any]] | None = None) -> None:

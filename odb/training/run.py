@@ -131,8 +131,8 @@ class Trainer:
             after = batcher.stats
             times = StepTimes(wait=after.fetch_s - before.fetch_s, plan=after.plan_s - before.plan_s,
                               collective=after.collective_s - before.collective_s, step=time.perf_counter() - began,
-                              ended=time.time(), compute=sum(result.micro_seconds))
-            batcher.observe(plan, list(result.micro_seconds))  # the cost fit's (cost_model "fit")
+                              ended=time.time(), forward=sum(result.forward_seconds))
+            batcher.observe(plan, list(result.forward_seconds))  # the cost fit's (cost_model "fit")
             telemetry.record(plan, loss_sum=result.loss_sum, lr=result.lr, times=times, aux_sum=result.aux_sum)
             self._audit(plan)
             steps_this_run += 1

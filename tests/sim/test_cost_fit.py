@@ -11,7 +11,7 @@ import pytest
 from conftest import check_aligned, check_exact_once, roundtrip
 from odb.batching.batcher import OnlineBatcher, features
 from odb.batching.config import OdbConfig
-from odb.batching.fit import MIN_OBSERVATIONS, Observation, fit_coefficients
+from odb.batching.fit import MAX_ATTENTION, MAX_PATCH, MIN_OBSERVATIONS, Observation, fit_coefficients
 from odb.batching.redeal import redeal_states
 from odb.batching.simulate import SimulatedFeed, run_ranks, simulate
 
@@ -69,7 +69,8 @@ def test_simulated_ranks_agree_on_the_fitted_coefficients_and_keep_the_invariant
     coefficients = {b.cost_model.attn_coef for b in result.batchers}
     assert len(coefficients) == 1  # the same float on every rank (rank 0's, sent as bits)
     fitted = result.batchers[0].cost_fit
-    assert fitted is not None and fitted.attn_coef == pytest.approx(B / A, rel=0.05)
+    # (full bins hold about max_tokens tokens: no per-micro-batch term, whose D then counts as tokens' time)
+    assert fitted is not None and B / (A + D / 2048) * 0.97 <= fitted.attn_coef <= B / A * 1.03
     assert all(b.cost_fit == fitted for b in result.batchers)
     # the window is priced with what is in effect: a sample's cost is the model's at those coefficients
     late = result.steps[0][-3].micro_batches[0].samples[0]
@@ -124,3 +125,20 @@ def test_a_state_carries_the_fit_and_a_resume_plans_as_the_uninterrupted_run():
     # on another world size: every new rank takes the fit, without what a rank had not sent yet
     dealt = redeal_states(states, 3)
     assert all(s["fit"]["window"] == states[0]["fit"]["window"] and s["fit"]["unsent"] == [] for s in dealt)
+
+
+def test_a_fit_cannot_price_a_sample_absurdly():
+    """Full micro-batches (8192 tokens each: no per-micro-batch term) whose times barely grow with
+    tokens: the free fit would make the attention term of a 4096-token sample hundreds of
+    thousands of times its tokens' time; it stays within MAX_ATTENTION times, and a patch within
+    MAX_PATCH tokens."""
+    rng = np.random.default_rng(7)
+    rows = []
+    for _ in range(64):
+        lengths = rng.integers(1, 4096, size=2)
+        lengths = np.append(lengths, 8192 - lengths.sum())
+        area, patches = int((lengths ** 2).sum()), int(rng.integers(0, 10))
+        rows.append(Observation(8192, area, patches, round(1 + 0.01 * area + 1000 * patches)))
+    fitted = fit_coefficients(rows)
+    longest = max(o.area / o.tokens for o in rows)
+    assert fitted.attn_coef * longest == pytest.approx(MAX_ATTENTION, rel=1e-3) and fitted.patch_coef == MAX_PATCH

@@ -1,5 +1,5 @@
 """The sync efficiency a metrics row and the summary report: measured from every rank's forward +
-backward time of the step (its report), and apart as the cost model planned it."""
+forward time of the step (its report), and apart as the cost model planned it."""
 
 import numpy as np
 import pytest
@@ -16,7 +16,7 @@ def test_measured_and_planned_sync_efficiency(tmp_path):
     reports = []
     for telemetry, compute in zip(ranks, (0.3, 0.1), strict=True):
         telemetry.record(plan, loss_sum=0.0, lr=0.0,
-                         times=StepTimes(wait=0.0, plan=0.0, collective=0.0, step=0.5, ended=0.0, compute=compute))
+                         times=StepTimes(wait=0.0, plan=0.0, collective=0.0, step=0.5, ended=0.0, forward=compute))
         reports.append(telemetry.report({}))
     row, = ranks[0].on_reports(np.stack(reports))
     assert row["sync_efficiency"] == pytest.approx((0.3 + 0.1) / 2 / 0.3, abs=1e-6)
