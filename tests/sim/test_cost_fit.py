@@ -142,3 +142,37 @@ def test_a_fit_cannot_price_a_sample_absurdly():
     fitted = fit_coefficients(rows)
     longest = max(o.area / o.tokens for o in rows)
     assert fitted.attn_coef * longest == pytest.approx(MAX_ATTENTION, rel=1e-3) and fitted.patch_coef == MAX_PATCH
+
+
+def test_a_resume_may_switch_the_cost_model_and_prices_its_window_again():
+    """A state written before the fit existed (no cost_model, no fit) loads under the default fit;
+    a state of a fitting run loads under cost_model manual, its window priced by tokens again."""
+    lengths = [(int(t), 0) for t in np.random.default_rng(3).integers(20, 1500, size=400)]
+    config = OdbConfig(max_tokens=2048, window=24, gas=1, lookahead=8)
+    states: list = [None, None]
+
+    def fitting(comm):
+        batcher = OnlineBatcher(config, comm, dataset_size=len(lengths), feed=SimulatedFeed(lengths))
+        for count, step in enumerate(batcher, 1):
+            batcher.observe(step, micro_seconds(comm.rank, step))
+            if count == 40:
+                break
+        states[comm.rank] = roundtrip(batcher.state_dict())
+
+    run_ranks(2, fitting)
+    assert states[0]["fit"]["fitted"] is not None
+
+    def window(config, state):
+        def load(comm):
+            batcher = OnlineBatcher(config, comm, dataset_size=len(lengths), feed=SimulatedFeed(lengths))
+            batcher.load_state_dict(state[comm.rank])
+            held = [s for b in batcher.packer.bins for s in b.samples] + list(batcher.packer.unpacked)
+            return [(s.tokens, s.cost) for s in held]
+        return run_ranks(2, load)
+
+    priced = window(OdbConfig(max_tokens=2048, window=24, gas=1, lookahead=8, cost_model="manual"), states)
+    assert all(held and all(cost == tokens for tokens, cost in held) for held in priced)
+    old = [{**s, "config": {k: v for k, v in s["config"].items() if k != "cost_model"}} for s in states]
+    for state in old:
+        del state["fit"]
+    assert all(held for held in window(config, old))
