@@ -40,6 +40,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))  # (bench_batching, also when this file is loaded as a module)
 
 from bench_batching import read_lengths  # noqa: E402
 
@@ -138,7 +139,7 @@ def law_balance(runs: dict[str, dict]) -> dict:
             "noise": round(noise, 4), "micro_batches": len(data)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", required=True, help="a length trace: one 'tokens [vision_patches]' per line")
     parser.add_argument("--world_size", type=int, default=2)
@@ -152,7 +153,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier times)")
     parser.add_argument("--modes", default="fit,manual")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     lengths = read_lengths(args.trace)[:args.samples]
     model = Path(args.model) if args.model else VISION_MODEL if any(p for _, p in lengths) else TEXT_MODEL
