@@ -428,8 +428,12 @@ class ForkedRank:
             self.returncode = self.zygote.codes.pop(self.pid, None)
         return self.returncode
 
-    def wait(self) -> int:
+    def wait(self, timeout: float | None = None) -> int:
+        """Its exit code, as ``Popen.wait`` (``subprocess.TimeoutExpired`` after ``timeout`` s)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
             self.zygote.pump(timeout=0.05)
         return self.returncode
 
@@ -559,11 +563,12 @@ def deepspeed_watched(args: list[str], *, nproc: int = 2, timeout: int = 300
 class Run:
     """A run started in the background, to be signalled while it trains: under the deepspeed
     launcher (one node), or ``apart``: each rank its own process with its own environment, no
-    launcher over them (as ranks on separate nodes are, where no launcher sees a peer die)."""
+    launcher over them (as ranks on separate nodes are, where no launcher sees a peer die), forked
+    from the :class:`Zygote` where it serves the environment."""
 
     def __init__(self, args: list[str], *, nproc: int, apart: bool = False, port: int | None = None,
                  rank_args: dict[int, list[str]] | None = None) -> None:
-        self.log = tempfile.TemporaryFile("w+")
+        self.log = tempfile.NamedTemporaryFile("w+")  # (a forked rank opens it by name)
         self.apart, self._args, self._nproc, self._rank_args = apart, train_args(args), nproc, rank_args or {}
         self._env = launch_env(DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
         self._retry = port is None  # (a port the caller chose is used as it is)
@@ -583,11 +588,16 @@ class Run:
                                                env=self._env, cwd=ROOT)]
             else:
                 self.procs = []
+                zygote = Zygote.serving(self._env)
                 for rank in range(self._nproc):
                     rank_env = {**self._env, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(self._nproc),
                                 "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.port),
                                 "OMP_NUM_THREADS": "1"}
                     extra = self._rank_args.get(rank, [])
+                    if zygote is not None:
+                        log = Path(self.log.name)
+                        self.procs.append(zygote.fork(TRAIN, [*self._args, *extra], rank_env, log, log))
+                        continue
                     self.procs.append(subprocess.Popen([sys.executable, str(TRAIN), *self._args, *extra],
                                                        stdout=self.log, stderr=subprocess.STDOUT, text=True,
                                                        env=rank_env, cwd=ROOT))

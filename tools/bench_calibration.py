@@ -83,9 +83,15 @@ class Samples:
                 "labels": torch.cat([sample["labels"], ids])}
 
 
+def _balance(per_step: np.ndarray) -> float:
+    """Steps' ``[world, steps]`` times: the ranks' mean over the slowest, summed over the steps."""
+    return round(float(per_step.mean(axis=0).sum() / per_step.max(axis=0).sum()), 4) if per_step.size else 1.0
+
+
 def run(mode: str, lengths: list[tuple[int, int]], *, world_size: int, max_tokens: int, gas: int, window: int,
-        model_path: Path, seed: int) -> dict:
-    """One simulated run under ``mode`` ('fit' or 'manual'): its measured balance and fit."""
+        model_path: Path, seed: int, epochs: int) -> dict:
+    """One simulated run under ``mode`` ('fit' or 'manual'): its measured balance and fit, over the
+    whole run and over its last epoch (with several: the fit in effect from its start)."""
     model = build_model(model_path, seed=seed, vocab_size=0)
     engine = OdbEngine(LocalBackend(model), world_size=world_size, max_tokens=max_tokens, pad_token_id=0)
     make = Samples(model, lengths, max_tokens)
@@ -100,15 +106,16 @@ def run(mode: str, lengths: list[tuple[int, int]], *, world_size: int, max_token
 
     simulate(config, lengths[:2 * world_size], world_size, train=train)  # warm-up: first calls are slow
     began = time.perf_counter()
-    result = simulate(config, lengths, world_size, train=train, timeout_s=24 * 3600)
+    result = simulate(config, lengths, world_size, train=train, num_epochs=epochs, timeout_s=24 * 3600)
     micro = [[(features(m), t) for plan, seconds in zip(rank_steps, rank_seconds, strict=True)
               for m, t in zip(plan.micro_batches, seconds, strict=True)]
              for rank_steps, rank_seconds in zip(result.steps, result.seconds, strict=True)]
     per_step = np.array([[sum(step) for step in rank] for rank in result.seconds])  # [world, steps]
     per_micro = np.array([[t for step in rank for t in step] for rank in result.seconds])  # [world, micro]
     fitted = result.batchers[0].cost_fit
+    last = np.array([plan.epoch == epochs - 1 for plan in result.steps[0]])
     return {
-        "sync_efficiency": round(float(per_step.mean(axis=0).sum() / per_step.max(axis=0).sum()), 4),
+        "sync_efficiency": _balance(per_step),
         "micro_batch_sync_efficiency": round(float(per_micro.mean(axis=0).sum() / per_micro.max(axis=0).sum()), 4),
         "seconds": round(float(per_step.max(axis=0).sum()), 2),
         "steps": int(per_step.shape[1]),
@@ -116,7 +123,9 @@ def run(mode: str, lengths: list[tuple[int, int]], *, world_size: int, max_token
                          "patch_coef": result.batchers[0].cost_model.patch_coef,
                          "r2": fitted.r2 if fitted else None, "micro_batches": fitted.observations if fitted else None},
         "wall_s": round(time.perf_counter() - began, 1),
-        "_micro": micro, "_gas": gas,
+        "last_epoch": {"sync_efficiency": _balance(per_step[:, last]), "steps": int(last.sum()),
+                       "seconds": round(float(per_step[:, last].max(axis=0).sum()), 2)},
+        "_micro": micro, "_gas": gas, "_last": last,
     }
 
 
@@ -130,10 +139,11 @@ def law_balance(runs: dict[str, dict]) -> dict:
     noise = float(np.std(design @ coef - data[:, 3]) / data[:, 3].mean())
     dummy = float(np.mean([t for run in runs.values() for rank in run["_micro"] for f, t in rank if not f[0]] or [0]))
     for run in runs.values():
-        gas = run.pop("_gas")
+        gas, last = run.pop("_gas"), run.pop("_last")
         timed = np.array([[coef @ (1, *f) if f[0] else dummy for f, _ in rank] for rank in run.pop("_micro")])
         steps = timed.reshape(timed.shape[0], -1, gas).sum(axis=2)  # [world, steps]
-        run["law_sync_efficiency"] = round(float(steps.mean(axis=0).sum() / steps.max(axis=0).sum()), 4)
+        run["law_sync_efficiency"] = _balance(steps)
+        run["last_epoch"]["law_sync_efficiency"] = _balance(steps[:, last])
     return {"d_s": round(float(coef[0]), 5), "a_s_per_token": float(f"{coef[1]:.4g}"),
             "b_s_per_token2": float(f"{coef[2]:.4g}"), "c_s_per_patch": float(f"{coef[3]:.4g}"),
             "noise": round(noise, 4), "micro_batches": len(data)}
@@ -148,6 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gas", type=int, default=1)
     parser.add_argument("--window", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epochs", type=int, default=1, help="passes over the samples (last_epoch: the last's "
+                                                               "steps, the fit in effect from its start)")
     parser.add_argument("--model", default=None, help="a model config JSON (default: the bundled tiny text "
                                                       "model, or the tiny Qwen2-VL for a trace with patches)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier times)")
@@ -158,11 +170,12 @@ def main(argv: list[str] | None = None) -> None:
     lengths = read_lengths(args.trace)[:args.samples]
     model = Path(args.model) if args.model else VISION_MODEL if any(p for _, p in lengths) else TEXT_MODEL
     out = {"trace": Path(args.trace).name, "world_size": args.world_size, "samples": len(lengths),
-           "max_tokens": args.max_tokens, "gas": args.gas, "window": args.window, "model": model.name,
+           "max_tokens": args.max_tokens, "gas": args.gas, "window": args.window, "epochs": args.epochs,
+           "model": model.name,
            "threads": args.threads}
     for mode in args.modes.split(","):
         out[mode] = run(mode, lengths, world_size=args.world_size, max_tokens=args.max_tokens, gas=args.gas,
-                        window=args.window, model_path=model, seed=args.seed)
+                        window=args.window, model_path=model, seed=args.seed, epochs=args.epochs)
     out["law"] = law_balance({mode: out[mode] for mode in args.modes.split(",")})
     if args.json:
         print(json.dumps(out))
