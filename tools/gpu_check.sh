@@ -124,6 +124,7 @@ for policy in ("odb", "fixed", "odb_fsdp2", "odb_auto"):
                                        "padding_ratio", "truncated_samples", "loss_first", "loss_last")}
     train[policy]["peak_memory_mb"] = s["this_process"]["peak_memory_mb"]
     train[policy]["preflight"] = s.get("preflight")
+    train[policy]["cost_model"] = s.get("cost_model")  # (the fitted coefficients on the GPU's own forward times)
     train[policy]["mfu"] = round(6 * params * s["tokens_per_s"] / peak, 4) if peak else None
 train["odb_vs_fixed_tokens_per_s"] = round(train["odb"]["tokens_per_s"] / max(1e-9, train["fixed"]["tokens_per_s"]), 3)
 versions = {name: __import__(name).__version__ for name in ("torch", "transformers", "deepspeed")}
