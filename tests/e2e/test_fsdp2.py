@@ -191,7 +191,7 @@ def test_a_signal_stops_every_rank_at_one_step_and_the_run_resumes_on_three_rank
     rank its own process, no launcher) saves one checkpoint at one step and exits 75 everywhere;
     3 ranks resume it (DCP reshards the model and optimizer, odb re-deals the samples):
     every sample exactly once, the loss goes on where it was, and a validation loss at the end."""
-    out, samples = tmp_path / "out", 300
+    out, samples = tmp_path / "out", 200
     args = ["--backend", "fsdp2", "--odb_config", str(odb_config(tmp_path, max_tokens=512, window=16)),
             "--output_dir", str(out), "--audit_ids", "--max_samples", str(samples), "--dist_timeout_s", "60",
             "--eval_data", str(ROOT / "data" / "chat.jsonl")]

@@ -15,7 +15,7 @@ import pytest
 from launch import Run, audit, deepspeed, ds_config, odb_config, steps_trained
 from odb.training.faults import EXIT_PREEMPTED
 
-SAMPLES = 600
+SAMPLES = 400
 
 
 def losses(out):
