@@ -205,10 +205,8 @@ class OnlineBatcher:
 
     def held_uids(self) -> list[int]:
         """uids whose samples this rank holds: its window and its planned, untrained steps."""
-        held = [s.uid for b in self.packer.bins for s in b.samples]
-        held += [s.uid for s in self.packer.unpacked]
-        held += [u for step in self.queue for m in step.micro_batches for u in m.uids]
-        return held
+        return [s.uid for s in self.packer.held()] + [u for step in self.queue for m in step.micro_batches
+                                                      for u in m.uids]
 
     def __iter__(self) -> Iterator[StepPlan]:
         while True:
@@ -325,12 +323,11 @@ class OnlineBatcher:
     def _reprice(self) -> None:
         """The fit's new coefficients: the window's samples priced with them, and the observed cost
         figures (the dealer's estimate of samples not fetched yet) scaled as the window's cost moved."""
-        held = [s for b in self.packer.bins for s in b.samples] + list(self.packer.unpacked)
-        before = sum(s.cost for s in held)
+        before = sum(s.cost for s in self.packer.held())
         self.cost_model.set_coefficients(*self.fit.coefficients)
         self.packer.reprice()
         if before:
-            ratio = sum(self.cost_model.reprice(s).cost for s in held) / before
+            ratio = sum(s.cost for s in self.packer.held()) / before
             self.observed_cost = round(self.observed_cost * ratio)
             self.observed_cost_sq = round(self.observed_cost_sq * ratio * ratio)
 

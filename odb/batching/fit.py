@@ -192,7 +192,7 @@ class CostFit:
             rows = zip(*(gathered[f"fit_{name}"][rank, max(0, count - share):count].tolist() for name in FIELDS),
                        strict=True)
             self.window.extend(Observation(*row) for row in rows)
-        if self.rank == 0:
+        if self.rank == 0 and gathered["fit_count"].any():  # (no new times: the same window, the same fit)
             self.solved = fit_coefficients(list(self.window)) or self.solved
         return changed
 

@@ -123,6 +123,10 @@ class Packer:
         taken, self.bins = self.bins[:num_bins], self.bins[num_bins:]
         return taken
 
+    def held(self) -> list[SampleCost]:
+        """The samples it holds: its bins', in order, then those not in a bin yet."""
+        return [s for b in self.bins for s in b.samples] + self.unpacked
+
     def reprice(self) -> None:
         """Every held sample priced again by the cost model (its coefficients changed)."""
         price = self.cost_model.reprice
