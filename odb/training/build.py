@@ -110,7 +110,8 @@ def init_distributed(config: RunConfig) -> tuple[int, int]:
 
 def build_components(config: RunConfig, *, rank: int, world_size: int, report: Callable[[], np.ndarray],
                      on_reports: Callable[[np.ndarray], None], log: Callable[[str], None],
-                     watchdog: Watchdog | None = None, load: Any = None) -> Components:
+                     watchdog: Watchdog | None = None, load: Any = None,
+                     backend: Backend | None = None) -> Components:
     """Builds the run (collective: every rank, same order).
 
     Args:
@@ -119,9 +120,12 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
         watchdog: told when odb's collective waits on the other ranks.
         load: a resume's plan (the backend's ``plan_load``: a universal checkpoint's DeepSpeed
             config), which the backend is built for.
+        backend: the model as a host's own loop runs it (:mod:`odb.integrations`), instead of one
+            built here from ``config``.
     """
     tokenizer = load_tokenizer(config.model.tokenizer)
-    backend = build_backend(config, rank=rank, vocab_size=len(tokenizer), load=load)
+    if backend is None:
+        backend = build_backend(config, rank=rank, vocab_size=len(tokenizer), load=load)
     model = hf_model(backend.module)
     vision = vision_spec(model, config.data.processing, source=config.model.path)
     comm = TorchCommunicator(timeout_s=collective_timeout_s(config.run.dist_timeout_s))

@@ -33,7 +33,7 @@ from odb.training.build import Components
 from odb.training.config import RunConfig
 
 __all__ = ["FINISHED", "checkpoint_states", "load_checkpoint", "load_plan", "mark_finished", "resolve_tag",
-           "save_checkpoint"]
+           "restore_states", "save_checkpoint", "write_states"]
 
 FINISHED = "finished"
 """A file in a checkpoint's tag folder: the run that saved it went on to finish there (evaluation,
@@ -56,9 +56,7 @@ def save_checkpoint(parts: Components, config: RunConfig, tag: str) -> None:
     # part), so 'latest' never names a tag whose odb files a killed save did not write
     (folder / tag).mkdir(parents=True, exist_ok=True)
     (folder / tag / FINISHED).unlink(missing_ok=True)
-    (folder / tag / f"odb_state.rank{rank}.json").write_text(json.dumps(parts.batcher.state_dict()))
-    (folder / tag / f"run_state.rank{rank}.json").write_text(
-        json.dumps(parts.telemetry.state_dict(parts.feed.skipped, parts.feed.truncated)))
+    write_states(parts, folder / tag)
     if rank == 0:
         (folder / tag / "run_config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     parts.engine.save(folder, tag)
@@ -69,6 +67,22 @@ def save_checkpoint(parts: Components, config: RunConfig, tag: str) -> None:
             for old in _step_tags(folder)[:-limit]:
                 if old != tag:
                     shutil.rmtree(folder / old)
+
+
+def write_states(parts: Components, folder: Path) -> None:
+    """This rank's odb files of a checkpoint into ``folder``: its batcher state and its run state."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"odb_state.rank{parts.rank}.json").write_text(json.dumps(parts.batcher.state_dict()))
+    (folder / f"run_state.rank{parts.rank}.json").write_text(
+        json.dumps(parts.telemetry.state_dict(parts.feed.skipped, parts.feed.truncated)))
+
+
+def restore_states(parts: Components, state: dict, run_state: dict) -> None:
+    """Puts this rank's batcher, feed and run totals where :func:`write_states`'s files left them
+    (``state`` and ``run_state`` as :func:`checkpoint_states` reads them)."""
+    parts.batcher.load_state_dict(state)
+    parts.feed.restore(parts.batcher.held_uids())
+    parts.telemetry.load_state_dict(run_state)
 
 
 def mark_finished(config: RunConfig, tag: str) -> None:
@@ -203,9 +217,7 @@ def load_checkpoint(parts: Components, config: RunConfig, tag: str, plan: Checkp
         raise ValueError(f"--resume: {parts.engine.backend.name} could not load {folder / tag} ({type(err).__name__}: "
                          f"{err}); the checkpoint is incomplete, or was saved with another model, LoRA or ZeRO config; "
                          f"resume from another tag ({_tags(folder)}) with the settings that saved it") from err
-    parts.batcher.load_state_dict(state)
-    parts.feed.restore(parts.batcher.held_uids())
-    parts.telemetry.load_state_dict(run_state)
+    restore_states(parts, state, run_state)
     extended = f" (extended to --epochs {epochs})" if is_join and state["is_planned"] and state["epoch"] < epochs \
         else ""
     moved = f", saved by {saved_world} ranks, its untrained samples dealt to {parts.world_size}" \

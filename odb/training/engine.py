@@ -51,7 +51,7 @@ from odb.training.model import hf_model
 from odb.training.moe import router_loss
 from odb.training.mrope import packed_position_ids
 
-__all__ = ["OdbEngine", "StepResult", "token_loss_sum", "BLANK_IMAGE_TOKENS"]
+__all__ = ["OdbEngine", "StepResult", "StepTally", "token_loss_sum", "BLANK_IMAGE_TOKENS"]
 
 BLANK_IMAGE_TOKENS = 3  # vision start, one image pad (a 2x2-merged 4-patch image), vision end
 
@@ -110,6 +110,56 @@ class ForwardClock:
         if self.spans:
             self.spans[-1][1].synchronize()
         return tuple(begin.elapsed_time(end) / 1e3 for begin, end in self.spans)
+
+
+class StepTally:
+    """One optimizer step's micro-batch losses, as :meth:`OdbEngine.train_step` backs them, and what
+    the step reports: the loss math of this module's docstring in one place, also for a host's own
+    loop (:mod:`odb.integrations`), which runs the backward and the optimizer step itself."""
+
+    def __init__(self, engine: OdbEngine, plan: StepPlan) -> None:
+        self.engine, self.plan = engine, plan
+        self.scale = engine.world_size / plan.num_label_tokens if plan.num_label_tokens else 0.0
+        self.router = engine.router_loss is not None
+        self.step_tokens = sum(map(sum, plan.rank_tokens))  # T_s: real tokens of the step over all ranks
+        assert not self.router or self.step_tokens or all(m.is_dummy for m in plan.micro_batches), \
+            "plan without rank_tokens"
+        self.aux_scale = engine.world_size / self.step_tokens if self.step_tokens else 0.0
+        self.loss_sum = torch.zeros((), device=engine.device)  # one host sync per step
+        self.aux_sum = torch.zeros((), device=engine.device)
+        self.label_tokens = 0
+        self.clock = ForwardClock(engine.device)
+
+    def loss(self, micro, samples: Sequence[dict[str, Any]]) -> torch.Tensor:
+        """The loss micro-batch ``micro`` backs (its forward runs here): ``sum_t l_t * W / N_s`` (and
+        a router loss's share), or 0 x a real forward for a dummy."""
+        engine = self.engine
+        self.clock.start()
+        if micro.is_dummy:
+            loss = engine._dummy_loss()
+        else:
+            summed, aux = engine._forward_loss(samples, micro.padded, router=self.router)
+            self.loss_sum += summed.detach()
+            self.label_tokens += micro.label_tokens
+            loss = summed * self.scale
+            if aux is not None:  # coef * aux_{r,m} * T_{r,m} * W / T_s (odb.training.moe)
+                weighted = aux * micro.tokens
+                self.aux_sum += weighted.detach()
+                loss = loss + engine.router_loss.coef * self.aux_scale * weighted
+        self.clock.stop()
+        return loss
+
+    def result(self, lr: float) -> StepResult:
+        """What the step reports, once every micro-batch's :meth:`loss` has run."""
+        seconds = self.clock.seconds()
+        if not self.router:
+            return StepResult(loss_sum=float(self.loss_sum), label_tokens=self.label_tokens, lr=lr,
+                              forward_seconds=seconds)
+        aux_sum = float(self.aux_sum)
+        coef = self.engine.router_loss.coef
+        return StepResult(loss_sum=float(self.loss_sum), label_tokens=self.label_tokens, lr=lr, aux_sum=aux_sum,
+                          aux_loss=coef * aux_sum / self.step_tokens if self.step_tokens else 0.0,
+                          forward_seconds=seconds)
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -259,38 +309,12 @@ class OdbEngine:
         """Runs the plan's micro-batches (``samples[m]``: the processed samples of micro-batch m,
         empty for a dummy) and one optimizer step at learning rate ``lr``."""
         self.backend.set_lr(lr)
-        scale = self.world_size / plan.num_label_tokens if plan.num_label_tokens else 0.0
-        router = self.router_loss is not None
-        step_tokens = sum(map(sum, plan.rank_tokens))  # T_s: real tokens of the step over all ranks
-        assert not router or step_tokens or all(m.is_dummy for m in plan.micro_batches), "plan without rank_tokens"
-        aux_scale = self.world_size / step_tokens if step_tokens else 0.0
-        loss_sum, label_tokens = torch.zeros((), device=self.device), 0  # one host sync per step
-        aux_sum = torch.zeros((), device=self.device)
+        tally = StepTally(self, plan)
         last = len(plan.micro_batches) - 1
-        clock = ForwardClock(self.device)
         for m, (micro, micro_samples) in enumerate(zip(plan.micro_batches, samples, strict=True)):
-            clock.start()
-            if micro.is_dummy:
-                loss = self._dummy_loss()
-            else:
-                summed, aux = self._forward_loss(micro_samples, micro.padded, router=router)
-                loss_sum += summed.detach()
-                label_tokens += micro.label_tokens
-                loss = summed * scale
-                if aux is not None:  # coef * aux_{r,m} * T_{r,m} * W / T_s (odb.training.moe)
-                    weighted = aux * micro.tokens
-                    aux_sum += weighted.detach()
-                    loss = loss + self.router_loss.coef * aux_scale * weighted
-            clock.stop()
-            self.backend.backward(loss, sync=m == last)
+            self.backend.backward(tally.loss(micro, micro_samples), sync=m == last)
         self.backend.step()
-        seconds = clock.seconds()
-        if not router:
-            return StepResult(loss_sum=float(loss_sum), label_tokens=label_tokens, lr=lr, forward_seconds=seconds)
-        aux_sum = float(aux_sum)
-        return StepResult(loss_sum=float(loss_sum), label_tokens=label_tokens, lr=lr, aux_sum=aux_sum,
-                          aux_loss=self.router_loss.coef * aux_sum / step_tokens if step_tokens else 0.0,
-                          forward_seconds=seconds)
+        return tally.result(lr)
 
     def probe_step(self, samples: Sequence[dict[str, Any]], *,
                    earlier: Sequence[dict[str, Any]] | None = None) -> None:

@@ -269,7 +269,7 @@ class Trainer:
         import torch.distributed as dist
 
         parts, config = self._built(), self.config
-        telemetry, batcher = parts.telemetry, parts.batcher
+        telemetry = parts.telemetry
         self._watched().progress("finishing")
         if parts.evaluator is not None and self.evaluated_at != telemetry.steps_done:
             self.evaluate()
@@ -282,6 +282,22 @@ class Trainer:
             save_hf(parts.engine.backend, model_path=config.model.path, lora=lora, tokenizer=parts.tokenizer, out=out,
                     adapter_only=config.checkpoints.save_adapter_only, vision=parts.dataset.vision)
             self.log(f"saved a Hugging Face model to {out}")
+        summary = self._summary()
+        if self.rank == 0:
+            (config.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            if self.saved == final:
+                mark_finished(config, final)  # a resume from it is refused: nothing is left to do
+            self.log(f"done: {json.dumps(summary)}")
+            if parts.wandb_run is not None:
+                parts.wandb_run.summary.update(summary)
+        self._watched().stop()  # peers leave after the barrier (rank 0 takes the store with it)
+        dist.barrier()
+        return summary
+
+    def _summary(self) -> dict[str, Any]:
+        """The one gather of run totals (collective) and the run's summary (``summary.json``'s)."""
+        parts, config = self._built(), self.config
+        telemetry, batcher = parts.telemetry, parts.batcher
         totals = self._gather_totals()
         if parts.feed.examples:
             print(f"rank {self.rank} skipped records, e.g.: " + "; ".join(parts.feed.examples), flush=True)
@@ -299,15 +315,6 @@ class Trainer:
                                  "fit_r2": fitted.r2 if fitted else None,
                                  "fit_micro_batches": fitted.observations if fitted else None}
         summary["config"] = config.to_dict()
-        if self.rank == 0:
-            (config.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-            if self.saved == final:
-                mark_finished(config, final)  # a resume from it is refused: nothing is left to do
-            self.log(f"done: {json.dumps(summary)}")
-            if parts.wandb_run is not None:
-                parts.wandb_run.summary.update(summary)
-        self._watched().stop()  # peers leave after the barrier (rank 0 takes the store with it)
-        dist.barrier()
         return summary
 
     def _gather_totals(self) -> dict[str, int]:

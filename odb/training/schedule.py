@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["ProgressSchedule", "planned_to_train"]
+__all__ = ["DECAYS", "ProgressSchedule", "planned_to_train"]
+
+
+DECAYS = ("cosine", "linear", "constant")
+"""The shapes after warmup: cosine to ``min_ratio * lr`` (odb's own), linear to it, or none."""
 
 
 class ProgressSchedule:
-    """Linear warmup over ``warmup_ratio`` of the planned samples, then cosine to ``min_ratio * lr``.
+    """Linear warmup over ``warmup_ratio`` of the planned samples, then (``decay``) cosine, by
+    default, or linear to ``min_ratio * lr``, or constant.
 
     Args:
         lr: peak learning rate.
@@ -22,20 +27,27 @@ class ProgressSchedule:
     """
 
     def __init__(self, lr: float, total_samples: int, *, warmup_ratio: float = 0.03,
-                 min_ratio: float = 0.1) -> None:
+                 min_ratio: float = 0.1, decay: str = "cosine") -> None:
         if total_samples < 1:
             raise ValueError("the schedule needs at least one planned sample")
+        if decay not in DECAYS:
+            raise ValueError(f"the learning rate decays by one of {DECAYS}, got {decay!r}")
         self.lr, self.total = lr, total_samples
-        self.warmup_ratio, self.min_ratio = warmup_ratio, min_ratio
+        self.warmup_ratio, self.min_ratio, self.decay = warmup_ratio, min_ratio, decay
 
     def __call__(self, samples_done: int, total: int | None = None) -> float:
         """The learning rate after ``samples_done`` of ``total`` (default: the planned total)."""
         progress = min(1.0, samples_done / max(1, total or self.total))
         if self.warmup_ratio and progress < self.warmup_ratio:
             return self.lr * max(progress / self.warmup_ratio, 1e-3)
+        if self.decay == "constant":
+            return self.lr
         span = max(1e-12, 1.0 - self.warmup_ratio)
-        cosine = 0.5 * (1.0 + math.cos(math.pi * (progress - self.warmup_ratio) / span))
-        return self.lr * (self.min_ratio + (1.0 - self.min_ratio) * cosine)
+        if self.decay == "linear":
+            shape = 1.0 - (progress - self.warmup_ratio) / span
+        else:
+            shape = 0.5 * (1.0 + math.cos(math.pi * (progress - self.warmup_ratio) / span))
+        return self.lr * (self.min_ratio + (1.0 - self.min_ratio) * shape)
 
 
 def planned_to_train(planned: int, *, fetched: int, lost: int) -> int:

@@ -1,0 +1,294 @@
+"""odb's side of a run whose loop is a host's own (HF ``Trainer``, TRL, an Accelerate loop).
+
+The host keeps what it owns: the model's wrapping (DeepSpeed, FSDP, DDP), the optimizer and its
+step, the backward, checkpoints of the model, logging. odb keeps what it owns, built by the same
+code as odb's own trainer (:func:`odb.training.build.build_components`): the data (processed in
+DataLoader workers), the online batcher and its alignment of the ranks, the loss of each packed
+micro-batch (:class:`odb.training.engine.StepTally`), the learning rate by progress, metrics.jsonl,
+the audit files and summary.json. Per optimizer step the host runs :class:`HostStep`'s
+micro-batches, every one of them (dummies are real zero-weight passes), backs each
+:meth:`HostMicro.loss` (already scaled for the step: ``sum_t l_t * W / N_s``; the host must not
+divide it by the accumulation steps nor average it again), reduces the gradients over the ranks in
+the last micro-batch's backward only, steps the optimizer at :attr:`HostStep.lr`, then calls
+:meth:`HostStep.end`. So I1-I6 hold in the host's loop as in odb's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from odb.batching.config import AUTO, OdbConfig
+from odb.batching.plan import MicroBatch, StepPlan
+from odb.batching.state import upgrade_state
+from odb.telemetry import StepTimes
+from odb.training.build import build_components
+from odb.training.checkpoint import checkpoint_states, restore_states, write_states
+from odb.training.config import (
+    BACKENDS,
+    DataSettings,
+    Fsdp2Settings,
+    LoggingSettings,
+    ModelSettings,
+    OptimizationSettings,
+    PreflightSettings,
+    RunConfig,
+    RunSettings,
+)
+from odb.training.engine import StepTally
+from odb.training.run import Trainer
+from odb.training.schedule import ProgressSchedule
+
+__all__ = ["HostMicro", "HostModel", "HostRun", "HostStep", "OdbSettings", "host_config"]
+
+
+class HostModel:
+    """The host's model as odb's engine calls it (:class:`odb.training.backends.Backend`'s forward
+    part): ``module`` the model itself (PEFT's too), :attr:`call` what the host wraps it in (a
+    DeepSpeed engine, DDP, FSDP), through which each forward runs."""
+
+    name = "host"
+
+    def __init__(self, module: torch.nn.Module, device: torch.device) -> None:
+        self.module, self.device = module, device
+        self.call: Any = module
+
+    def __call__(self, **batch: Any) -> Any:
+        return self.call(**batch)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OdbSettings:
+    """What odb needs from a host's run besides the host's own arguments (the learning rate, the
+    accumulation steps, epochs, the output folder, DeepSpeed's or FSDP's settings)."""
+
+    data: DataSettings
+    """The training data and how records become samples (odb's, as ``--data``, ``--data_config``)."""
+    batching: OdbConfig
+    """odb's batching (``max_tokens``, ...); its ``gas`` is the host's gradient accumulation steps
+    (left at 1, it takes the host's)."""
+    tokenizer: str | None = None
+    """The tokenizer folder; None: the model's folder."""
+    audit_ids: bool = False
+    """Write emitted_ids.rank<R>.jsonl (the dataset indices of every micro-batch), as odb's trainer."""
+    log_steps: int = 0
+    """Rank 0 prints odb's line every N steps (0: the host's logging only)."""
+
+
+def host_config(settings: OdbSettings, *, model_path: str, output_dir: str | Path, lr: float, warmup_ratio: float,
+                weight_decay: float, epochs: int, gas: int, backend: str = "deepspeed",
+                deepspeed: Mapping[str, Any] | None = None, fsdp2: Fsdp2Settings | None = None) -> RunConfig:
+    """The :class:`RunConfig` of a host's run: odb's settings with the host's values where the host
+    owns them. A gas in ``settings.batching`` other than 1 must be the host's; ``max_tokens`` must
+    be a number (the preflight that measures 'auto' runs odb's own steps)."""
+    batching = settings.batching
+    if batching.gas not in (1, gas):
+        raise ValueError(f"odb's gas {batching.gas} differs from the host's gradient_accumulation_steps {gas}: they "
+                         "are one setting; set gradient_accumulation_steps and leave odb's gas out")
+    if AUTO in (batching.max_tokens, batching.max_patches):
+        raise ValueError("max_tokens / max_patches 'auto' is measured by odb's preflight, which runs only in odb's own "
+                         "trainer (launch/train.py): set a number (run the preflight there once to find it)")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    tokenizer = settings.tokenizer or model_path
+    return RunConfig(
+        model=ModelSettings(path=model_path, tokenizer=tokenizer),
+        data=settings.data,
+        batching=dataclasses.replace(batching, gas=gas),
+        optimization=OptimizationSettings(lr=lr, warmup_ratio=warmup_ratio, weight_decay=weight_decay,
+                                          backend=backend, deepspeed=dict(deepspeed or {}),
+                                          fsdp2=fsdp2 if backend == "fsdp2" else None),
+        run=RunSettings(output_dir=str(output_dir), epochs=epochs),
+        logging=LoggingSettings(audit_ids=settings.audit_ids, log_steps=settings.log_steps),
+        preflight=PreflightSettings(preflight="off"))
+
+
+@dataclass(eq=False)
+class HostMicro:
+    """One micro-batch of a :class:`HostStep`: its samples, processed, and how odb packs them."""
+
+    step: HostStep
+    index: int
+    micro: MicroBatch
+    samples: Sequence[dict[str, Any]]
+
+    @property
+    def is_dummy(self) -> bool:
+        """A zero-weight pass (this rank has nothing left at this position): run it all the same."""
+        return self.micro.is_dummy
+
+    @property
+    def is_last(self) -> bool:
+        """The step's last micro-batch: its backward reduces the gradients over the ranks."""
+        return self.index == len(self.step.micro_batches) - 1
+
+    @property
+    def tokens(self) -> int:
+        return self.micro.tokens
+
+    def loss(self) -> torch.Tensor:
+        """The forward (through the host's model) and the loss to back: ``sum_t l_t * W / N_s``,
+        a router loss's share for a mixture of experts, 0 x a real forward for a dummy."""
+        return self.step.tally.loss(self.micro, self.samples)
+
+
+class HostStep:
+    """One optimizer step of the plan: every rank has as many micro-batches (I1)."""
+
+    def __init__(self, run: HostRun, plan: StepPlan, samples: list[list[dict[str, Any]]], lr: float,
+                 began: float, before: Any) -> None:
+        self.run, self.plan, self.lr = run, plan, lr
+        self.tally = StepTally(run.parts.engine, plan)
+        self.micro_batches = [HostMicro(self, m, micro, s) for m, (micro, s) in
+                              enumerate(zip(plan.micro_batches, samples, strict=True))]
+        self._began, self._before = began, before
+        self.ended = False
+
+    @property
+    def num_label_tokens(self) -> int:
+        """``N_s``: the step's label tokens over every rank (the host's ``num_items_in_batch``)."""
+        return self.plan.num_label_tokens
+
+    def end(self) -> None:
+        """The host has run every micro-batch and stepped the optimizer: odb records the step
+        (metrics.jsonl, the audit file, the cost fit's times)."""
+        if self.ended:
+            return
+        parts = self.run.parts
+        result = self.tally.result(self.lr)
+        after = parts.batcher.stats
+        before = self._before
+        times = StepTimes(wait=after.fetch_s - before.fetch_s, plan=after.plan_s - before.plan_s,
+                          collective=after.collective_s - before.collective_s, step=time.perf_counter() - self._began,
+                          ended=time.time(), forward=sum(result.forward_seconds))
+        parts.batcher.observe(self.plan, list(result.forward_seconds))
+        parts.telemetry.record(self.plan, loss_sum=result.loss_sum, lr=result.lr, times=times, aux_sum=result.aux_sum)
+        self.run._audit(self.plan)
+        self.ended = True
+
+
+class HostRun(Trainer):
+    """odb's side of one rank of a host's run (collective where odb's trainer is: building,
+    every step's plan, :meth:`finish`). The process group is the host's, joined already.
+
+    Args:
+        config: :func:`host_config`'s.
+        model: the host's model, as built (not yet wrapped: :attr:`HostModel.call` is set to the
+            wrapped one before the first forward).
+        device: where the host runs it.
+        schedule: the learning rate by progress (default: odb's, from ``config``).
+    """
+
+    def __init__(self, config: RunConfig, model: torch.nn.Module, *, device: torch.device,
+                 schedule: ProgressSchedule | None = None) -> None:
+        import torch.distributed as dist
+
+        joined = dist.is_available() and dist.is_initialized()
+        super().__init__(config, rank=dist.get_rank() if joined else 0,
+                         world_size=dist.get_world_size() if joined else 1)
+        if not joined:
+            raise RuntimeError("odb aligns the ranks over the host's process group: create the host's trainer "
+                               "(or Accelerator) first, which joins it, even for one process")
+        self.host = HostModel(model, device)
+        config.output_dir.mkdir(parents=True, exist_ok=True)
+        self.parts = build_components(config, rank=self.rank, world_size=self.world_size, report=self._report,
+                                      on_reports=self._on_reports, log=self.log, backend=self.host)
+        if schedule is not None:
+            self.parts = dataclasses.replace(self.parts, schedule=schedule)
+        self.current: HostStep | None = None
+        self._stepping = False
+
+    @property
+    def planned_samples(self) -> int:
+        """The samples the run plans to train (epochs x records, or the quota): an upper bound on
+        its optimizer steps, each of which trains at least one."""
+        return self._built().schedule.total
+
+    def lr(self) -> float:
+        """The learning rate of the next step (odb's schedule by progress), the same on every rank."""
+        return self._lr()
+
+    def steps(self) -> Iterator[HostStep]:
+        """The run's steps in order, until the batcher has no more (collective: a round may run at
+        each). End each with :meth:`HostStep.end` before asking for the next."""
+        parts = self._built()
+        if self._stepping:
+            raise RuntimeError("odb's steps are one stream per run: iterate steps() once (a host's second epoch "
+                               "gets nothing; odb's epochs are in the one stream)")
+        self._stepping = True
+        batcher, telemetry = parts.batcher, parts.telemetry
+        if self.config.logging.audit_ids and self.audit is None:
+            self.audit = open(self.config.output_dir / f"emitted_ids.rank{self.rank}.jsonl", "a")
+        if self.rank == 0 and self.config.logging.log_steps:
+            telemetry.on_row = self._log_row
+            self._train_began = (time.time(), telemetry.samples_done)
+        telemetry.start()
+        plans = iter(batcher)
+        while True:
+            began, before = time.perf_counter(), batcher.stats
+            plan = next(plans, None)  # a round may run here: fetching, planning, one collective
+            if plan is None:
+                break
+            samples = [[parts.feed.take(uid) for uid in micro.uids] for micro in plan.micro_batches]
+            self.current = HostStep(self, plan, samples, self._lr(), began, before)
+            yield self.current
+            if not self.current.ended:
+                raise RuntimeError(f"step {plan.step} was not ended: call step.end() after the optimizer step, "
+                                   "before the next step")
+        telemetry.stop()
+
+    # ---- checkpoints: odb's files in the host's checkpoint folder ---------------------------------
+
+    def save_states(self, folder: str | Path) -> None:
+        """This rank's odb files into the host's checkpoint ``folder`` (after the step it follows
+        has ended)."""
+        write_states(self._built(), Path(folder))
+
+    def load_states(self, folder: str | Path) -> None:
+        """Continues from :meth:`save_states`'s files in ``folder`` (also those of another number of
+        ranks, re-dealt to this one); before the first step."""
+        folder = Path(folder)
+        if not (folder / "odb_state.rank0.json").is_file():
+            raise FileNotFoundError(f"{folder} holds no odb state (odb_state.rank0.json): it was not saved by a run "
+                                    "with odb switched on; resume from one that was, or start over")
+        state, run_state, saved = checkpoint_states(folder, rank=self.rank, world_size=self.world_size)
+        restore_states(self._built(), upgrade_state(state), run_state)
+        moved = f", saved by {saved} ranks" if saved != self.world_size else ""
+        self.log(f"odb: resumed from {folder}: {self._built().telemetry.samples_done} samples done{moved}")
+
+    # ---- the end --------------------------------------------------------------------------
+
+    def finish(self) -> dict[str, Any]:
+        """Collective: the one gather of run totals and ``summary.json`` (rank 0), as odb's trainer
+        writes it. Returns the summary."""
+        import json
+
+        import torch.distributed as dist
+
+        summary = self._summary()
+        if self.rank == 0:
+            (self.config.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        dist.barrier()
+        return summary
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Local, safe after any error: metrics.jsonl, the audit file, the DataLoader workers. The
+        process group stays the host's."""
+        parts = self.parts
+        if parts is not None and error is not None:
+            parts.telemetry.complete_gathered(parts.batcher.last_reports)
+        for what, close in (("metrics.jsonl", parts.telemetry.close if parts else None),
+                            ("the audit file", self.audit.close if self.audit else None),
+                            ("the DataLoader workers", parts.feed.close if parts else None)):
+            if close is None:
+                continue
+            try:
+                close()
+            except Exception as err:  # noqa: BLE001 - the rest must still close
+                self.log(f"odb: closing {what} failed: {type(err).__name__}: {err}")

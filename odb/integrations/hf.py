@@ -1,0 +1,220 @@
+"""odb inside Hugging Face ``Trainer`` and TRL's trainers: :class:`OdbTrainer`, or
+:func:`with_odb` on any ``Trainer`` subclass (``with_odb(SFTTrainer)``).
+
+    trainer = OdbTrainer(model=model, args=TrainingArguments(..., deepspeed="configs/ds_zero2.json"),
+                         odb=OdbSettings(data=DataSettings(path="data/chat.jsonl"),
+                                         batching=OdbConfig(max_tokens=8192)))
+    trainer.train()                           # or train(resume_from_checkpoint=True)
+
+What the host's arguments mean under odb (each kept, or refused naming odb's setting):
+
+* ``per_device_train_batch_size``: a micro-batch is one packed row of at most ``max_tokens``
+  tokens; leave it at 1 (or the default), any other value is refused.
+* ``gradient_accumulation_steps``: odb's ``gas``, micro-batches per optimizer step on every rank.
+* ``num_train_epochs``: odb's epochs (a whole number); ``max_steps`` > 0: stop after that many
+  optimizer steps. The host's progress bar counts up to the planned samples (an upper bound on
+  the steps: odb knows its step count only as samples pack).
+* ``learning_rate``, ``warmup_steps`` (a ratio < 1; whole steps are refused), ``lr_scheduler_type``
+  (linear, cosine, cosine_with_min_lr, constant, constant_with_warmup) and ``weight_decay``: the
+  schedule follows the samples trained over those planned, as odb's own does.
+* ``deepspeed=`` and FSDP: the host's; odb's loss is already scaled for the step, so the host
+  neither divides it by the accumulation steps nor rescales it (``num_items_in_batch`` is odb's
+  ``N_s``, the step's label tokens over every rank).
+* checkpoints: each ``checkpoint-N`` folder also holds odb's state; ``resume_from_checkpoint``
+  restores odb's position exactly (``ignore_data_skip`` is set: odb does not replay batches).
+
+The train dataset and the data collator are odb's (``OdbSettings.data``): a ``train_dataset``
+passed to the trainer is refused. Evaluation stays the host's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from odb.integrations.core import HostRun, OdbSettings, host_config
+from odb.training.attention import register
+from odb.training.schedule import ProgressSchedule
+
+__all__ = ["OdbTrainer", "SCHEDULES", "with_odb"]
+
+SCHEDULES = {"linear": ("linear", 0.0), "cosine": ("cosine", 0.0), "cosine_with_min_lr": ("cosine", None),
+             "constant": ("constant", 1.0), "constant_with_warmup": ("constant", 1.0)}
+"""The host's ``lr_scheduler_type`` -> odb's decay by progress and its floor (None: the host's
+``min_lr_rate``)."""
+
+
+def _scheduler_type(args) -> str:
+    value = args.lr_scheduler_type
+    return getattr(value, "value", value)
+
+
+def check_arguments(args, odb: OdbSettings) -> None:
+    """Raises ``ValueError`` naming odb's setting where a host argument cannot keep its meaning."""
+    if args.per_device_train_batch_size not in (1, 8):  # (8: TrainingArguments' default, left as is)
+        raise ValueError(f"per_device_train_batch_size={args.per_device_train_batch_size}: under odb a micro-batch is "
+                         "one packed row of at most max_tokens tokens; set OdbSettings.batching.max_tokens and leave "
+                         "per_device_train_batch_size at 1")
+    if _scheduler_type(args) not in SCHEDULES:
+        raise ValueError(f"lr_scheduler_type={_scheduler_type(args)!r}: odb's schedule follows the samples trained, "
+                         f"in one of the shapes {sorted(SCHEDULES)}")
+    if args.warmup_steps >= 1:
+        raise ValueError(f"warmup_steps={args.warmup_steps}: odb warms up over a share of the planned samples (its "
+                         "step count is known only as samples pack); pass warmup_steps as a ratio < 1")
+    if args.num_train_epochs != int(args.num_train_epochs) or args.num_train_epochs < 1:
+        raise ValueError(f"num_train_epochs={args.num_train_epochs}: odb trains whole epochs; pass a whole number, or "
+                         "max_steps to stop earlier")
+    if odb.batching.gas not in (1, args.gradient_accumulation_steps):
+        raise ValueError(f"OdbSettings.batching.gas {odb.batching.gas} and gradient_accumulation_steps "
+                         f"{args.gradient_accumulation_steps} are one setting: set gradient_accumulation_steps only")
+
+
+class _Steps:
+    """The host's train dataloader: odb's step stream (no length; see :class:`OdbTrainer`)."""
+
+    def __init__(self, run: HostRun) -> None:
+        self.run = run
+
+    def __iter__(self):
+        return self.run.steps()
+
+
+class OdbTrainerMixin:
+    """What :func:`with_odb` adds to a ``Trainer`` class (module docstring)."""
+
+    loss_is_scaled_for_ga = True  # odb's micro-batch loss is scaled for the whole step already
+
+    def __init__(self, *args: Any, odb: OdbSettings, **kwargs: Any) -> None:
+        if kwargs.get("train_dataset") is not None:
+            raise ValueError("the training data is odb's (OdbSettings.data): drop train_dataset, odb reads, processes "
+                             "and packs the records itself")
+        super().__init__(*args, **kwargs)
+        check_arguments(self.args, odb)
+        if getattr(self.args, "packing", False):  # TRL's own packing
+            raise ValueError("packing=True is TRL's packing of a dataset; odb packs online: leave packing off")
+        self.odb_settings = odb
+        self.odb_run: HostRun | None = None
+        self.args.ignore_data_skip = True  # odb restores its own position; nothing to replay
+        self.model.set_attn_implementation(register())  # packed rows: each sample attends to itself only
+        self.add_callback(_OdbCallback(self))
+
+    # ---- odb's run --------------------------------------------------------------------------
+
+    def _odb_config(self):
+        args, model = self.args, self.model
+        deepspeed = None
+        if args.deepspeed:
+            deepspeed = args.hf_deepspeed_config.config
+        return host_config(self.odb_settings, model_path=_model_path(model), output_dir=args.output_dir,
+                           lr=args.learning_rate, warmup_ratio=float(args.warmup_steps),
+                           weight_decay=args.weight_decay, epochs=int(args.num_train_epochs),
+                           gas=args.gradient_accumulation_steps, deepspeed=deepspeed,
+                           backend="fsdp2" if self.is_fsdp_enabled else "deepspeed")
+
+    def _odb_build(self) -> HostRun:
+        if self.odb_run is None:
+            config = self._odb_config()
+            decay, floor = SCHEDULES[_scheduler_type(self.args)]
+            if floor is None:
+                floor = (self.args.lr_scheduler_kwargs or {}).get("min_lr_rate", 0.0)
+            run = HostRun(config, self.model, device=self.args.device)
+            run.parts = dataclasses.replace(run.parts, schedule=ProgressSchedule(
+                config.optimization.lr, run.planned_samples, warmup_ratio=config.optimization.warmup_ratio,
+                min_ratio=floor, decay=decay))
+            self.odb_run = run
+            if getattr(self, "_odb_resume", None):
+                run.load_states(self._odb_resume)
+        return self.odb_run
+
+    def get_train_dataloader(self):
+        run = self._odb_build()
+        if self.args.max_steps <= 0:  # the host needs a step count up front: odb's bound (each step trains >= 1)
+            self.args.max_steps = run.planned_samples
+        return _Steps(run)
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
+        """One odb step: its micro-batches (every rank as many) and ``N_s``."""
+        step = next(epoch_iterator, None)
+        if step is None:  # the stream has ended: every epoch is trained
+            self.control.should_training_stop = True
+            return [], None
+        if len(step.micro_batches) != num_batches:
+            raise RuntimeError(f"odb planned {len(step.micro_batches)} micro-batches for a step of {num_batches}: "
+                               "gradient_accumulation_steps changed after the trainer was built")
+        peak = self.args.learning_rate
+        for group in self.optimizer.param_groups:  # odb's rate for this step, as odb's trainer sets it
+            group["lr"] = step.lr * group.get("initial_lr", peak) / peak if peak else step.lr
+        return [{"odb": micro} for micro in step.micro_batches], torch.tensor(step.num_label_tokens, device=device)
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        micro = inputs["odb"]
+        self.odb_run.host.call = model  # through the host's wrapping (DeepSpeed, DDP, FSDP)
+        loss = micro.loss()
+        return (loss, None) if return_outputs else loss
+
+    def floating_point_ops(self, inputs) -> int:
+        micro = inputs["odb"]
+        return 6 * micro.tokens * self.model.num_parameters(exclude_embeddings=True)
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """odb's learning rate by progress: a ``LambdaLR`` that reads it (each step also sets it
+        when its plan is drawn, :meth:`get_batch_samples`)."""
+        if self.lr_scheduler is None:
+            peak = self.args.learning_rate
+            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+                optimizer or self.optimizer, lambda _: self._odb_build().lr() / peak if peak else 1.0)
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"resume_from_checkpoint=True: no checkpoint-N folder in {self.args.output_dir}")
+        self._odb_resume = resume_from_checkpoint or None
+        try:
+            result = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+            self.odb_summary = self._odb_build().finish()
+        except BaseException as error:
+            if self.odb_run is not None:
+                self.odb_run.close(error)
+            raise
+        self.odb_run.close()
+        return result
+
+
+def _model_path(model) -> str:
+    path = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    return path or "host model"
+
+
+class _OdbCallback(TrainerCallback):
+    """Ends odb's step after the host's optimizer step; writes odb's state into each checkpoint."""
+
+    def __init__(self, trainer: OdbTrainerMixin) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        run = self.trainer.odb_run
+        if run is not None and run.current is not None:
+            run.current.end()
+
+    def on_save(self, args, state, control, **kwargs):
+        run = self.trainer.odb_run
+        if run is not None:
+            run.save_states(Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+
+
+def with_odb(trainer_class: type) -> type:
+    """``trainer_class`` (HF ``Trainer`` or a subclass: TRL's ``SFTTrainer``, ...) with odb's
+    batching: the class takes ``odb=OdbSettings(...)`` besides its own arguments."""
+    return type(f"Odb{trainer_class.__name__}", (OdbTrainerMixin, trainer_class), {})
+
+
+OdbTrainer = with_odb(Trainer)
+"""HF ``Trainer`` with odb's batching (:func:`with_odb`)."""
