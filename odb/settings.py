@@ -1,26 +1,30 @@
-"""Settings plumbing every layer shares (standard library only): value checks whose errors name the
-flag or key, the one strict JSON loader of odb's config files, and a dataclass's attribute
-docstrings (read from its source), from which ``--help`` and the docs' settings tables are made."""
+"""Settings plumbing every layer shares (standard library only; PyYAML imported when a YAML file is
+read): value checks whose errors name the flag or key, the one strict loader of odb's config files
+(JSON or YAML, or a mapping given inline by a recipe), and a dataclass's attribute docstrings (read
+from its source), from which ``--help`` and the docs' settings tables are made."""
 
 from __future__ import annotations
 
 import argparse
 import ast
 import dataclasses
+import difflib
 import inspect
 import json
 import math
+import re
 import textwrap
 import types
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["INT_LIMIT", "Flag", "add_flags", "check", "check_bool", "check_int", "check_number", "check_optional_int",
-           "check_optional_str", "check_str", "field_default", "field_docs", "field_names", "flag", "flag_fields",
-           "flag_name", "flag_values", "load_json_config", "read_json_object", "shown"]
+__all__ = ["INT_LIMIT", "ConfigSource", "Flag", "Inline", "add_flags", "check", "check_bool", "check_int",
+           "check_number", "check_optional_int", "check_optional_str", "check_str", "field_default", "field_docs",
+           "field_names", "flag", "flag_fields", "flag_name", "flag_values", "load_json_config", "nearest",
+           "read_json_object", "read_yaml", "shown", "source_name"]
 
 INT_LIMIT = 2**63
 """Integers odb reads from a config stay below this: ranks exchange them (and sums of them) as int64."""
@@ -78,37 +82,109 @@ def check_optional_str(name: str, value: Any) -> None:
         check_str(name, value)
 
 
-def read_json_object(path: str | Path, what: str, fix: str) -> dict[str, Any]:
-    """A JSON object from ``path``; a missing file or bad JSON is an error naming ``fix``."""
+class Inline(dict):
+    """A settings file's contents given inline (a recipe's ``deepspeed_config: {...}``), with where it
+    was written: errors about it name :attr:`origin` as they would name a file."""
+
+    def __init__(self, values: Mapping[str, Any], origin: str) -> None:
+        super().__init__(values)
+        self.origin = origin
+
+
+ConfigSource = str | Path | Mapping[str, Any]
+"""A settings file's path, or its contents (:class:`Inline`)."""
+
+
+def read_yaml(text: str | bytes) -> Any:
+    """YAML as YAML 1.2 reads it, where PyYAML's YAML 1.1 differs in what a config meets: ``1e-5`` is a
+    number (1.1: a string), only true/false are booleans (1.1: also yes/no/on/off, so that
+    ``preflight: off`` would be False) and a date stays a string (values stay what JSON holds)."""
+    import yaml
+
+    return yaml.load(text, Loader=_yaml_loader())
+
+
+_YAML_FLOAT = re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                         r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
+"""YAML 1.2's floats (core schema): 1e-5, 1.5, .5, .inf, .nan."""
+
+
+@cache
+def _yaml_loader() -> type:
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    replaced = {f"tag:yaml.org,2002:{kind}" for kind in ("bool", "float", "timestamp")}
+    Loader.yaml_implicit_resolvers = {first: [(tag, regexp) for tag, regexp in resolvers if tag not in replaced]
+                                      for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                 list("tTfF"))
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML_FLOAT, list("-+0123456789."))
+    return Loader
+
+
+def _is_yaml(path: Path) -> bool:
+    return path.suffix.lower() in (".yaml", ".yml")
+
+
+def read_json_object(path: ConfigSource, what: str, fix: str) -> dict[str, Any]:
+    """A JSON object from ``path`` (a ``.yaml`` / ``.yml`` file: a YAML mapping; an :class:`Inline`
+    mapping: a copy of it); a missing file or bad JSON is an error naming ``fix``."""
+    if isinstance(path, Mapping):
+        return dict(path)
     path = Path(path)
+    kind = "YAML" if _is_yaml(path) else "JSON"
     if path.is_dir():
-        raise FileNotFoundError(f"{what} {path} is a folder, not a JSON file; {fix}")
+        raise FileNotFoundError(f"{what} {path} is a folder, not a {kind} file; {fix}")
     if not path.is_file():
         raise FileNotFoundError(f"{what} {path} does not exist; {fix}")
-    try:
-        values = json.loads(path.read_bytes())
-    except (ValueError, RecursionError) as err:  # bad JSON, not UTF-8, a 5000-digit number, nesting too deep
-        raise ValueError(f"{what} {path} is not valid JSON: {err}; {fix}") from err
+    if _is_yaml(path):
+        import yaml
+
+        try:
+            values = read_yaml(path.read_bytes())
+        except (yaml.YAMLError, RecursionError) as err:
+            raise ValueError(f"{what} {path} is not valid YAML: {err}; {fix}") from err
+    else:
+        try:
+            values = json.loads(path.read_bytes())
+        except (ValueError, RecursionError) as err:  # bad JSON, not UTF-8, a 5000-digit number, nesting too deep
+            raise ValueError(f"{what} {path} is not valid JSON: {err}; {fix}") from err
     if not isinstance(values, dict):
-        raise ValueError(f"{what} {path} must hold a JSON object {{\"key\": value, ...}}, got "
-                         f"{json.dumps(values)[:60]}; {fix}")
+        shape = "a YAML mapping (key: value lines)" if kind == "YAML" else 'a JSON object {"key": value, ...}'
+        raise ValueError(f"{what} {path} must hold {shape}, got {json.dumps(values, default=str)[:60]}; {fix}")
     return values
 
 
-def load_json_config(path: str | Path, *, known: Iterable[str], what: str, fix: str) -> dict[str, Any]:
-    """The JSON object in ``path``, every key one of ``known``: the one strict loader of every odb
-    JSON config (odb, data, LoRA).
+def source_name(path: ConfigSource) -> str:
+    """How messages name a settings source: its path, or where an inline one was written."""
+    return getattr(path, "origin", "(inline)") if isinstance(path, Mapping) else str(path)
+
+
+def nearest(key: str, known: Iterable[str]) -> str | None:
+    """The known key most like ``key`` (a typo's fix), None when none is close."""
+    found = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def load_json_config(path: ConfigSource, *, known: Iterable[str], what: str, fix: str) -> dict[str, Any]:
+    """The JSON (or YAML) object in ``path``, or an :class:`Inline` mapping, every key one of
+    ``known``: the one strict loader of every odb config (odb, data, LoRA, FSDP2).
 
     Raises:
         FileNotFoundError: no such file (the message says ``fix``).
-        ValueError: not a JSON object, or a key not in ``known`` (the message names the file, the
-            key and the known keys).
+        ValueError: not an object, or a key not in ``known`` (the message names the file, the
+            key, the known keys and the nearest of them).
     """
     values = read_json_object(path, what, fix)
     known = list(known)
-    unknown = sorted(set(values) - set(known))
+    unknown = sorted(set(values) - set(known), key=str)
     if unknown:
-        raise ValueError(f"{what} {path}: unknown key(s) {unknown}; known keys are {known}")
+        hints = [f"{near!r} for {key!r}" for key in unknown if (near := nearest(str(key), known)) is not None]
+        hint = f"; did you mean {', '.join(hints)}?" if hints else ""
+        raise ValueError(f"{what} {source_name(path)}: unknown key(s) {unknown}; known keys are {known}{hint}")
     return values
 
 

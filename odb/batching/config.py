@@ -1,17 +1,17 @@
 """odb settings: one frozen, keyword-only dataclass, validated on construction.
 
 DeepSpeed keeps its own JSON; odb's settings live in their own file (``configs/odb.json``) and
-are loaded strictly: an unknown key is an error that lists the known keys.
+are loaded strictly (JSON or YAML, or a recipe's inline mapping): an unknown key is an error that
+lists the known keys.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from odb.settings import check_bool, check_int, check_number, flag, load_json_config
+from odb.settings import ConfigSource, check_bool, check_int, check_number, flag, load_json_config
 
 __all__ = ["AUTO", "OdbConfig", "load_odb_config"]
 
@@ -146,8 +146,9 @@ class OdbConfig:
 
 
 
-def load_odb_config(path: str | Path, **overrides: Any) -> OdbConfig:
-    """Reads an odb JSON file strictly; ``overrides`` (not None) win over the file."""
+def load_odb_config(path: ConfigSource, **overrides: Any) -> OdbConfig:
+    """Reads an odb JSON or YAML file (or a recipe's inline mapping) strictly; ``overrides`` (not
+    None) win over the file."""
     values = load_json_config(path, known=OdbConfig.field_names(), what="odb config",
                               fix="pass --odb_config configs/odb.json or a file of your own")
     values.update({k: v for k, v in overrides.items() if v is not None})

@@ -46,7 +46,7 @@ from odb.data.formats import FORMATS, IMAGE_PLACEHOLDER, SkipSample, normalize, 
 from odb.data.images import IMAGE_PAD, VISION_END, VISION_START, ImageProcessor, VisionSpec, expand_placeholders
 from odb.data.labels import TRAIN_ON, LabelledChat, TemplateDropsFields, TemplateMismatch, encode_chat
 from odb.data.sources import Source
-from odb.settings import check_bool, check_int, check_number, check_str, flag, load_json_config
+from odb.settings import ConfigSource, check_bool, check_int, check_number, check_str, flag, load_json_config
 
 __all__ = ["TRUNCATION", "DataConfig", "SampleDataset", "load_data_config", "sample_sizes"]
 
@@ -108,7 +108,9 @@ class DataConfig:
         object.__setattr__(self, "system_prompts", tuple(self.system_prompts))
 
 
-def load_data_config(path: str | Path | None, **overrides: Any) -> DataConfig:
+def load_data_config(path: ConfigSource | None, **overrides: Any) -> DataConfig:
+    """Reads a data JSON or YAML file (or a recipe's inline mapping; None: the defaults) strictly;
+    ``overrides`` (not None) win over the file."""
     known = [f.name for f in dataclasses.fields(DataConfig)]
     values = load_json_config(path, known=known, what="data config",
                               fix="pass --data_config configs/data.json") if path else {}

@@ -1,11 +1,12 @@
-"""The flags of ``launch/train.py`` -> a :class:`~odb.training.config.RunConfig`, checked before any
-process group is joined.
+"""The flags of ``launch/train.py`` (or a recipe, :mod:`odb.recipe`: the same flags in a YAML file) ->
+a :class:`~odb.training.config.RunConfig`, checked before any process group is joined.
 
 Everything that can be wrong with the inputs (a missing file, a model folder that does not
 exist, a DeepSpeed config that contradicts odb, an unknown key in a JSON config) fails here,
 identically on every rank, with a message that names the fix; nothing reaches a collective that
 could hang. The default files are the caller's (:class:`FileDefaults`): ``launch/train.py`` names
-them relative to the repository it sits in.
+them relative to the repository it sits in, an installed ``odb`` finds them in its package
+(:func:`bundled_root`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from odb.batching.config import OdbConfig, load_odb_config
 from odb.data.processing import DataConfig, load_data_config
+from odb.recipe import Recipe, load_recipe
 from odb.settings import add_flags, field_docs, flag_values, load_json_config, read_json_object
 from odb.training import backends
 from odb.training.config import (
@@ -33,7 +37,16 @@ from odb.training.config import (
 )
 from odb.training.lora import lora_keys
 
-__all__ = ["RUN_RECORDS", "FileDefaults", "earlier_run", "parse_config"]
+__all__ = ["RUN_RECORDS", "SETTINGS_FILES", "FileDefaults", "bundled_root", "earlier_run", "parse_config", "parser"]
+
+
+def bundled_root() -> Path:
+    """The folder holding the files odb bundles (``configs/``, ``data/``, ``launch/``): the package's
+    copy (``odb/_bundled``, which setup.py's build writes into a wheel) when installed, else the
+    checkout the package sits in (a clone, an editable install)."""
+    package = Path(__file__).resolve().parent.parent
+    copy = package / "_bundled"
+    return copy if copy.is_dir() else package.parent
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,15 +66,20 @@ class FileDefaults:
     """FSDP2's settings under ``--backend fsdp2`` (None: the built-in defaults)."""
     own_odb_config: Path | None = None
     """odb's settings for a model of the user's own (None: :attr:`odb_config`)."""
+    recipes: Path | None = None
+    """The folder of the recipes named by name (``odb train demo``, ``--recipe demo``)."""
 
     @classmethod
-    def bundled(cls, root: Path) -> FileDefaults:
-        """The files the repository bundles, under its checkout ``root`` (``launch/train.py``'s)."""
+    def bundled(cls, root: Path | None = None) -> FileDefaults:
+        """The files odb bundles, under ``root`` (a checkout's root, ``launch/train.py``'s; default:
+        :func:`bundled_root`)."""
+        root = bundled_root() if root is None else root
         configs = root / "configs"
         return cls(deepspeed_config=configs / "ds_zero2.json", odb_config=configs / "odb.json",
                    model=configs / "tiny_model.json", data=root / "data" / "chat.jsonl",
                    tokenizer=root / "data" / "tokenizer", lora=configs / "lora.json",
-                   fsdp_config=configs / "fsdp2.json", own_odb_config=configs / "recipes" / "odb.json")
+                   fsdp_config=configs / "fsdp2.json", own_odb_config=configs / "recipes" / "odb.json",
+                   recipes=configs / "recipes")
 
     def is_demo_model(self, model: str | Path) -> bool:
         """Whether ``model`` is one of the bundled tiny model configs (in :attr:`model`'s folder)."""
@@ -78,13 +96,17 @@ def parser(defaults: FileDefaults) -> argparse.ArgumentParser:
                                             "(torchrun --nproc_per_node N launch/train.py --backend fsdp2 ...)",
                                 allow_abbrev=False)
     files = p.add_argument_group("settings files")
+    files.add_argument("--recipe", default=None,
+                       help="a recipe: these flags, without their dashes, as the keys of a YAML file (odb train's; "
+                            "docs/recipes.md), or the name of a bundled one; the flags given here win over it")
     own = defaults.own_odb_config or defaults.odb_config
     files.add_argument("--odb_config", default=None,
-                       help=f"odb's batching settings JSON: the batching keys (default: {defaults.odb_config} for the "
-                            f"bundled tiny models, the CPU demo's; {own} for a model of your own)")
+                       help=f"odb's batching settings JSON (or YAML): the batching keys (default: "
+                            f"{defaults.odb_config} for the bundled tiny models, the CPU demo's; {own} for a model "
+                            "of your own)")
     files.add_argument("--data_config", default=None,
-                       help="data settings JSON: the data keys (format, labels, truncation, augmentation, image "
-                            "sizes, strict) (default: none, the built-in values)")
+                       help="data settings JSON (or YAML): the data keys (format, labels, truncation, augmentation, "
+                            "image sizes, strict) (default: none, the built-in values)")
     for name in backends.NAMES:
         backend = backends.get(name)
         default = getattr(defaults, backend.CONFIG_FLAG[2:])
@@ -112,6 +134,9 @@ def parser(defaults: FileDefaults) -> argparse.ArgumentParser:
     return p
 
 
+SETTINGS_FILES = ("odb_config", "data_config", *(backends.get(name).CONFIG_FLAG[2:] for name in backends.NAMES),
+                  "lora")
+"""The flags that name a settings file; a recipe may give the file's keys inline instead."""
 _DATA_OVERRIDES = ("format", "strict")
 """The data settings that are also flags, over --data_config's."""
 _TRAINER_SETS = ("pad_rows",)
@@ -143,7 +168,7 @@ def _model(args: argparse.Namespace, defaults: FileDefaults) -> ModelSettings:
     if not _need_file(tokenizer, "tokenizer folder", tokenizer_fix).is_dir():
         raise FileNotFoundError(f"tokenizer folder {tokenizer} is not a folder; {tokenizer_fix}")
     lora = None
-    if args.lora:
+    if isinstance(args.lora, Mapping) or args.lora:
         lora = load_json_config(args.lora, known=lora_keys(), what="LoRA config", fix="pass --lora configs/lora.json")
     return ModelSettings(**{**flag_values(ModelSettings, args, skip=("lora",)), "path": str(model),
                             "tokenizer": tokenizer, "lora": lora})
@@ -176,8 +201,10 @@ def _batching(args: argparse.Namespace, defaults: FileDefaults) -> OdbConfig:
     if args.odb_config is None:
         demo = defaults.is_demo_model(args.model)
         args.odb_config = str(defaults.odb_config if demo else defaults.own_odb_config or defaults.odb_config)
-    path = _need_file(args.odb_config, "odb config", "pass --odb_config configs/odb.json")
-    return load_odb_config(path, **flag_values(OdbConfig, args, skip=_TRAINER_SETS, override=True))
+    source = args.odb_config  # (a mapping: given inline by a recipe)
+    if not isinstance(source, Mapping):
+        source = _need_file(source, "odb config", "pass --odb_config configs/odb.json")
+    return load_odb_config(source, **flag_values(OdbConfig, args, skip=_TRAINER_SETS, override=True))
 
 
 def _data(args: argparse.Namespace) -> DataSettings:
@@ -309,9 +336,20 @@ def _remove(paths: list[Path]) -> None:
             path.unlink(missing_ok=True)
 
 
-def parse_config(argv: list[str] | None = None, *, defaults: FileDefaults) -> RunConfig:
-    """The run's config from ``argv`` (default: ``sys.argv[1:]``); raises naming the fix."""
-    args = parser(defaults).parse_args(argv)
+def parse_config(argv: list[str] | None = None, *, defaults: FileDefaults, recipe: Recipe | None = None
+                 ) -> RunConfig:
+    """The run's config from ``argv`` (default: ``sys.argv[1:]``) over ``recipe``'s (else the one
+    ``--recipe`` names); raises naming the fix."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = parser(defaults)
+    if recipe is None:
+        named = _named_recipe(argv)
+        recipe = None if named is None else load_recipe(named, folder=defaults.recipes)
+    if recipe is not None:  # its words first: the command line's flags win
+        words, inline = recipe.arguments(p, settings_files=SETTINGS_FILES)
+        p.set_defaults(**inline)
+        argv = [*words, *argv]
+    args = p.parse_args(argv)
     run = RunSettings(**flag_values(RunSettings, args))
     batching = _batching(args, defaults)
     import torch
@@ -325,7 +363,9 @@ def parse_config(argv: list[str] | None = None, *, defaults: FileDefaults) -> Ru
             raise ValueError(f"{other.CONFIG_FLAG} configures --backend {name}; pass --backend {name}, or drop "
                              f"{other.CONFIG_FLAG} and configure --backend {backend.NAME} with {backend.CONFIG_FLAG}")
     flag = backend.CONFIG_FLAG[2:]  # (FileDefaults names each backend's default file after its flag)
-    backend_settings = backend.load_settings(getattr(args, flag) or getattr(defaults, flag), gas=batching.gas,
+    source = getattr(args, flag)
+    source = source if isinstance(source, Mapping) else source or getattr(defaults, flag)
+    backend_settings = backend.load_settings(source, gas=batching.gas,
                                              world_size=world_size, use_bf16=use_bf16)
     model = _model(args, defaults)
     if args.save_adapter_only and model.lora is None:
@@ -341,3 +381,10 @@ def parse_config(argv: list[str] | None = None, *, defaults: FileDefaults) -> Ru
         checkpoints=CheckpointSettings(**{**flag_values(CheckpointSettings, args), "resume": resume}),
         logging=LoggingSettings(**flag_values(LoggingSettings, args)),
         preflight=PreflightSettings(**flag_values(PreflightSettings, args)))
+
+
+def _named_recipe(argv: list[str]) -> str | None:
+    """The recipe ``--recipe`` names in ``argv`` (the last one), None if none."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--recipe", default=None)
+    return pre.parse_known_args(argv)[0].recipe

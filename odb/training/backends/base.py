@@ -185,8 +185,14 @@ class BackendModule(Protocol):
     TORCH_FLOOR: str
     """The torch release that has all of :data:`TORCH_NEEDS`."""
 
-    def load_settings(self, path: str | Path | None, *, gas: int, world_size: int, use_bf16: bool) -> Any:
-        """Its settings from the file ``path`` (None: its built-in defaults), resolved for this run."""
+    def load_settings(self, path: str | Path | Mapping[str, Any] | None, *, gas: int, world_size: int,
+                      use_bf16: bool) -> Any:
+        """Its settings from the file ``path`` (JSON or YAML), or its contents given inline by a recipe
+        (:class:`odb.settings.Inline`; None: its built-in defaults), resolved for this run."""
+
+    def local_launch(self, module: str, args: list[str], *, nproc: int, port: int) -> list[str]:
+        """The command that starts ``nproc`` ranks of ``python -m module args`` on this machine, with
+        its launcher (``odb train``; a rendezvous on ``port``)."""
 
     def init_distributed(self, timeout_s: float) -> None:
         """Joins the process group (collective)."""

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
 from datetime import timedelta
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from odb.settings import read_json_object
+from odb.settings import ConfigSource, read_json_object, source_name
 from odb.training.backends.base import optimizer_kept_fresh, torch_optimizer
 from odb.training.backends.universal import LoadPlan, prepare_load
 from odb.training.backends.zero3 import Zero3Construction
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CONFIG_FLAG", "DeepSpeedBackend", "NAME", "build", "build_model", "deepspeed_shm_buffer",
            "gather_state_dict", "init_distributed", "initialize_deepspeed", "is_zero3", "load_ds_config",
-           "release", "resolve_ds_config", "training_dtype"]
+           "local_launch", "release", "resolve_ds_config", "training_dtype"]
 
 NAME = "deepspeed"
 TITLE = "DeepSpeed"
@@ -58,14 +59,14 @@ TORCH_FLOOR = "2.6"
 
 # ---- settings -------------------------------------------------------------------------------------
 
-def load_settings(path: str | Path | None, *, gas: int, world_size: int, use_bf16: bool) -> dict[str, Any]:
-    """DeepSpeed's JSON ``path``, resolved (:func:`resolve_ds_config`)."""
-    source = str(path)
-    return resolve_ds_config(load_ds_config(source), gas=gas, world_size=world_size, use_bf16=use_bf16,
+def load_settings(path: ConfigSource | None, *, gas: int, world_size: int, use_bf16: bool) -> dict[str, Any]:
+    """DeepSpeed's JSON (or YAML) ``path``, or a recipe's inline mapping, resolved (:func:`resolve_ds_config`)."""
+    source = source_name(path)
+    return resolve_ds_config(load_ds_config(path), gas=gas, world_size=world_size, use_bf16=use_bf16,
                              source=source)
 
 
-def load_ds_config(path: str | Path) -> dict[str, Any]:
+def load_ds_config(path: ConfigSource) -> dict[str, Any]:
     return read_json_object(path, "DeepSpeed config",
                             "pass --deepspeed_config configs/ds_zero2.json (or ds_zero0/1/3.json)")
 
@@ -164,6 +165,14 @@ def shared_settings(optimization: OptimizationSettings) -> dict[str, Any]:
 
 
 # ---- process group, build ---------------------------------------------------------------------------
+
+def local_launch(module: str, args: list[str], *, nproc: int, port: int) -> list[str]:
+    """The command that starts ``nproc`` ranks of ``python -m module args`` on this machine (``odb
+    train``): DeepSpeed's runner, as ``deepspeed --num_gpus N``; each rank reads its LOCAL_RANK from
+    the environment, so the runner adds no ``--local_rank`` argument."""
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", str(port),
+            "--no_local_rank", "--module", module, *args]
+
 
 def init_distributed(timeout_s: float) -> None:
     """Joins the process group as DeepSpeed does (NCCL on GPUs, gloo on CPUs). Under torchrun's agent

@@ -33,13 +33,14 @@ saved checkpoint, puts its folder together in one process (:func:`consolidated_s
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from odb.settings import field_names, load_json_config
+from odb.settings import ConfigSource, field_names, load_json_config
 from odb.training.backends.base import optimizer_kept_fresh, torch_optimizer
 from odb.training.config import Fsdp2Settings, ModelSettings, OptimizationSettings
 from odb.training.model import build_model, hf_model
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
     from odb.training.config import RunConfig
 
 __all__ = ["CONFIG_FLAG", "DCP_FOLDER", "Fsdp2Backend", "NAME", "build", "build_fsdp2", "init_distributed",
-           "load_settings", "param_dtype"]
+           "load_settings", "local_launch", "param_dtype"]
 
 NAME = "fsdp2"
 TITLE = "FSDP2"
@@ -74,11 +75,12 @@ DCP_FOLDER = "fsdp2"
 """The ``torch.distributed.checkpoint`` folder inside a checkpoint's tag folder."""
 
 
-def load_settings(path: str | Path | None, *, gas: int, world_size: int, use_bf16: bool) -> Fsdp2Settings:
-    """FSDP2's settings from the JSON file ``path``, strictly (None: the defaults), with
+def load_settings(path: ConfigSource | None, *, gas: int, world_size: int, use_bf16: bool) -> Fsdp2Settings:
+    """FSDP2's settings from the JSON or YAML file ``path`` (or a recipe's inline mapping), strictly
+    (None: the defaults), with
     ``mixed_precision: "auto"`` resolved (``use_bf16``: the GPU here has bf16)."""
     fix = "pass --fsdp_config configs/fsdp2.json"
-    if path is not None and not str(path):
+    if isinstance(path, (str, Path)) and not str(path):
         raise FileNotFoundError(f"FSDP2 config: the path is empty; {fix}")
     values = {} if path is None else load_json_config(path, known=field_names(Fsdp2Settings), what="FSDP2 config",
                                                       fix=fix)
@@ -86,6 +88,13 @@ def load_settings(path: str | Path | None, *, gas: int, world_size: int, use_bf1
     if settings.mixed_precision == "auto":
         settings = dataclasses.replace(settings, mixed_precision="bf16" if use_bf16 else "fp32")
     return settings
+
+
+def local_launch(module: str, args: list[str], *, nproc: int, port: int) -> list[str]:
+    """The command that starts ``nproc`` ranks of ``python -m module args`` on this machine (``odb
+    train``): torchrun, as ``torchrun --nproc_per_node N``."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port),
+            "-m", module, *args]
 
 
 def init_distributed(timeout_s: float) -> None:
