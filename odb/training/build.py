@@ -25,6 +25,7 @@ from odb.batching.config import AUTO, OdbConfig
 from odb.data.feed import SampleFeed
 from odb.data.processing import SampleDataset, sample_sizes
 from odb.telemetry import Telemetry
+from odb.telemetry.trackers import RunInfo, Trackers
 from odb.training import backends
 from odb.training.backends import Backend
 from odb.training.config import RunConfig
@@ -72,13 +73,14 @@ class Components:
     schedule: ProgressSchedule
     telemetry: Telemetry
     settings: dict[str, Any]
-    """The effective settings, logged at start and sent to W&B."""
+    """The effective settings, logged at start and sent to the trackers."""
     preflight: PreflightReport | None
     """What the preflight measured (None with ``--preflight off``)."""
     evaluator: Evaluator | None
     """The validation loss over ``--eval_data`` or the ``--val_ratio`` split, or None."""
-    wandb_run: Any | None
-    """Rank 0's W&B run with ``--report_to wandb``, else None."""
+    trackers: Trackers
+    """Rank 0's trackers (``--report_to``; none on the other ranks), opened by the run once it
+    knows its first step (:meth:`odb.telemetry.trackers.Trackers.start`)."""
 
 
 def init_distributed(config: RunConfig) -> tuple[int, int]:
@@ -174,15 +176,15 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
     settings = _settings(config, batching, world_size=world_size, packed=packed, dataset_size=len(dataset),
                          planned=planned)
     settings["eval_samples"] = len(eval_dataset) if eval_dataset is not None else 0
-    wandb_run = _wandb(config, settings, batching) if config.logging.report_to == "wandb" and rank == 0 else None
+    trackers = Trackers(config.logging.report_to if rank == 0 else (), _run_info(config, settings, batching))
     flops = flops_model(backend.module, backend.device, backends.get(config.optimization.backend).compute_dtype(
         config.optimization))
     telemetry = Telemetry(rank=rank, max_steps_per_round=batcher.capacity // batching.gas + 1,
                           max_tokens=batching.max_tokens, dataset_size=len(dataset), output_dir=config.output_dir,
-                          sink=(lambda row: wandb_run.log(row, step=row["step"])) if wandb_run else None, flops=flops)
+                          sink=trackers.log if trackers else None, flops=flops)
     return Components(rank=rank, world_size=world_size, config=config, batching=batching, tokenizer=tokenizer,
                       engine=engine, dataset=dataset, feed=feed, comm=comm, batcher=batcher, schedule=schedule,
-                      telemetry=telemetry, settings=settings, preflight=measured, wandb_run=wandb_run,
+                      telemetry=telemetry, settings=settings, preflight=measured, trackers=trackers,
                       evaluator=evaluator)
 
 
@@ -313,12 +315,13 @@ def _settings(config: RunConfig, batching: OdbConfig, *, world_size: int, packed
             "lr": config.optimization.lr, "num_workers": config.data.num_workers}
 
 
-def _wandb(config: RunConfig, settings: dict[str, Any], batching: OdbConfig):
-    import wandb  # only when asked for
+def _run_info(config: RunConfig, settings: dict[str, Any], batching: OdbConfig) -> RunInfo:
+    """What the trackers are told of the run: its name, and the effective, odb and backend settings."""
+    import odb
 
-    log = config.logging
-    return wandb.init(project=log.wandb_project, name=log.run_name or config.output_dir.name,
-                      tags=list(log.wandb_tags), dir=str(config.output_dir),
-                      config={**settings, "odb": batching.to_dict(), "deepspeed": dict(config.optimization.deepspeed),
-                              "fsdp2": dataclasses.asdict(config.optimization.fsdp2) if config.optimization.fsdp2
-                              else None})
+    log, optimization = config.logging, config.optimization
+    params = {**settings, "odb": batching.to_dict(), "deepspeed": dict(optimization.deepspeed),
+              "fsdp2": dataclasses.asdict(optimization.fsdp2) if optimization.fsdp2 else None}
+    return RunInfo(output_dir=config.output_dir, name=log.run_name or config.output_dir.name, params=params,
+                   resume=config.checkpoints.resume is not None, wandb_project=log.wandb_project,
+                   wandb_tags=log.wandb_tags, odb_version=odb.__version__)

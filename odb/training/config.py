@@ -31,6 +31,7 @@ from odb.settings import (
     check_str,
     flag,
 )
+from odb.telemetry.trackers import TRACKERS
 from odb.training.lora import check_lora
 from odb.training.loss import DEFAULT_LOSS_CHUNK_TOKENS
 
@@ -48,8 +49,13 @@ def default_lr(*, lora: bool, bundled_model: bool) -> float:
     """The peak learning rate of a run that names none (:data:`FULL_LR`, :data:`LORA_LR`, :data:`DEMO_LR`)."""
     return DEMO_LR if bundled_model else LORA_LR if lora else FULL_LR
 BACKENDS = ("deepspeed", "fsdp2")
-REPORT_TO = ("none", "wandb")
+REPORT_TO = ("none", *TRACKERS)
 _MAX_TIMEOUT_S = int(timedelta.max.total_seconds())
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """A comma-separated list on the command line (spaces around the names dropped)."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,12 +262,13 @@ class CheckpointSettings:
 class LoggingSettings:
     """What the run writes besides metrics.jsonl and summary.json."""
 
-    report_to: str = field(default="none", metadata=flag(choices=REPORT_TO))
-    """wandb: also log metrics to Weights & Biases (rank 0, one run; WANDB_MODE=offline works)."""
+    report_to: tuple[str, ...] = field(default=(), metadata=flag(parse=_names, shown_default="none"))
+    """Also log the metrics rows to these trackers, comma-separated: wandb, tensorboard, mlflow
+    (rank 0, one run per job, each offline-capable; docs/operations.md#trackers), or none."""
     wandb_project: str = "odb"
     """The W&B project."""
     run_name: str | None = field(default=None, metadata=flag(shown_default="the output_dir's name"))
-    """The W&B run's name."""
+    """The run's name in W&B and MLflow."""
     wandb_tags: tuple[str, ...] = field(default=(), metadata=flag(parse=lambda v: tuple(t for t in v.split(",") if t)))
     """W&B tags, comma-separated on the command line."""
     audit_ids: bool = False
@@ -271,7 +278,15 @@ class LoggingSettings:
     efficiency, elapsed, ETA) where no terminal shows the progress bar (SLURM logs, files); 0: never."""
 
     def __post_init__(self) -> None:
-        check(self.report_to in REPORT_TO, f"--report_to must be one of {REPORT_TO}, got {self.report_to!r}")
+        names = _names(self.report_to) if isinstance(self.report_to, str) else self.report_to  # (a JSON config's)
+        check(isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names),
+              f"--report_to must be a comma-separated list of {', '.join(REPORT_TO)}, got {self.report_to!r}")
+        unknown = [n for n in names if n not in REPORT_TO]
+        check(not unknown, f"--report_to: unknown {', '.join(map(repr, unknown))}; pass some of "
+                           f"{', '.join(TRACKERS)} (comma-separated), or none")
+        check("none" not in names or set(names) == {"none"},
+              f"--report_to: none means no tracker, yet {','.join(names)} names some; drop none, or the others")
+        object.__setattr__(self, "report_to", tuple(dict.fromkeys(n for n in names if n != "none")))
         check_str("--wandb_project", self.wandb_project)
         check_optional_str("--run_name", self.run_name)
         check(isinstance(self.wandb_tags, (list, tuple)) and all(isinstance(t, str) for t in self.wandb_tags),

@@ -2,7 +2,7 @@
 
 Every rank calls the same methods in the same order. :meth:`Trainer.finish` is collective (the
 final checkpoint, the gather of run totals, the summary); :meth:`Trainer.shutdown` is local and
-safe after any error (DataLoader workers, files, the W&B run, the process group), each of its
+safe after any error (DataLoader workers, files, the tracker runs, the process group), each of its
 steps guarded so that one failure does not skip the rest. ``launch/train.py`` shows the calling
 order: ``finish`` on success, ``shutdown`` always (with the error, if one was raised).
 """
@@ -23,6 +23,7 @@ import numpy as np
 
 from odb.batching.plan import StepPlan
 from odb.telemetry import StepTimes
+from odb.telemetry.trackers import check_installed
 from odb.training import backends
 from odb.training.build import Components, build_components, init_distributed
 from odb.training.checkpoint import (
@@ -65,7 +66,9 @@ class Trainer:
     @classmethod
     def init(cls, config: RunConfig) -> Trainer:
         """Joins the process group (collective), starts the watchdog, handles SIGTERM / SIGUSR1 from
-        now on (:mod:`odb.training.faults`) and makes the output folder."""
+        now on (:mod:`odb.training.faults`) and makes the output folder. A tracker of ``--report_to``
+        whose package is missing stops every rank first, naming the install command."""
+        check_installed(config.logging.report_to)
         rank, world_size = init_distributed(config)
         trainer = cls(config, rank=rank, world_size=world_size)
         timeout = config.run.dist_timeout_s
@@ -91,6 +94,8 @@ class Trainer:
         if plan is not None:
             load_checkpoint(self.parts, config, tag, plan, self.log)
         self.log("odb: " + ", ".join(f"{k} {v}" for k, v in self.parts.settings.items()))
+        # rank 0's tracker runs, from this process's first step on (a resume's: its checkpoint's)
+        self.parts.trackers.start(self.parts.telemetry.steps_done, self.log)
         return self
 
     # ---- train ------------------------------------------------------------------------------
@@ -288,8 +293,7 @@ class Trainer:
             if self.saved == final:
                 mark_finished(config, final)  # a resume from it is refused: nothing is left to do
             self.log(f"done: {json.dumps(summary)}")
-            if parts.wandb_run is not None:
-                parts.wandb_run.summary.update(summary)
+            parts.trackers.record_summary(summary)
         self._watched().stop()  # peers leave after the barrier (rank 0 takes the store with it)
         dist.barrier()
         return summary
@@ -327,8 +331,9 @@ class Trainer:
     def shutdown(self, error: BaseException | None = None) -> None:
         """Local and safe after any error (``error``: what stopped the run, if anything): writes the
         metrics rows that a failed round's gather completes, closes the files, stops the DataLoader
-        workers, ends the W&B run (marked failed on error), leaves the process group and removes
-        DeepSpeed's shared memory. A step that fails is reported and the rest still run."""
+        workers, ends the tracker runs (marked failed on error, preempted on a stop on request),
+        leaves the process group and removes DeepSpeed's shared memory. A step that fails is
+        reported and the rest still run."""
         parts = self.parts
         steps: list[tuple[str, Callable[[], Any]]] = []
         if self.watchdog is not None:  # first: peers waiting on this rank hear of the error now
@@ -343,9 +348,10 @@ class Trainer:
             steps.append(("closing the audit file", self.audit.close))
         if parts is not None:
             steps.append(("stopping the DataLoader workers", parts.feed.close))
-        if parts is not None and parts.wandb_run is not None:
-            run = parts.wandb_run
-            steps.append(("finishing the W&B run", lambda: _finish_wandb(run, error)))
+        preempted = isinstance(error, Preempted)
+        code = 0 if error is None else EXIT_PREEMPTED if preempted else 1
+        for tracker in parts.trackers if parts is not None else ():
+            steps.append((f"finishing the {tracker.title} run", lambda t=tracker: t.finish(code, preempted=preempted)))
         steps.append(("leaving the process group", _leave_process_group))
         steps.append(("the backend's clean-up", backends.get(self.config.optimization.backend).release))
         for what, step in steps:
@@ -393,16 +399,6 @@ def _show(progress, plan: StepPlan, last: dict[str, Any]) -> None:
     if last:
         progress.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}",
                              pad=f"{last['padding_ratio']:.2f}", refresh=False)
-
-
-def _finish_wandb(run, error: BaseException | None) -> None:
-    if error is None:
-        run.finish()
-    elif isinstance(error, Preempted):
-        run.mark_preempting()  # W&B shows the run as preempted, to be resumed
-        run.finish(exit_code=EXIT_PREEMPTED)
-    else:
-        run.finish(exit_code=1)
 
 
 def _peak_memory_mb() -> float:
