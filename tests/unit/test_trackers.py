@@ -1,7 +1,7 @@
 """--report_to and the trackers behind it (odb/telemetry/trackers.py), in one process: the setting's
 parsing and errors, a missing package refused before any process group, the lazy imports, and a
 TensorBoard + MLflow run (and a resume of it) read back with TensorBoard's and MLflow's own
-readers. The launched run with every tracker at once: tests/e2e/test_trackers.py."""
+readers. The launched run with every tracker at once: tests/e2e/test_trackers_launch.py."""
 
 from __future__ import annotations
 
