@@ -40,7 +40,8 @@ from typing import Any
 
 from odb.settings import Inline, nearest, read_json_object, read_yaml
 
-__all__ = ["LAUNCH_KEYS", "SUFFIXES", "Recipe", "find_recipe", "load_recipe", "parse_overrides", "recipe_names"]
+__all__ = ["LAUNCH_KEYS", "SUFFIXES", "Recipe", "bundled_root", "find_recipe", "load_recipe", "parse_overrides",
+           "recipe_names"]
 
 LAUNCH_KEYS = {"nproc": "the ranks odb train starts on this machine (a rank under a launcher or SLURM ignores it)"}
 """Keys of ``odb train`` itself, not flags of a rank: what they mean."""
@@ -48,6 +49,15 @@ SUFFIXES = (".yaml", ".yml", ".json")
 """What a recipe file is named (a JSON object reads as well)."""
 _NOT_KEYS = ("help", "local_rank", "recipe")
 """The parser's flags that are no recipe key."""
+
+
+def bundled_root() -> Path:
+    """The folder holding the files odb bundles (``configs/``, ``data/``, ``launch/``): the package's
+    copy (``odb/_bundled``, which setup.py's build writes into a wheel) when installed, else the
+    checkout the package sits in (a clone, an editable install)."""
+    package = Path(__file__).resolve().parent
+    copy = package / "_bundled"
+    return copy if copy.is_dir() else package.parent
 
 
 @dataclass(frozen=True)

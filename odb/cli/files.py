@@ -59,7 +59,7 @@ def _absolute(recipe: Path, keys: tuple[str, ...]) -> str:
 def path(argv: list[str] | None = None, prog: str = "odb path") -> int:
     """Prints where a bundled file is (``odb path launch/slurm.sbatch``), or the folder that holds
     them (configs/, data/, launch/)."""
-    from odb.training.cli import bundled_root
+    from odb.recipe import bundled_root
 
     p = argparse.ArgumentParser(prog=prog, description=path.__doc__)
     p.add_argument("name", nargs="?", help="a bundled file, by its path in that folder or its name (slurm.sbatch)")

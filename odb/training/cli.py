@@ -21,7 +21,7 @@ from pathlib import Path
 
 from odb.batching.config import OdbConfig, load_odb_config
 from odb.data.processing import DataConfig, load_data_config
-from odb.recipe import Recipe, load_recipe
+from odb.recipe import Recipe, bundled_root, load_recipe
 from odb.settings import add_flags, field_docs, flag_values, load_json_config, read_json_object
 from odb.training import backends
 from odb.training.config import (
@@ -38,15 +38,6 @@ from odb.training.config import (
 from odb.training.lora import lora_keys
 
 __all__ = ["RUN_RECORDS", "SETTINGS_FILES", "FileDefaults", "bundled_root", "earlier_run", "parse_config", "parser"]
-
-
-def bundled_root() -> Path:
-    """The folder holding the files odb bundles (``configs/``, ``data/``, ``launch/``): the package's
-    copy (``odb/_bundled``, which setup.py's build writes into a wheel) when installed, else the
-    checkout the package sits in (a clone, an editable install)."""
-    package = Path(__file__).resolve().parent.parent
-    copy = package / "_bundled"
-    return copy if copy.is_dir() else package.parent
 
 
 @dataclass(frozen=True, kw_only=True)
