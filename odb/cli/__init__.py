@@ -39,6 +39,8 @@ def usage() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Runs ``odb COMMAND ...``; returns its exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    argv = [word for word in argv if not word.startswith("--local_rank=")]  # (DeepSpeed's runner adds it; the
+    # rank reads LOCAL_RANK from the environment)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else 2

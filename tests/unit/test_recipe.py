@@ -271,6 +271,8 @@ def test_odb_lists_its_commands_and_names_the_nearest_of_a_wrong_one(capsys):
     assert odb(["exprt"]) == 2 and "did you mean 'export'?" in capsys.readouterr().err
     assert odb(["path", "slurm.sbatch"]) == 0
     assert capsys.readouterr().out.strip() == str(bundled_root() / "launch" / "slurm.sbatch")
+    assert odb(["--local_rank=1", "path", "launch/slurm.sbatch"]) == 0  # (what DeepSpeed's runner may add)
+    assert capsys.readouterr().out.strip() == str(bundled_root() / "launch" / "slurm.sbatch")
     assert bundled_root() == ROOT  # (a checkout: its own files; an installed odb: tests/e2e/test_installed.py)
     assert odb(["recipes"]) == 0
     assert sorted(line.split()[0] for line in capsys.readouterr().out.splitlines()) == \
