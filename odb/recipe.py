@@ -43,8 +43,9 @@ from odb.settings import Inline, nearest, read_json_object, read_yaml
 __all__ = ["LAUNCH_KEYS", "SUFFIXES", "Recipe", "bundled_root", "find_recipe", "load_recipe", "parse_overrides",
            "recipe_names"]
 
-LAUNCH_KEYS = {"nproc": "the ranks odb train starts on this machine (a rank under a launcher or SLURM ignores it)"}
-"""Keys of ``odb train`` itself, not flags of a rank: what they mean."""
+LAUNCH_KEYS = ("nproc",)
+"""Keys of ``odb train`` itself, not flags of a rank: ``nproc``, the ranks it starts on this machine
+(a rank under a launcher or SLURM ignores it)."""
 SUFFIXES = (".yaml", ".yml", ".json")
 """What a recipe file is named (a JSON object reads as well)."""
 _NOT_KEYS = ("help", "local_rank", "recipe")
@@ -99,10 +100,9 @@ class Recipe:
         for key, value in merged.items():
             if key in LAUNCH_KEYS:
                 continue
-            where = f"recipe {self.path}: {key}" if key not in self.overrides else f"the command line's {key}"
+            where = f"the command line's {key}" if key in self.overrides else f"recipe {self.path}: {key}"
             if key in settings_files and isinstance(value, Mapping):
-                written = f"recipe {self.path}, key {key}" if key not in self.overrides else f"the command line's {key}"
-                inline[key] = Inline(value, origin=f"({written})")
+                inline[key] = Inline(value, origin=f"({where})")
                 continue
             if key in settings_files and isinstance(value, str) and value.lower() not in ("", "true", "false") \
                     and key not in self.overrides:

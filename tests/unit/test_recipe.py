@@ -130,7 +130,7 @@ def test_an_unknown_key_names_the_recipe_the_key_and_the_nearest_key(tmp_path):
                                                    "you mean 'gradient_checkpointing'?")):
         parse_config([], defaults=DEFAULTS, recipe=load_recipe(recipe, overrides=["gradient_checkpoint=true"]))
     recipe.write_text("odb_config: {windw: 64}\n")  # inside an inline settings file: the strict loader
-    with pytest.raises(ValueError, match=re.escape(f"odb config (recipe {recipe}, key odb_config): unknown key(s) "
+    with pytest.raises(ValueError, match=re.escape(f"odb config (recipe {recipe}: odb_config): unknown key(s) "
                                                    "['windw']; known keys are [")) as err:
         parse_config([], defaults=DEFAULTS, recipe=load_recipe(recipe, overrides=[f"output_dir={tmp_path / 'o'}"]))
     assert str(err.value).endswith("did you mean 'window' for 'windw'?")
