@@ -44,6 +44,7 @@ def differs(env: dict[str, str], base: dict[str, str]) -> list[str]:
 
 
 def _imports() -> None:
+    import accelerate  # noqa: F401 (the host loops of odb.integrations: tests/e2e/test_integrations.py)
     import deepspeed  # noqa: F401
     import deepspeed.module_inject.auto_ep_layer  # noqa: F401
     import deepspeed.moe.layer  # noqa: F401
@@ -53,10 +54,14 @@ def _imports() -> None:
     import torch.utils.cpp_extension  # noqa: F401 (its setuptools and distutils: DeepSpeed's CPU op)
     import transformers  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
+    import transformers.trainer  # noqa: F401
+    import trl  # noqa: F401
     from deepspeed.runtime.zero.muon import muon_optimizer  # noqa: F401 (its torch.compile: dynamo, inductor)
     from transformers import AutoModelForCausalLM  # noqa: F401
 
     sys.path.insert(0, os.getcwd())
+    import odb.integrations.accelerate  # noqa: F401
+    import odb.integrations.hf  # noqa: F401
     import odb.training.backends.deepspeed  # noqa: F401
     import odb.training.backends.fsdp2  # noqa: F401
     import odb.training.cli  # noqa: F401
@@ -120,6 +125,9 @@ def main() -> None:
     # OpenBLAS reads it at import and otherwise starts a thread per core, and a process with more than
     # one thread is not forked from (tests/launch.py then starts every rank fresh)
     os.environ["OMP_NUM_THREADS"] = "1"
+    # pyarrow's jemalloc starts a background thread when it loads (DeepSpeed's autotuner imports
+    # mlflow where it is installed, and mlflow pandas and pyarrow): without it, as the ranks run
+    os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
     _imports()
     gc.freeze()  # the imported objects: a rank's collector never walks them (writing to their pages copies them)
 

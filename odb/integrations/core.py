@@ -28,6 +28,7 @@ from odb.batching.config import AUTO, OdbConfig
 from odb.batching.plan import MicroBatch, StepPlan
 from odb.batching.state import upgrade_state
 from odb.telemetry import StepTimes
+from odb.training import backends
 from odb.training.build import build_components
 from odb.training.checkpoint import checkpoint_states, restore_states, write_states
 from odb.training.config import (
@@ -83,10 +84,12 @@ class OdbSettings:
 
 def host_config(settings: OdbSettings, *, model_path: str, output_dir: str | Path, lr: float, warmup_ratio: float,
                 weight_decay: float, epochs: int, gas: int, backend: str = "deepspeed",
-                deepspeed: Mapping[str, Any] | None = None, fsdp2: Fsdp2Settings | None = None) -> RunConfig:
+                backend_settings: Mapping[str, Any] | Fsdp2Settings | None = None) -> RunConfig:
     """The :class:`RunConfig` of a host's run: odb's settings with the host's values where the host
-    owns them. A gas in ``settings.batching`` other than 1 must be the host's; ``max_tokens`` must
-    be a number (the preflight that measures 'auto' runs odb's own steps)."""
+    owns them. ``backend``: what the host wraps the model in, 'deepspeed' (also DDP: ZeRO-0) or
+    'fsdp2', with ``backend_settings`` (DeepSpeed's resolved config, :class:`Fsdp2Settings`;
+    None: empty, the defaults). A gas in ``settings.batching`` other than 1 must be the host's;
+    ``max_tokens`` must be a number (the preflight that measures 'auto' runs odb's own steps)."""
     batching = settings.batching
     if batching.gas not in (1, gas):
         raise ValueError(f"odb's gas {batching.gas} differs from the host's gradient_accumulation_steps {gas}: they "
@@ -96,14 +99,14 @@ def host_config(settings: OdbSettings, *, model_path: str, output_dir: str | Pat
                          "trainer (launch/train.py): set a number (run the preflight there once to find it)")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    empty = {"deepspeed": {}, "fsdp2": Fsdp2Settings()}  # (OptimizationSettings' field of each)
     tokenizer = settings.tokenizer or model_path
     return RunConfig(
         model=ModelSettings(path=model_path, tokenizer=tokenizer),
         data=settings.data,
         batching=dataclasses.replace(batching, gas=gas),
         optimization=OptimizationSettings(lr=lr, warmup_ratio=warmup_ratio, weight_decay=weight_decay,
-                                          backend=backend, deepspeed=dict(deepspeed or {}),
-                                          fsdp2=fsdp2 if backend == "fsdp2" else None),
+                                          backend=backend, **{backend: backend_settings or empty[backend]}),
         run=RunSettings(output_dir=str(output_dir), epochs=epochs),
         logging=LoggingSettings(audit_ids=settings.audit_ids, log_steps=settings.log_steps),
         preflight=PreflightSettings(preflight="off"))
@@ -278,14 +281,17 @@ class HostRun(Trainer):
         return summary
 
     def close(self, error: BaseException | None = None) -> None:
-        """Local, safe after any error: metrics.jsonl, the audit file, the DataLoader workers. The
-        process group stays the host's."""
+        """Local, safe after any error: metrics.jsonl, the audit file, the DataLoader workers, and
+        DeepSpeed's shared-memory buffer of a CPU rank, which DeepSpeed never removes
+        (:func:`odb.training.backends.deepspeed.release`). The process group stays the host's."""
         parts = self.parts
         if parts is not None and error is not None:
             parts.telemetry.complete_gathered(parts.batcher.last_reports)
+        release = backends.get(self.config.optimization.backend).release
         for what, close in (("metrics.jsonl", parts.telemetry.close if parts else None),
                             ("the audit file", self.audit.close if self.audit else None),
-                            ("the DataLoader workers", parts.feed.close if parts else None)):
+                            ("the DataLoader workers", parts.feed.close if parts else None),
+                            ("DeepSpeed's shared memory", release)):
             if close is None:
                 continue
             try:

@@ -93,6 +93,13 @@ class OdbTrainerMixin:
         if kwargs.get("train_dataset") is not None:
             raise ValueError("the training data is odb's (OdbSettings.data): drop train_dataset, odb reads, processes "
                              "and packs the records itself")
+        host_args = kwargs.get("args")
+        if host_args is not None and hasattr(host_args, "dataset_kwargs"):  # TRL: nothing of its own to prepare
+            host_args.dataset_kwargs = {**(host_args.dataset_kwargs or {}), "skip_prepare_dataset": True}
+        from datasets import Dataset
+
+        # a stand-in for trainers that require a dataset and look at its first record (TRL): never read
+        kwargs["train_dataset"] = Dataset.from_dict({"text": ["odb reads, processes and packs the data itself"]})
         super().__init__(*args, **kwargs)
         check_arguments(self.args, odb)
         if getattr(self.args, "packing", False):  # TRL's own packing
@@ -107,14 +114,12 @@ class OdbTrainerMixin:
 
     def _odb_config(self):
         args, model = self.args, self.model
-        deepspeed = None
-        if args.deepspeed:
-            deepspeed = args.hf_deepspeed_config.config
+        backend, settings = ("fsdp2", None) if self.is_fsdp_enabled else \
+            ("deepspeed", args.hf_deepspeed_config.config if args.deepspeed else None)
         return host_config(self.odb_settings, model_path=_model_path(model), output_dir=args.output_dir,
                            lr=args.learning_rate, warmup_ratio=float(args.warmup_steps),
                            weight_decay=args.weight_decay, epochs=int(args.num_train_epochs),
-                           gas=args.gradient_accumulation_steps, deepspeed=deepspeed,
-                           backend="fsdp2" if self.is_fsdp_enabled else "deepspeed")
+                           gas=args.gradient_accumulation_steps, backend=backend, backend_settings=settings)
 
     def _odb_build(self) -> HostRun:
         if self.odb_run is None:

@@ -200,10 +200,12 @@ def _grouped_varlen(q, k, v, cu_seqlens: torch.Tensor, scaling: float | None, pa
     if cu_seqlens.numel() == 2:  # one sample (a vision chunk, a single row): no gather
         out = _attend(*(t.transpose(0, 1)[None] for t in (q, k, v)), None, scaling, pattern, sinks)
         return out[0].transpose(0, 1)
-    out = q.new_empty(q.shape)
+    out = None
     for index, valid, longest in _groups(cu_seqlens, q.shape[0]):
         qg, kg, vg = (t[index].transpose(1, 2) for t in (q, k, v))  # [G, L, H, D] -> [G, H, L, D]
         og = _attend(qg, kg, vg, valid, scaling, pattern, sinks)
+        if out is None:  # SDPA's dtype, not q's: under autocast (bf16 on a CPU) it computes in bf16
+            out = q.new_empty(q.shape, dtype=og.dtype)
         out[index[valid]] = og.transpose(1, 2)[valid]
     return out
 

@@ -246,6 +246,20 @@ def test_packed_text_row_matches_eager_on_each_sample_alone(family):
     compare_packed_with_alone(family, text_samples())
 
 
+def test_packed_row_under_bf16_autocast_matches_sdpa_on_each_sample_alone():
+    """Mixed precision as HF Trainer and TRL run it (bf16 autocast over fp32 weights, here on the
+    CPU): the packed row's attention computes in bf16 as the model's own SDPA does, and its logits
+    match each sample alone through SDPA under the same autocast."""
+    packed = build("llama", attention.register())
+    oracle = build("llama", "sdpa", packed.state_dict())
+    samples = text_samples((40, 7, 25))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, _, cu = packed_forward(packed, samples)
+        for sample, (start, end) in zip(samples, pairwise(cu), strict=True):
+            alone, _ = alone_forward(oracle, sample)
+            check_close(logits[0, start:end].float(), alone[0].float(), 5e-2, "bf16 autocast, packed vs alone")
+
+
 @pytest.mark.parametrize("family", sorted(VL_FAMILIES))
 def test_packed_vl_row_matches_eager_on_each_sample_alone(family):
     """Images, a text-only sample and M-RoPE in one row; the vision tower's gradients included."""

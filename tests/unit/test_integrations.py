@@ -1,0 +1,74 @@
+"""odb.integrations without a process: what the host's arguments mean under odb (each kept or
+refused naming odb's setting), the RunConfig of a host's run, and the schedule shapes the host's
+lr_scheduler_type maps to (against their closed forms)."""
+
+import math
+
+import pytest
+
+from odb.batching.config import OdbConfig
+from odb.integrations import OdbSettings, host_config
+from odb.training.config import DataSettings
+from odb.training.schedule import ProgressSchedule
+
+SETTINGS = OdbSettings(data=DataSettings(path="data/chat.jsonl"), batching=OdbConfig(max_tokens=1024))
+
+
+def arguments(**values):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir="unused", use_cpu=True, report_to=[], **values)
+
+
+@pytest.mark.parametrize("values,names", [
+    ({"per_device_train_batch_size": 4}, "max_tokens"),
+    ({"lr_scheduler_type": "polynomial"}, "cosine_with_min_lr"),
+    ({"warmup_steps": 10}, "ratio < 1"),
+    ({"num_train_epochs": 1.5}, "whole number"),
+])
+def test_a_host_argument_odb_cannot_keep_is_refused_naming_odbs_setting(values, names):
+    from odb.integrations.hf import check_arguments
+
+    with pytest.raises(ValueError, match=names):
+        check_arguments(arguments(**values), SETTINGS)
+
+
+def test_the_host_defaults_and_odbs_own_values_pass():
+    from odb.integrations.hf import check_arguments
+
+    check_arguments(arguments(), SETTINGS)  # per_device_train_batch_size 8 left as is, linear, no warmup
+    check_arguments(arguments(per_device_train_batch_size=1, gradient_accumulation_steps=4, warmup_steps=0.03,
+                              lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1}),
+                    SETTINGS)
+
+
+def test_odbs_gas_is_the_hosts_gradient_accumulation_steps():
+    common = {"model_path": "m", "output_dir": "o", "lr": 1e-5, "warmup_ratio": 0.0, "weight_decay": 0.0, "epochs": 2}
+    config = host_config(SETTINGS, gas=4, **common)
+    assert config.batching.gas == 4 and config.run.epochs == 2 and config.preflight.preflight == "off"
+    assert config.model.tokenizer == "m"  # the model's folder, unless OdbSettings names one
+    other = OdbSettings(data=SETTINGS.data, batching=OdbConfig(max_tokens=1024, gas=2))
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        host_config(other, gas=4, **common)
+    auto = OdbSettings(data=SETTINGS.data, batching=OdbConfig(max_tokens="auto"))
+    with pytest.raises(ValueError, match="preflight"):
+        host_config(auto, gas=1, **common)
+    fsdp = host_config(SETTINGS, gas=1, backend="fsdp2", **common)
+    assert fsdp.optimization.fsdp2 is not None and not fsdp.optimization.deepspeed
+
+
+@pytest.mark.parametrize("decay", ["linear", "cosine", "constant"])
+def test_each_decay_is_its_closed_form_over_the_samples_trained(decay):
+    lr, total, warmup, floor = 2e-4, 1000, 0.1, 0.1
+    schedule = ProgressSchedule(lr, total, warmup_ratio=warmup, min_ratio=floor, decay=decay)
+    for done in (0, 50, 100, 400, 1000):
+        p = done / total
+        if p < warmup:
+            expected = lr * max(p / warmup, 1e-3)
+        else:
+            gone = (p - warmup) / (1 - warmup)
+            shape = {"linear": 1 - gone, "cosine": (1 + math.cos(math.pi * gone)) / 2, "constant": None}[decay]
+            expected = lr if shape is None else lr * (floor + (1 - floor) * shape)
+        assert schedule(done) == pytest.approx(expected, rel=1e-12), done
+    with pytest.raises(ValueError, match="decays"):
+        ProgressSchedule(lr, total, decay="step")
