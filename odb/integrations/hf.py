@@ -24,7 +24,9 @@ What the host's arguments mean under odb (each kept, or refused naming odb's set
   restores odb's position exactly (``ignore_data_skip`` is set: odb does not replay batches).
 
 The train dataset and the data collator are odb's (``OdbSettings.data``): a ``train_dataset``
-passed to the trainer is refused. Evaluation stays the host's.
+passed to the trainer is refused. Evaluation stays the host's: its ``eval_dataset`` and collator,
+padded rows through the model's own loss (odb's attention runs padded rows as the model's own
+SDPA does).
 """
 
 from __future__ import annotations
@@ -157,14 +159,18 @@ class OdbTrainerMixin:
         return [{"odb": micro} for micro in step.micro_batches], torch.tensor(step.num_label_tokens, device=device)
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        if "odb" not in inputs:  # the host's own batches (evaluation): the host's own loss, padded rows
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
         micro = inputs["odb"]
         self.odb_run.host.call = model  # through the host's wrapping (DeepSpeed, DDP, FSDP)
         loss = micro.loss()
         return (loss, None) if return_outputs else loss
 
     def floating_point_ops(self, inputs) -> int:
-        micro = inputs["odb"]
-        return 6 * micro.tokens * self.model.num_parameters(exclude_embeddings=True)
+        if "odb" not in inputs:
+            return super().floating_point_ops(inputs)
+        return 6 * inputs["odb"].tokens * self.model.num_parameters(exclude_embeddings=True)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         """odb's learning rate by progress: a ``LambdaLR`` that reads it (each step also sets it

@@ -75,6 +75,7 @@ HANDLED_KWARGS = frozenset({
     "output_attentions",  # False only: no attention weights are returned
     "s_aux",  # gpt-oss's attention sinks: one logit per head
     "output_router_logits",  # MoE layers: a flag for what the layer returns, nothing for attention
+    "num_items_in_batch",  # HF Trainer's loss normalizer, which the model's kwargs carry down: not attention's
 })
 calls: Counter[str] = Counter()
 """Calls of odb_varlen by the path that ran ('flash-attn varlen', 'torch varlen_attn', 'grouped SDPA',

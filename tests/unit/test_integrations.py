@@ -17,7 +17,7 @@ SETTINGS = OdbSettings(data=DataSettings(path="data/chat.jsonl"), batching=OdbCo
 def arguments(**values):
     from transformers import TrainingArguments
 
-    return TrainingArguments(output_dir="unused", use_cpu=True, report_to=[], **values)
+    return TrainingArguments(**{"output_dir": "unused", "use_cpu": True, "report_to": [], **values})
 
 
 @pytest.mark.parametrize("values,names", [
@@ -72,3 +72,38 @@ def test_each_decay_is_its_closed_form_over_the_samples_trained(decay):
         assert schedule(done) == pytest.approx(expected, rel=1e-12), done
     with pytest.raises(ValueError, match="decays"):
         ProgressSchedule(lr, total, decay="step")
+
+
+def test_the_hosts_evaluation_of_padded_batches_is_the_models_own_loss(tmp_path):
+    """OdbTrainer switches the model to odb's attention; HF's evaluate on the host's own padded
+    batches still gives the model's own loss, as the same weights through SDPA give it."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoConfig, AutoModelForCausalLM, DataCollatorWithPadding
+
+    from odb.integrations.hf import OdbTrainer
+
+    config = AutoConfig.for_model(model_type="llama", vocab_size=100, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    oracle = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    oracle.load_state_dict(model.state_dict())
+    rows = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    data = Dataset.from_dict({"input_ids": rows, "labels": rows})
+
+    class Pad(DataCollatorWithPadding):
+        def __call__(self, features):
+            longest = max(len(f["input_ids"]) for f in features)
+            ids = torch.tensor([f["input_ids"] + [0] * (longest - len(f["input_ids"])) for f in features])
+            mask = torch.tensor([[1] * len(f["input_ids"]) + [0] * (longest - len(f["input_ids"])) for f in features])
+            return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+    trainer = OdbTrainer(model=model, args=arguments(per_device_eval_batch_size=2, output_dir=str(tmp_path)),
+                         odb=SETTINGS, data_collator=Pad(tokenizer=None))
+    assert model.config._attn_implementation != "sdpa"  # odb's, for the packed training rows
+    loss = trainer.evaluate(eval_dataset=data)["eval_loss"]
+    batch = Pad(tokenizer=None)([{"input_ids": r} for r in rows])
+    with torch.no_grad():
+        expected = oracle.eval()(**batch).loss.item()
+    assert loss == pytest.approx(expected, rel=1e-5)
