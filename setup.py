@@ -68,7 +68,10 @@ setup(
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hypothesis>=6.100", "matplotlib>=3.7",
                 "wandb>=0.19", "tensorboard>=2.14", "mlflow-skinny>=2.10",  # --report_to's trackers
                 "psutil>=5.9",  # tests/launch.py watches the launcher's processes (deepspeed needs it too)
+                "accelerate>=1.16", "trl>=1.16",  # odb.integrations' hosts (tests/e2e/test_integrations.py)
                 "ruff>=0.6"],
+        # odb inside HF Trainer / TRL / Accelerate (odb.integrations): the versions tested here
+        "hf": ["accelerate>=1.16", "trl>=1.16"],
         "wandb": ["wandb>=0.19"],
         "tensorboard": ["tensorboard>=2.14"],  # (through torch.utils.tensorboard)
         "mlflow": ["mlflow-skinny>=2.10"],  # logging only; the full mlflow package has the UI and server

@@ -64,8 +64,11 @@ def check_same_run(host: Path, reference: Path) -> None:
     assert losses(host) == pytest.approx(losses(reference), rel=1e-5)
     mine, theirs = load_file(host / "hf" / "model.safetensors"), load_file(reference / "hf" / "model.safetensors")
     assert set(theirs) <= set(mine)
-    for name, weight in theirs.items():
-        assert (mine[name].float() - weight.float()).abs().max() <= 1e-5, name
+    diffs = {name: float((mine[name].float() - weight.float()).abs().max()) for name, weight in theirs.items()}
+    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses(host), losses(reference), strict=True))
+    print(f"{host.name} against {reference.name}: {len(losses(host))} steps, losses within {loss_diff:.1e} "
+          f"(relative), weights within {max(diffs.values()):.1e}")
+    assert max(diffs.values()) <= 1e-5, diffs
     summary, expected = (json.loads((o / "summary.json").read_text()) for o in (host, reference))
     for key in ("steps", "micro_batches", "dummy_micro_batches", "samples_emitted", "real_tokens", "label_tokens"):
         assert summary[key] == expected[key], key
