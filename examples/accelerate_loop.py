@@ -8,53 +8,32 @@ emitted_ids.rank<R>.jsonl); with --save_steps N, Accelerate's state and odb's in
 OUTPUT_DIR/checkpoints/stepN, from which --resume continues.
 """
 
-import argparse
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import torch
+from accelerate import Accelerator
+from common import odb_settings, parser
 
-import torch  # noqa: E402
-from accelerate import Accelerator  # noqa: E402
-
-from odb.batching.config import load_odb_config  # noqa: E402
-from odb.integrations import OdbSettings  # noqa: E402
-from odb.integrations.accelerate import backward, odb_run, set_lr  # noqa: E402
-from odb.training.config import DataSettings  # noqa: E402
-from odb.training.model import build_model, load_tokenizer  # noqa: E402
+from odb.integrations.accelerate import backward, odb_run, set_lr
+from odb.training.model import build_model, load_tokenizer
 
 
-def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--output_dir", required=True)
-    p.add_argument("--model", default=str(REPO / "configs" / "tiny_model.json"),
-                   help="a model folder, or a model config JSON (random init)")
-    p.add_argument("--tokenizer", default=str(REPO / "data" / "tokenizer"))
-    p.add_argument("--data", default=str(REPO / "data" / "chat.jsonl"))
-    p.add_argument("--max_samples", type=int, default=None)
-    p.add_argument("--odb_config", default=str(REPO / "configs" / "odb.json"), help="odb's batching settings")
-    p.add_argument("--cost_model", default=None, choices=("fit", "manual"))
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--lr", type=float, default=1e-3, help="the bundled random-init model's (a real model: 2e-5)")
-    p.add_argument("--save_steps", type=int, default=0, help="a checkpoint every N steps (0: none)")
+def parse():
+    p = parser(__doc__.split("\n\n")[0])
     p.add_argument("--resume", default=None, help="a checkpoint folder to continue from")
-    p.add_argument("--audit_ids", action="store_true")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse()
-    overrides = {"cost_model": args.cost_model} if args.cost_model else {}
-    batching = load_odb_config(args.odb_config, **overrides)
+    settings = odb_settings(args, log_steps=10)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     tokenizer = load_tokenizer(args.tokenizer)
-    model = build_model(args.model, seed=batching.seed, vocab_size=len(tokenizer))
+    model = build_model(args.model, seed=settings.batching.seed, vocab_size=len(tokenizer))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
-    settings = OdbSettings(data=DataSettings(path=args.data, max_samples=args.max_samples), batching=batching,
-                           tokenizer=args.tokenizer, audit_ids=args.audit_ids, log_steps=10)
-    run = odb_run(accelerator, model, settings, lr=args.lr, output_dir=args.output_dir, epochs=args.epochs)
+    run = odb_run(accelerator, model, settings, lr=args.lr, output_dir=args.output_dir, epochs=args.epochs,
+                  resuming=bool(args.resume))
     out = Path(args.output_dir)
     if args.resume:
         accelerator.load_state(args.resume)

@@ -10,50 +10,31 @@ With --trl, TRL's ``SFTTrainer`` through ``with_odb(SFTTrainer)``, which takes t
 argument.
 """
 
-import argparse
-import sys
 from functools import partial
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import torch
+from common import odb_settings, parser
+from transformers import TrainingArguments
 
-import torch  # noqa: E402
-from transformers import TrainingArguments  # noqa: E402
-
-from odb.batching.config import load_odb_config  # noqa: E402
-from odb.integrations import OdbSettings  # noqa: E402
-from odb.integrations.hf import OdbTrainer, with_odb  # noqa: E402
-from odb.training.config import DataSettings  # noqa: E402
-from odb.training.model import build_model, load_tokenizer  # noqa: E402
+from odb.integrations.hf import OdbTrainer, with_odb
+from odb.training.model import build_model, load_tokenizer
 
 
-def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--output_dir", required=True)
-    p.add_argument("--model", default=str(REPO / "configs" / "tiny_model.json"),
-                   help="a model folder, or a model config JSON (random init)")
-    p.add_argument("--tokenizer", default=str(REPO / "data" / "tokenizer"))
-    p.add_argument("--data", default=str(REPO / "data" / "chat.jsonl"))
-    p.add_argument("--max_samples", type=int, default=None)
-    p.add_argument("--odb_config", default=str(REPO / "configs" / "odb.json"), help="odb's batching settings")
-    p.add_argument("--cost_model", default=None, choices=("fit", "manual"))
+def parse():
+    p = parser(__doc__.split("\n\n")[0])
     p.add_argument("--deepspeed", default=None, help="a DeepSpeed config JSON (default: DDP)")
-    p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--max_steps", type=int, default=-1)
     p.add_argument("--gas", type=int, default=1, help="gradient_accumulation_steps (odb's gas)")
-    p.add_argument("--lr", type=float, default=1e-3, help="the bundled random-init model's (a real model: 2e-5)")
-    p.add_argument("--save_steps", type=int, default=0, help="a checkpoint every N steps (0: none)")
     p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output_dir")
-    p.add_argument("--audit_ids", action="store_true")
     p.add_argument("--trl", action="store_true", help="TRL's SFTTrainer (with_odb(SFTTrainer)) instead of Trainer")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse()
-    overrides = {"cost_model": args.cost_model} if args.cost_model else {}
-    batching = load_odb_config(args.odb_config, **overrides)
+    odb = odb_settings(args)
+    batching = odb.batching
     tokenizer = load_tokenizer(args.tokenizer)
     random_init = Path(args.model).is_file()
     if random_init:  # whole, from the seed, before DeepSpeed's settings are known: the numbers odb's own trainer
@@ -78,8 +59,6 @@ def main() -> None:
 
             deepspeed.init_distributed()
         model = build_model(args.model, seed=batching.seed, vocab_size=len(tokenizer))
-    odb = OdbSettings(data=DataSettings(path=args.data, max_samples=args.max_samples), batching=batching,
-                      tokenizer=args.tokenizer, audit_ids=args.audit_ids)
     trainer = trainer_class(model=model, args=training, processing_class=tokenizer, odb=odb)
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     trainer.save_model(str(Path(args.output_dir) / "hf"))

@@ -43,8 +43,17 @@ def differs(env: dict[str, str], base: dict[str, str]) -> list[str]:
                   and not (k in ACCELERATOR and env.get(k) in (None, ACCELERATOR[k])))
 
 
+def _odb_first() -> None:
+    """odb before the libraries, as a rank imports it: its import keeps DeepSpeed's autotuner from
+    importing mlflow (odb/imports.py)."""
+    sys.path.insert(0, os.getcwd())
+    import odb  # noqa: F401
+
+    sys.path.remove(os.getcwd())
+
+
 def _imports() -> None:
-    import accelerate  # noqa: F401 (the host loops of odb.integrations: tests/e2e/test_integrations.py)
+    import accelerate  # noqa: F401 (the host loops of odb.integrations: tests/e2e/test_integrations_launch.py)
     import deepspeed  # noqa: F401
     import deepspeed.module_inject.auto_ep_layer  # noqa: F401
     import deepspeed.moe.layer  # noqa: F401
@@ -128,6 +137,7 @@ def main() -> None:
     # pyarrow's jemalloc starts a background thread when it loads (DeepSpeed's autotuner imports
     # mlflow where it is installed, and mlflow pandas and pyarrow): without it, as the ranks run
     os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
+    _odb_first()
     _imports()
     gc.freeze()  # the imported objects: a rank's collector never walks them (writing to their pages copies them)
 

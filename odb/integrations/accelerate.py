@@ -34,17 +34,22 @@ from odb.integrations.core import HostMicro, HostRun, OdbSettings, host_config
 __all__ = ["backward", "odb_run", "set_lr"]
 
 
+def _kind(accelerator) -> str:
+    return getattr(accelerator.distributed_type, "value", str(accelerator.distributed_type))
+
+
 def _is_deepspeed(accelerator) -> bool:
-    return getattr(accelerator.distributed_type, "value", str(accelerator.distributed_type)) == "DEEPSPEED"
+    return _kind(accelerator) == "DEEPSPEED"
 
 
 def odb_run(accelerator, model: torch.nn.Module, settings: OdbSettings, *, lr: float, output_dir: str | Path,
             epochs: int = 1, warmup_ratio: float = 0.03, weight_decay: float = 0.0,
-            model_path: str | None = None) -> HostRun:
+            model_path: str | None = None, resuming: bool = False) -> HostRun:
     """odb's side of this rank's run over ``model`` as ``accelerator.prepare`` returned it
     (collective: every rank). ``lr``, ``warmup_ratio``: odb's schedule by progress (linear warmup,
     cosine to a tenth), which :attr:`HostStep.lr` gives each step; ``weight_decay`` is recorded
-    only (the optimizer is yours)."""
+    only (the optimizer is yours). ``resuming``: :meth:`HostRun.load_states` follows (an output
+    folder that holds odb's files is refused otherwise)."""
     if accelerator.gradient_accumulation_steps != 1:
         raise ValueError(f"Accelerator(gradient_accumulation_steps={accelerator.gradient_accumulation_steps}): "
                          "odb accumulates over its gas (OdbSettings.batching.gas) with the loss scaled for the whole "
@@ -52,10 +57,11 @@ def odb_run(accelerator, model: torch.nn.Module, settings: OdbSettings, *, lr: f
     module = accelerator.unwrap_model(model)
     path = model_path or getattr(module.config, "_name_or_path", "") or "host model"
     deepspeed = accelerator.state.deepspeed_plugin.deepspeed_config if _is_deepspeed(accelerator) else None
+    fsdp = _kind(accelerator) == "FSDP"
     config = host_config(settings, model_path=path, output_dir=output_dir, lr=lr, warmup_ratio=warmup_ratio,
                          weight_decay=weight_decay, epochs=epochs, gas=settings.batching.gas,
-                         backend_settings=deepspeed)
-    run = HostRun(config, module, device=accelerator.device)
+                         backend="fsdp2" if fsdp else "deepspeed", backend_settings=None if fsdp else deepspeed)
+    run = HostRun(config, module, device=accelerator.device, resuming=resuming)
     run.host.call = model
     return run
 

@@ -99,6 +99,10 @@ def host_config(settings: OdbSettings, *, model_path: str, output_dir: str | Pat
                          "trainer (launch/train.py): set a number (run the preflight there once to find it)")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if settings.data.has_eval:
+        raise ValueError("OdbSettings.data: eval_path / val_ratio is odb's own evaluation, which runs in odb's "
+                         "trainer only (val_ratio would hold samples out of training for nothing); evaluate with "
+                         "the host's eval_dataset")
     empty = {"deepspeed": {}, "fsdp2": Fsdp2Settings()}  # (OptimizationSettings' field of each)
     tokenizer = settings.tokenizer or model_path
     return RunConfig(
@@ -189,15 +193,16 @@ class HostRun(Trainer):
     """
 
     def __init__(self, config: RunConfig, model: torch.nn.Module, *, device: torch.device,
-                 schedule: ProgressSchedule | None = None) -> None:
+                 schedule: ProgressSchedule | None = None, resuming: bool = False) -> None:
         import torch.distributed as dist
 
-        joined = dist.is_available() and dist.is_initialized()
-        super().__init__(config, rank=dist.get_rank() if joined else 0,
-                         world_size=dist.get_world_size() if joined else 1)
-        if not joined:
-            raise RuntimeError("odb aligns the ranks over the host's process group: create the host's trainer "
-                               "(or Accelerator) first, which joins it, even for one process")
+        self._own_group = _one_rank_group()
+        super().__init__(config, rank=dist.get_rank(), world_size=dist.get_world_size())
+        found = [p.name for p in sorted(config.output_dir.glob("*")) if p.name in ("metrics.jsonl", "summary.json")
+                 or p.name.startswith("emitted_ids.rank")]
+        if found and not resuming:
+            raise ValueError(f"{config.output_dir} holds an earlier run's {', '.join(found)}: resume it, or remove "
+                             "them, or pass another output folder (odb appends to its files)")
         self.host = HostModel(model, device)
         config.output_dir.mkdir(parents=True, exist_ok=True)
         self.parts = build_components(config, rank=self.rank, world_size=self.world_size, report=self._report,
@@ -233,18 +238,20 @@ class HostRun(Trainer):
             self._train_began = (time.time(), telemetry.samples_done)
         telemetry.start()
         plans = iter(batcher)
-        while True:
-            began, before = time.perf_counter(), batcher.stats
-            plan = next(plans, None)  # a round may run here: fetching, planning, one collective
-            if plan is None:
-                break
-            samples = [[parts.feed.take(uid) for uid in micro.uids] for micro in plan.micro_batches]
-            self.current = HostStep(self, plan, samples, self._lr(), began, before)
-            yield self.current
-            if not self.current.ended:
-                raise RuntimeError(f"step {plan.step} was not ended: call step.end() after the optimizer step, "
-                                   "before the next step")
-        telemetry.stop()
+        try:
+            while True:
+                began, before = time.perf_counter(), batcher.stats
+                plan = next(plans, None)  # a round may run here: fetching, planning, one collective
+                if plan is None:
+                    break
+                samples = [[parts.feed.take(uid) for uid in micro.uids] for micro in plan.micro_batches]
+                self.current = HostStep(self, plan, samples, self._lr(), began, before)
+                yield self.current
+                if not self.current.ended:
+                    raise RuntimeError(f"step {plan.step} was not ended: call step.end() after the optimizer step, "
+                                       "before the next step")
+        finally:  # (also where the host stopped early: max_steps, a break)
+            telemetry.stop()
 
     # ---- checkpoints: odb's files in the host's checkpoint folder ---------------------------------
 
@@ -274,6 +281,7 @@ class HostRun(Trainer):
 
         import torch.distributed as dist
 
+        self._built().telemetry.stop()  # the train loop's time ends here if the host stopped it early
         summary = self._summary()
         if self.rank == 0:
             (self.config.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -298,3 +306,25 @@ class HostRun(Trainer):
                 close()
             except Exception as err:  # noqa: BLE001 - the rest must still close
                 self.log(f"odb: closing {what} failed: {type(err).__name__}: {err}")
+        if self._own_group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self._own_group = False
+
+
+def _one_rank_group() -> bool:
+    """Joins a one-rank process group where the host runs as a single process without one (HF
+    Trainer and Accelerate join none then), so that odb's collectives run alike; True if it did.
+    Several processes without a group are an error naming the fix."""
+    import os
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        raise RuntimeError(f"WORLD_SIZE {os.environ['WORLD_SIZE']} but no process group: create the host's trainer "
+                           "(or Accelerator) first, which joins it")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return True

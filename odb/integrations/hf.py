@@ -56,6 +56,18 @@ def _scheduler_type(args) -> str:
     return getattr(value, "value", value)
 
 
+def schedule(args, planned: int) -> ProgressSchedule:
+    """The host's ``learning_rate``, ``lr_scheduler_type`` and ``warmup_steps`` (a ratio) over the
+    ``planned`` samples, as odb's schedule by progress."""
+    decay, floor = SCHEDULES[_scheduler_type(args)]
+    if floor is None:  # cosine_with_min_lr: min_lr_rate, or min_lr (absolute)
+        kwargs = args.lr_scheduler_kwargs or {}
+        floor = kwargs["min_lr"] / args.learning_rate if "min_lr" in kwargs and args.learning_rate else \
+            kwargs.get("min_lr_rate", 0.0)
+    warmup = 0.0 if _scheduler_type(args) == "constant" else float(args.warmup_steps)  # (HF's constant: none)
+    return ProgressSchedule(args.learning_rate, planned, warmup_ratio=warmup, min_ratio=floor, decay=decay)
+
+
 def check_arguments(args, odb: OdbSettings) -> None:
     """Raises ``ValueError`` naming odb's setting where a host argument cannot keep its meaning."""
     if args.per_device_train_batch_size not in (1, 8):  # (8: TrainingArguments' default, left as is)
@@ -71,6 +83,17 @@ def check_arguments(args, odb: OdbSettings) -> None:
     if args.num_train_epochs != int(args.num_train_epochs) or args.num_train_epochs < 1:
         raise ValueError(f"num_train_epochs={args.num_train_epochs}: odb trains whole epochs; pass a whole number, or "
                          "max_steps to stop earlier")
+    ratios = [f"{name}={getattr(args, name)}" for name in ("save_steps", "eval_steps", "logging_steps")
+              if getattr(args, name) is not None and 0 < getattr(args, name) < 1]
+    if ratios:
+        raise ValueError(f"{', '.join(ratios)}: a ratio of the host's step count, which odb knows only as samples "
+                         "pack; pass whole steps")
+    if args.auto_find_batch_size:
+        raise ValueError("auto_find_batch_size: odb's budget is max_tokens (measure it once with launch/train.py's "
+                         "preflight, max_tokens auto); turn auto_find_batch_size off")
+    if args.deepspeed and "scheduler" in (args.hf_deepspeed_config.config or {}):
+        raise ValueError("the DeepSpeed config's \"scheduler\": the learning rate is odb's schedule by progress "
+                         "(lr_scheduler_type, warmup_steps); drop the scheduler section")
     if odb.batching.gas not in (1, args.gradient_accumulation_steps):
         raise ValueError(f"OdbSettings.batching.gas {odb.batching.gas} and gradient_accumulation_steps "
                          f"{args.gradient_accumulation_steps} are one setting: set gradient_accumulation_steps only")
@@ -106,8 +129,12 @@ class OdbTrainerMixin:
         check_arguments(self.args, odb)
         if getattr(self.args, "packing", False):  # TRL's own packing
             raise ValueError("packing=True is TRL's packing of a dataset; odb packs online: leave packing off")
+        if self.optimizer is not None and self.lr_scheduler is not None:
+            raise ValueError("optimizers=(optimizer, scheduler): the learning rate is odb's schedule by progress; "
+                             "pass optimizers=(optimizer, None)")
         self.odb_settings = odb
         self.odb_run: HostRun | None = None
+        self._odb_saved: int | None = None  # the step of the last checkpoint
         self.args.ignore_data_skip = True  # odb restores its own position; nothing to replay
         self.model.set_attn_implementation(register())  # packed rows: each sample attends to itself only
         self.add_callback(_OdbCallback(self))
@@ -125,17 +152,12 @@ class OdbTrainerMixin:
 
     def _odb_build(self) -> HostRun:
         if self.odb_run is None:
-            config = self._odb_config()
-            decay, floor = SCHEDULES[_scheduler_type(self.args)]
-            if floor is None:
-                floor = (self.args.lr_scheduler_kwargs or {}).get("min_lr_rate", 0.0)
-            run = HostRun(config, self.model, device=self.args.device)
-            run.parts = dataclasses.replace(run.parts, schedule=ProgressSchedule(
-                config.optimization.lr, run.planned_samples, warmup_ratio=config.optimization.warmup_ratio,
-                min_ratio=floor, decay=decay))
+            resume = getattr(self, "_odb_resume", None)
+            run = HostRun(self._odb_config(), self.model, device=self.args.device, resuming=bool(resume))
+            run.parts = dataclasses.replace(run.parts, schedule=schedule(self.args, run.planned_samples))
             self.odb_run = run
-            if getattr(self, "_odb_resume", None):
-                run.load_states(self._odb_resume)
+            if resume:
+                run.load_states(resume)
         return self.odb_run
 
     def get_train_dataloader(self):
@@ -147,8 +169,8 @@ class OdbTrainerMixin:
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
         """One odb step: its micro-batches (every rank as many) and ``N_s``."""
         step = next(epoch_iterator, None)
-        if step is None:  # the stream has ended: every epoch is trained
-            self.control.should_training_stop = True
+        if step is None:  # the stream has ended: every epoch is trained; the end's log, evaluation, save
+            self._odb_end()
             return [], None
         if len(step.micro_batches) != num_batches:
             raise RuntimeError(f"odb planned {len(step.micro_batches)} micro-batches for a step of {num_batches}: "
@@ -157,6 +179,30 @@ class OdbTrainerMixin:
         for group in self.optimizer.param_groups:  # odb's rate for this step, as odb's trainer sets it
             group["lr"] = step.lr * group.get("initial_lr", peak) / peak if peak else step.lr
         return [{"odb": micro} for micro in step.micro_batches], torch.tensor(step.num_label_tokens, device=device)
+
+    def _odb_end(self) -> None:
+        """What HF does when its last step is done (``global_step >= max_steps``), for odb's last
+        step: the step count becomes the real one, and the epoch's end (which follows) logs,
+        evaluates and saves as the strategies ask, unless this step was saved already."""
+        args, state, control = self.args, self.state, self.control
+        state.max_steps = state.global_step
+        control.should_training_stop = True
+        control.should_log = True
+        control.should_evaluate = _strategy(args.eval_strategy) != "no"
+        control.should_save = _strategy(args.save_strategy) != "no" and self._odb_saved != state.global_step
+
+    def _save_checkpoint(self, model, trial):
+        """odb's state first, then the host's checkpoint: a folder the host has written holds odb's
+        files (a resume picks the newest ``checkpoint-N``)."""
+        self.odb_run.save_states(Path(self._get_output_dir(trial=trial)) /
+                                 f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        self._odb_saved = self.state.global_step
+        return super()._save_checkpoint(model, trial)
+
+    def _get_learning_rate(self):
+        """The rate the step that just ended ran at (odb's), for the host's log."""
+        run = self.odb_run
+        return run.current.lr if run is not None and run.current is not None else super()._get_learning_rate()
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         if "odb" not in inputs:  # the host's own batches (evaluation): the host's own loss, padded rows
@@ -183,6 +229,9 @@ class OdbTrainerMixin:
         return self.lr_scheduler
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
+        if self.odb_run is not None:
+            raise RuntimeError("odb's run is one stream of steps: train() once per trainer (build a new trainer "
+                               "to resume, with train(resume_from_checkpoint=...))")
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
@@ -204,8 +253,12 @@ def _model_path(model) -> str:
     return path or "host model"
 
 
+def _strategy(value) -> str:
+    return getattr(value, "value", value)
+
+
 class _OdbCallback(TrainerCallback):
-    """Ends odb's step after the host's optimizer step; writes odb's state into each checkpoint."""
+    """Ends odb's step after the host's optimizer step (before the host logs or saves it)."""
 
     def __init__(self, trainer: OdbTrainerMixin) -> None:
         self.trainer = trainer
@@ -214,11 +267,6 @@ class _OdbCallback(TrainerCallback):
         run = self.trainer.odb_run
         if run is not None and run.current is not None:
             run.current.end()
-
-    def on_save(self, args, state, control, **kwargs):
-        run = self.trainer.odb_run
-        if run is not None:
-            run.save_states(Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
 
 
 def with_odb(trainer_class: type) -> type:

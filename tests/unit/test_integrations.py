@@ -25,6 +25,8 @@ def arguments(**values):
     ({"lr_scheduler_type": "polynomial"}, "cosine_with_min_lr"),
     ({"warmup_steps": 10}, "ratio < 1"),
     ({"num_train_epochs": 1.5}, "whole number"),
+    ({"save_steps": 0.1}, "whole steps"),
+    ({"auto_find_batch_size": True}, "max_tokens"),
 ])
 def test_a_host_argument_odb_cannot_keep_is_refused_naming_odbs_setting(values, names):
     from odb.integrations.hf import check_arguments
@@ -53,6 +55,9 @@ def test_odbs_gas_is_the_hosts_gradient_accumulation_steps():
     auto = OdbSettings(data=SETTINGS.data, batching=OdbConfig(max_tokens="auto"))
     with pytest.raises(ValueError, match="preflight"):
         host_config(auto, gas=1, **common)
+    held_out = OdbSettings(data=DataSettings(path="data/chat.jsonl", val_ratio=0.1), batching=SETTINGS.batching)
+    with pytest.raises(ValueError, match="eval_dataset"):
+        host_config(held_out, gas=1, **common)
     fsdp = host_config(SETTINGS, gas=1, backend="fsdp2", **common)
     assert fsdp.optimization.fsdp2 is not None and not fsdp.optimization.deepspeed
 
@@ -107,3 +112,41 @@ def test_the_hosts_evaluation_of_padded_batches_is_the_models_own_loss(tmp_path)
     with torch.no_grad():
         expected = oracle.eval()(**batch).loss.item()
     assert loss == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_hosts_schedule_arguments_become_odbs_schedule_by_progress():
+    from odb.integrations.hf import schedule
+
+    floor = schedule(arguments(learning_rate=1e-4, lr_scheduler_type="cosine_with_min_lr",
+                               lr_scheduler_kwargs={"min_lr": 1e-5}, warmup_steps=0.1), 100)
+    assert (floor.min_ratio, floor.decay, floor.warmup_ratio) == (pytest.approx(0.1), "cosine", 0.1)
+    assert floor(100) == pytest.approx(1e-5)
+    constant = schedule(arguments(learning_rate=1e-4, lr_scheduler_type="constant", warmup_steps=0.1), 100)
+    assert constant(0) == constant(50) == 1e-4  # HF's constant has no warmup
+    linear = schedule(arguments(learning_rate=1e-4), 100)  # HF's default: linear to 0, no warmup
+    assert (linear(0), linear(50), linear(100)) == (1e-4, pytest.approx(5e-5), 0.0)
+
+
+def test_deepspeeds_autotuner_gets_no_mlflow_and_everything_else_does():
+    """odb/imports.py: the import DeepSpeed's autotuner makes at DeepSpeed's import fails (as where
+    mlflow is not installed); the same import anywhere else, odb's tracker's, succeeds."""
+    import importlib.util
+    import os
+    import sys
+
+    import odb  # noqa: F401 (installs the finder)
+
+    if importlib.util.find_spec("mlflow") is None:
+        pytest.skip("mlflow is not installed")
+    saved = sys.modules.pop("mlflow", None)  # (an import of a loaded module asks no finder)
+    try:
+        autotuner = compile("try:\n    import mlflow\n    has = True\nexcept ImportError:\n    has = False\n",
+                            os.path.join("site-packages", "deepspeed", "autotuning", "autotuner.py"), "exec")
+        scope: dict = {}
+        exec(autotuner, scope)
+        assert scope["has"] is False and "mlflow" not in sys.modules
+        mlflow = importlib.import_module("mlflow")
+        assert mlflow.MlflowClient is not None
+    finally:
+        if saved is not None:
+            sys.modules["mlflow"] = saved
