@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None, *, defaults: FileDefaults | None = None,
         trainer.log(f"odb: {stop}")
         end_process(EXIT_PREEMPTED)
     except BaseException as error:
-        trainer.shutdown(error)  # local: workers, files, W&B (failed), process group
+        trainer.shutdown(error)  # local: workers, files, the trackers (failed), process group
         raise
     else:
         trainer.shutdown()
