@@ -53,7 +53,6 @@ def _odb_first() -> None:
 
 
 def _imports() -> None:
-    import accelerate  # noqa: F401 (the host loops of odb.integrations: tests/e2e/test_integrations_launch.py)
     import deepspeed  # noqa: F401
     import deepspeed.module_inject.auto_ep_layer  # noqa: F401
     import deepspeed.moe.layer  # noqa: F401
@@ -63,14 +62,10 @@ def _imports() -> None:
     import torch.utils.cpp_extension  # noqa: F401 (its setuptools and distutils: DeepSpeed's CPU op)
     import transformers  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
-    import transformers.trainer  # noqa: F401
-    import trl  # noqa: F401
     from deepspeed.runtime.zero.muon import muon_optimizer  # noqa: F401 (its torch.compile: dynamo, inductor)
     from transformers import AutoModelForCausalLM  # noqa: F401
 
     sys.path.insert(0, os.getcwd())
-    import odb.integrations.accelerate  # noqa: F401
-    import odb.integrations.hf  # noqa: F401
     import odb.training.backends.deepspeed  # noqa: F401
     import odb.training.backends.fsdp2  # noqa: F401
     import odb.training.cli  # noqa: F401
