@@ -27,7 +27,6 @@ import torch
 from odb.batching.config import AUTO, OdbConfig
 from odb.batching.plan import MicroBatch, StepPlan
 from odb.batching.state import upgrade_state
-from odb.telemetry import StepTimes
 from odb.training import backends
 from odb.training.build import build_components
 from odb.training.checkpoint import checkpoint_states, restore_states, write_states
@@ -167,16 +166,7 @@ class HostStep:
         (metrics.jsonl, the audit file, the cost fit's times)."""
         if self.ended:
             return
-        parts = self.run.parts
-        result = self.tally.result(self.lr)
-        after = parts.batcher.stats
-        before = self._before
-        times = StepTimes(wait=after.fetch_s - before.fetch_s, plan=after.plan_s - before.plan_s,
-                          collective=after.collective_s - before.collective_s, step=time.perf_counter() - self._began,
-                          ended=time.time(), forward=sum(result.forward_seconds))
-        parts.batcher.observe(self.plan, list(result.forward_seconds))
-        parts.telemetry.record(self.plan, loss_sum=result.loss_sum, lr=result.lr, times=times, aux_sum=result.aux_sum)
-        self.run._audit(self.plan)
+        self.run._record(self.plan, self.tally.result(self.lr), began=self._began, before=self._before)
         self.ended = True
 
 

@@ -51,9 +51,13 @@ SCHEDULES = {"linear": ("linear", 0.0), "cosine": ("cosine", 0.0), "cosine_with_
 ``min_lr_rate``)."""
 
 
+def _value(choice) -> str:
+    """An argument's choice as its string (TrainingArguments holds enums)."""
+    return getattr(choice, "value", choice)
+
+
 def _scheduler_type(args) -> str:
-    value = args.lr_scheduler_type
-    return getattr(value, "value", value)
+    return _value(args.lr_scheduler_type)
 
 
 def schedule(args, planned: int) -> ProgressSchedule:
@@ -135,6 +139,7 @@ class OdbTrainerMixin:
         self.odb_settings = odb
         self.odb_run: HostRun | None = None
         self._odb_saved: int | None = None  # the step of the last checkpoint
+        self._odb_parameters: int | None = None  # the model's, without embeddings (floating_point_ops)
         self.args.ignore_data_skip = True  # odb restores its own position; nothing to replay
         self.model.set_attn_implementation(register())  # packed rows: each sample attends to itself only
         self.add_callback(_OdbCallback(self))
@@ -188,8 +193,8 @@ class OdbTrainerMixin:
         state.max_steps = state.global_step
         control.should_training_stop = True
         control.should_log = True
-        control.should_evaluate = _strategy(args.eval_strategy) != "no"
-        control.should_save = _strategy(args.save_strategy) != "no" and self._odb_saved != state.global_step
+        control.should_evaluate = _value(args.eval_strategy) != "no"
+        control.should_save = _value(args.save_strategy) != "no" and self._odb_saved != state.global_step
 
     def _save_checkpoint(self, model, trial):
         """odb's state first, then the host's checkpoint: a folder the host has written holds odb's
@@ -216,7 +221,9 @@ class OdbTrainerMixin:
     def floating_point_ops(self, inputs) -> int:
         if "odb" not in inputs:
             return super().floating_point_ops(inputs)
-        return 6 * inputs["odb"].tokens * self.model.num_parameters(exclude_embeddings=True)
+        if self._odb_parameters is None:  # (counted once: it walks every parameter)
+            self._odb_parameters = self.model.num_parameters(exclude_embeddings=True)
+        return 6 * inputs["odb"].tokens * self._odb_parameters
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         """odb's learning rate by progress: a ``LambdaLR`` that reads it (each step also sets it
@@ -251,10 +258,6 @@ class OdbTrainerMixin:
 def _model_path(model) -> str:
     path = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
     return path or "host model"
-
-
-def _strategy(value) -> str:
-    return getattr(value, "value", value)
 
 
 class _OdbCallback(TrainerCallback):

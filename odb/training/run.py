@@ -35,6 +35,7 @@ from odb.training.checkpoint import (
     saved_budgets,
 )
 from odb.training.config import RunConfig
+from odb.training.engine import StepResult
 from odb.training.export import save_hf
 from odb.training.faults import (
     EXIT_PREEMPTED,
@@ -132,14 +133,7 @@ class Trainer:
                 break
             watchdog.progress(f"training ({len(plan.micro_batches)} micro-batches)", step=plan.step)
             samples = [[parts.feed.take(uid) for uid in micro.uids] for micro in plan.micro_batches]
-            result = parts.engine.train_step(plan, samples, self._lr())
-            after = batcher.stats
-            times = StepTimes(wait=after.fetch_s - before.fetch_s, plan=after.plan_s - before.plan_s,
-                              collective=after.collective_s - before.collective_s, step=time.perf_counter() - began,
-                              ended=time.time(), forward=sum(result.forward_seconds))
-            batcher.observe(plan, list(result.forward_seconds))  # the cost fit's (cost_model "fit")
-            telemetry.record(plan, loss_sum=result.loss_sum, lr=result.lr, times=times, aux_sum=result.aux_sum)
-            self._audit(plan)
+            self._record(plan, parts.engine.train_step(plan, samples, self._lr()), began=began, before=before)
             steps_this_run += 1
             if progress is not None:
                 _show(progress, plan, telemetry.last)
@@ -161,6 +155,19 @@ class Trainer:
             self._gather_totals()  # every rank is here: the last round's steps get their metrics rows
             raise Preempted(telemetry.steps_done, preempted)
         return self
+
+    def _record(self, plan: StepPlan, result: StepResult, *, began: float, before: Any) -> None:
+        """Records a trained step: its times (``began``: ``time.perf_counter()`` before its plan was
+        drawn; ``before``: the batcher's stats then), the cost fit's forward times, its metrics row
+        and its audit line."""
+        parts = self._built()
+        after = parts.batcher.stats
+        times = StepTimes(wait=after.fetch_s - before.fetch_s, plan=after.plan_s - before.plan_s,
+                          collective=after.collective_s - before.collective_s, step=time.perf_counter() - began,
+                          ended=time.time(), forward=sum(result.forward_seconds))
+        parts.batcher.observe(plan, list(result.forward_seconds))  # the cost fit's (cost_model "fit")
+        parts.telemetry.record(plan, loss_sum=result.loss_sum, lr=result.lr, times=times, aux_sum=result.aux_sum)
+        self._audit(plan)
 
     def _watched(self) -> Watchdog:
         assert self.watchdog is not None, "call init() first"
