@@ -121,9 +121,10 @@ def load_data_config(path: ConfigSource | None, **overrides: Any) -> DataConfig:
 class SampleDataset(Dataset):
     """Processed samples, indexed by uid (``epoch * len + index``; the epoch seeds augmentation).
 
-    A sample: ``uid``, ``index``, ``input_ids``, ``labels``, ``patches``, ``truncated_tokens`` (the
-    tokens cut to fit ``truncate_to``, 0 when none) and, with images, ``pixel_values`` and
-    ``image_grid_thw``. A record that is skipped: ``{"uid", "index", "skip": reason, "where":
+    A sample: ``uid``, ``index``, ``source`` (0: :attr:`source_names`), ``input_ids``, ``labels``,
+    ``patches``, ``truncated_tokens`` (the tokens cut to fit ``truncate_to``, 0 when none) and, with
+    images, ``pixel_values`` and ``image_grid_thw``. A record that is skipped: ``{"uid", "index",
+    "source", "skip": reason, "where":
     "file:line", "detail", "fatal": strict}``. ``vision`` is the image processor of a vision-language
     model (:func:`odb.training.model.vision_spec`: the model's own, built in each worker on first
     use); None means a text model, which takes no images.
@@ -165,6 +166,13 @@ class SampleDataset(Dataset):
     def __len__(self) -> int:
         return self.size
 
+    source_names: tuple[str, ...] = ("data",)
+    """The sources the samples come from (one here; :class:`odb.data.mixture.MixedDataset` has several)."""
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """``(source, record)``: which source a dataset index is in, and its record there."""
+        return 0, index
+
     def fingerprint(self) -> str:
         """A short hash of which records this dataset holds (its source's and its indices)."""
         chosen = self.indices[:self.size] if self.indices is not None else self.size
@@ -178,16 +186,16 @@ class SampleDataset(Dataset):
                 raise SkipSample(record.error or "error")
             return self._process(uid, index, record.value)
         except SkipSample as skip:
-            return {"uid": uid, "index": index, "skip": skip.reason, "where": record.where,
+            return {"uid": uid, "index": index, "source": 0, "skip": skip.reason, "where": record.where,
                     "detail": str(skip), "fatal": self.config.strict}
         except Exception as err:  # noqa: BLE001 - a worker must not die on one record
-            return {"uid": uid, "index": index, "skip": "error", "where": record.where,
+            return {"uid": uid, "index": index, "source": 0, "skip": "error", "where": record.where,
                     "detail": f"{type(err).__name__}: {err}", "fatal": self.config.strict}
 
     def _process(self, uid: int, index: int, value: dict[str, Any]) -> dict[str, Any]:
         conversation = normalize(value, self.config.format, text_only=self.vision is None)
         messages, images = self._augment_with_images(conversation, random.Random(self.seed * 1_000_003 + uid))
-        sample: dict[str, Any] = {"uid": uid, "index": index, "patches": 0, "truncated_tokens": 0}
+        sample: dict[str, Any] = {"uid": uid, "index": index, "source": 0, "patches": 0, "truncated_tokens": 0}
         if images:
             assert self.vision is not None, "normalize(text_only=True) lets no image through"
             pixel_values, grids = self._load_images(images)
