@@ -17,6 +17,13 @@ the model as it is. Worked example, two samples packed into one row (``T = 5``):
 Samples with images add ``pixel_values`` and ``image_grid_thw``, concatenated in sample order
 (the order of their image tokens in the row).
 
+Asked for (``sources=True``), the row also says which source each sample came from: ``sources``,
+one int64 per sample (its ``source``, an index into the dataset's ``source_names``; 0 for a
+sample without one), beside ``cu_seq_lens_q``; in the example ``sources [s_A, s_B]``.
+:func:`token_sources` spreads it over the row's tokens (``s_A s_A s_A s_B s_B``). It is not the
+model's: the caller takes it out of the batch before the forward (the per-source loss,
+:class:`odb.training.loss.SourceSplit`).
+
 The model shifts labels by one (logits at t predict labels[t+1]), so the -100 at ``b0`` keeps the
 last token of A from being trained to predict the first token of B; varlen attention over
 ``cu_seq_lens_q`` (or per-sample masks built from ``position_ids``) keeps B from attending to A.
@@ -31,7 +38,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-__all__ = ["collate_packed", "collate_padded"]
+__all__ = ["collate_packed", "collate_padded", "token_sources"]
 
 
 def _ids_and_labels(sample: Mapping, max_tokens: int | None) -> tuple[list[int], list[int]]:
@@ -48,17 +55,20 @@ def _ids_and_labels(sample: Mapping, max_tokens: int | None) -> tuple[list[int],
     return ids, [-100] + labels[1:]
 
 
-def collate_packed(samples: Sequence[Mapping], *, max_tokens: int | None = None) -> dict[str, torch.Tensor | int]:
+def collate_packed(samples: Sequence[Mapping], *, max_tokens: int | None = None, sources: bool = False
+                   ) -> dict[str, torch.Tensor | int]:
     """Packs ``samples`` (each with ``input_ids`` and optional ``labels``) into one row.
 
     Args:
         samples: the bin's samples, in order.
         max_tokens: truncate each sample to this many tokens (the over-cap policy 'truncate').
+        sources: add ``sources``, each sample's source (not a model input: take it out before the
+            forward).
 
     Returns:
         ``input_ids``, ``position_ids``, ``labels`` (each ``[1, T]`` int64), ``cu_seq_lens_q`` and
         ``cu_seq_lens_k`` (one ``[n + 1]`` int32 tensor), ``max_length_q`` and ``max_length_k``
-        (int); and the images, if any.
+        (int); the images, if any; with ``sources``, ``sources`` ``[n]`` int64.
     """
     if not samples:
         raise ValueError("cannot collate an empty bin")
@@ -80,8 +90,26 @@ def collate_packed(samples: Sequence[Mapping], *, max_tokens: int | None = None)
         "labels": torch.tensor([labels], dtype=torch.long),
         "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
         "max_length_q": longest, "max_length_k": longest,
-        **_images(samples),
+        **_images(samples), **(_sources(samples) if sources else {}),
     }
+
+
+def _sources(samples: Sequence[Mapping]) -> dict[str, torch.Tensor]:
+    return {"sources": torch.tensor([int(s.get("source", 0)) for s in samples], dtype=torch.long)}
+
+
+def token_sources(batch: Mapping[str, torch.Tensor | int]) -> torch.Tensor:
+    """The source of every token of a collated batch with ``sources``: ``[B, T]`` int64, each
+    sample's over its own tokens (packed: split at ``cu_seq_lens_q``; padded: one source per row,
+    padding included)."""
+    sources_n, labels = batch["sources"], batch["labels"]
+    assert isinstance(sources_n, torch.Tensor) and isinstance(labels, torch.Tensor), "collate with sources=True"
+    bounds = batch.get("cu_seq_lens_q")
+    if bounds is None:  # padded rows
+        return sources_n[:, None].expand(labels.shape).clone()
+    assert isinstance(bounds, torch.Tensor)
+    lengths = (bounds[1:] - bounds[:-1]).to(device=sources_n.device, dtype=torch.long)
+    return torch.repeat_interleave(sources_n, lengths, output_size=labels.shape[1])[None]
 
 
 def _images(samples: Sequence[Mapping]) -> dict[str, torch.Tensor]:
@@ -93,11 +121,11 @@ def _images(samples: Sequence[Mapping]) -> dict[str, torch.Tensor]:
             "image_grid_thw": torch.cat([s["image_grid_thw"] for s in with_images])}
 
 
-def collate_padded(samples: Sequence[Mapping], *, pad_token_id: int, max_tokens: int | None = None
-                   ) -> dict[str, torch.Tensor]:
+def collate_padded(samples: Sequence[Mapping], *, pad_token_id: int, max_tokens: int | None = None,
+                   sources: bool = False) -> dict[str, torch.Tensor]:
     """The same samples as rows padded (on the right) to the longest: ``input_ids``,
     ``attention_mask``, ``position_ids`` and ``labels`` (-100 on padding and first positions),
-    each ``[B, L]``."""
+    each ``[B, L]``; with ``sources``, ``sources`` ``[B]`` (each row's sample's source)."""
     if not samples:
         raise ValueError("cannot collate an empty bin")
     rows = [_ids_and_labels(sample, max_tokens) for sample in samples]
@@ -111,4 +139,4 @@ def collate_padded(samples: Sequence[Mapping], *, pad_token_id: int, max_tokens:
         mask[i, :len(ids)] = 1
     positions = torch.arange(longest).expand(len(rows), longest).clone()
     return {"input_ids": input_ids, "attention_mask": mask, "position_ids": positions, "labels": labels,
-            **_images(samples)}
+            **_images(samples), **(_sources(samples) if sources else {})}

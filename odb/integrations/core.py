@@ -199,6 +199,7 @@ class HostRun(Trainer):
                                       on_reports=self._on_reports, log=self.log, backend=self.host)
         if schedule is not None:
             self.parts = dataclasses.replace(self.parts, schedule=schedule)
+        self._track_sources()  # (a mixture's loss per source, as odb's trainer writes it)
         self.current: HostStep | None = None
         self._stepping = False
 

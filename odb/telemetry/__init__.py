@@ -22,6 +22,11 @@ Run totals: each rank counts what it trained over the whole run (kept across res
 ``summary.json`` (:meth:`Telemetry.summary`). Evaluations (:meth:`Telemetry.record_eval`) are
 rows of their own in ``metrics.jsonl`` (``eval_loss``), written after the training rows of the
 steps before them.
+
+A dataset of several sources (a data mixture, :meth:`Telemetry.set_sources`) adds, on the same
+report and the same final gather, each source's loss and label tokens over log intervals
+(``loss/<source>``, ``label_tokens/<source>`` on the interval's last row) and each source's
+samples and label tokens over the run (``summary.json``'s ``sources``): :mod:`odb.telemetry.sources`.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from odb.data.formats import SKIP_REASONS
 from odb.telemetry.flops import FlopsModel
 from odb.telemetry.reports import STEP_FIELDS, TOTALS, Step, StepReports, StepTimes, report_layout
 from odb.telemetry.rows import eval_row, step_loss, step_row
+from odb.telemetry.sources import SourceIntervals, sources_summary
 from odb.telemetry.totals import TRUNCATION_WARNING_SHARE, RunTotals
 from odb.telemetry.writer import MetricsWriter
 
@@ -89,6 +95,7 @@ class Telemetry:
         self.rank, self.max_tokens, self.dataset_size, self.flops = rank, max_tokens, dataset_size, flops
         self.on_row: Callable[[dict[str, Any]], None] | None = None  # rank 0: told of each step's row once written
         self.steps = StepReports(max_steps=max_steps_per_round, dataset_size=dataset_size)
+        self.sources = SourceIntervals(("data",), every=1, max_steps=max_steps_per_round)
         self.layout = self.steps.layout
         self.totals = RunTotals(rank=rank, dataset_size=dataset_size)
         self.path = output_dir / "metrics.jsonl"
@@ -97,6 +104,7 @@ class Telemetry:
         self.skipped: dict[str, int] = {}
         self.fetched = self.lost = 0
         self.truncated = {"samples": 0, "tokens": 0}
+        self.source_totals: tuple[list[int], list[int]] | None = None  # the final gather's, several sources
         self.losses: list[float] = []  # rank 0: the global loss per token of each step with labels
         self.last: dict[str, Any] = {}  # rank 0: the last metrics row
         self._rows_samples_done = 0  # rank 0: samples_done as of the last row written
@@ -120,6 +128,14 @@ class Telemetry:
         """The rounds whose reports this process completed."""
         return self.totals.this_process["rounds"]
 
+    def set_sources(self, names: tuple[str, ...], *, every: int) -> None:
+        """The dataset's ``source_names``; with several, each source's loss over intervals of
+        ``every`` steps rides on the reports (:mod:`odb.telemetry.sources`). Before the first report."""
+        assert not self.steps.reported and not self.rounds, "set the sources before the first round"
+        self.sources = SourceIntervals(names, every=every, max_steps=self.steps.max_steps)
+        self.layout = self.steps.layout.then(self.sources.layout())
+        self.totals.sources.names = names
+
     # ---- the train loop -------------------------------------------------------------------
 
     def start(self) -> None:
@@ -131,18 +147,23 @@ class Telemetry:
         self.totals.stop()
 
     def record(self, plan: StepPlan, *, loss_sum: float, lr: float, times: StepTimes,
-               aux_sum: float | None = None) -> None:
+               aux_sum: float | None = None, source_loss: tuple[float, ...] = (),
+               source_label_tokens: tuple[int, ...] = (), source_samples: tuple[int, ...] = ()) -> None:
         """This rank trained ``plan`` (call once per step, in order); ``aux_sum``: a MoE model's
-        router loss times real tokens over this rank's micro-batches, None for a dense model."""
+        router loss times real tokens over this rank's micro-batches, None for a dense model;
+        ``source_*``: this rank's summed token loss, label tokens and samples per source id."""
         self.steps.pending.append(Step(plan, loss_sum, lr, times, aux_sum))
         self.totals.record(plan)
+        self.totals.sources.record(source_samples, source_label_tokens)
+        self.sources.record(plan.step, source_loss, source_label_tokens)
 
     def record_eval(self, step: int, *, loss: float | None, label_tokens: int, samples: int, seconds: float,
-                    over_cap: int = 0) -> None:
+                    over_cap: int = 0, sources: Mapping[str, tuple[float | None, int]] | None = None) -> None:
         """An evaluation after step ``step`` (the same on every rank); rank 0 writes its row once
-        the training rows up to that step are written (:func:`odb.telemetry.rows.eval_row`)."""
+        the training rows up to that step are written (:func:`odb.telemetry.rows.eval_row`);
+        ``sources``: per source name its eval loss and label tokens (an eval set of several sources)."""
         row = eval_row(step, loss=loss, label_tokens=label_tokens, samples=samples, seconds=seconds,
-                       over_cap=over_cap)
+                       over_cap=over_cap, sources=sources)
         self.totals.last_eval = row
         if self.writer is not None:
             self.writer.add_eval(row)
@@ -161,7 +182,7 @@ class Telemetry:
         return self.layout.encode(**self._fields(skipped, records))
 
     def _fields(self, skipped: Mapping[str, int], records: Mapping[str, int]) -> dict[str, Any]:
-        return self.steps.fields(self.totals.skipped_before + Counter(skipped), records)
+        return {**self.steps.fields(self.totals.skipped_before + Counter(skipped), records), **self.sources.fields()}
 
     def on_reports(self, reports: np.ndarray) -> list[dict[str, Any]]:
         """Every rank's report of a round ``[world, len]``: rank 0 completes and writes the steps
@@ -186,6 +207,7 @@ class Telemetry:
                           "tokens": int(fields["truncated_tokens"].sum())}
         assert self.steps.covers(fields), "ranks reported different steps"
         reported = self.steps.take_reported()
+        by_source = self.sources.complete(fields)  # the rows that end a log interval: per-source figures
         if self.writer is None:  # only rank 0 writes the rows
             return []
         rows = []
@@ -197,7 +219,7 @@ class Telemetry:
             self._balance += (per_rank["forward_us"].mean(), per_rank["forward_us"].max(), *planned)
             rows.append(step_row(step, per_rank, samples_done=self._rows_samples_done, dataset_size=self.dataset_size,
                                  max_tokens=self.max_tokens, skipped=self.skipped, truncated=self.truncated,
-                                 flops=self.flops))
+                                 flops=self.flops, sources=by_source.get(step.plan.step)))
             if step.plan.num_label_tokens:
                 self.losses.append(step_loss(step, per_rank))
         if rows:
@@ -221,18 +243,25 @@ class Telemetry:
 
     # ---- the end of the run -----------------------------------------------------------------
 
+    def _final_layout(self):
+        return self.layout.then(TOTALS).then(self.totals.sources.layout())
+
     def final_report(self, skipped: Mapping[str, int], *, dropped: int, **records: int) -> np.ndarray:
-        """This rank's vector for the final gather: its last report, then its run totals."""
-        return self.layout.then(TOTALS).encode(**self._fields(skipped, records), **self.totals.counts,
-                                               dropped=dropped)
+        """This rank's vector for the final gather: its last report, then its run totals (and its
+        per-source counts, several sources)."""
+        return self._final_layout().encode(**self._fields(skipped, records), **self.totals.counts,
+                                           dropped=dropped, **self.totals.sources.fields())
 
     def on_final_reports(self, gathered: np.ndarray) -> dict[str, int]:
         """Every rank's final vector: completes the last round's steps; returns the run totals
-        summed over ranks."""
-        fields = self.layout.then(TOTALS).decode(gathered)
+        summed over ranks (the per-source ones kept for :meth:`summary`)."""
+        fields = self._final_layout().decode(gathered)
         self._complete(fields)
         if self.writer is not None:
             self.writer.write_evals()  # the evaluations after the last round's steps
+        if "run_source_samples" in fields:
+            self.source_totals = (fields["run_source_samples"].sum(axis=0).tolist(),
+                                  fields["run_source_label_tokens"].sum(axis=0).tolist())
         return {name: int(fields[name].sum()) for name in TOTALS.scalars}
 
     def summary(self, totals: Mapping[str, int], *, world_size: int, epochs: int | None, rounds: int,
@@ -248,6 +277,8 @@ class Telemetry:
         summary["this_process"]["sync_efficiency"] = round(mean / slowest, 6) if slowest else None
         summary["this_process"]["planned_sync_efficiency"] = (round(planned_mean / planned_slowest, 6)
                                                               if planned_slowest else None)
+        samples, tokens = self.source_totals or ([totals["samples"]], [totals["label_tokens"]])
+        summary["sources"] = sources_summary(self.totals.sources.names, samples, tokens)
         return summary
 
     # ---- state ------------------------------------------------------------------------------

@@ -22,11 +22,12 @@ def step_loss(step: Step, per_rank: Mapping[str, np.ndarray]) -> float:
 
 def step_row(step: Step, per_rank: Mapping[str, np.ndarray], *, samples_done: int, dataset_size: int,
              max_tokens: int, skipped: Mapping[str, int], truncated: Mapping[str, int],
-             flops: FlopsModel | None = None) -> dict[str, Any]:
+             flops: FlopsModel | None = None, sources: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The metrics of a trained step: ``per_rank``: every rank's report fields for it;
     ``samples_done``: the run's samples up to and including it; ``skipped`` / ``truncated``: the
     run's record counts as of its round; ``flops``: the model's, for ``mfu`` (where the device's
-    peak is known)."""
+    peak is known); ``sources``: ``loss/<source>`` and ``label_tokens/<source>`` of the log interval
+    the step ends (:mod:`odb.telemetry.sources`), after ``loss``."""
     plan, step_s = step.plan, step.times.step
     rank_costs = np.array(plan.rank_costs)  # [micro, world]
     rank_tokens = np.array(plan.rank_tokens)
@@ -40,6 +41,7 @@ def step_row(step: Step, per_rank: Mapping[str, np.ndarray], *, samples_done: in
     return {
         "step": plan.step, "epoch": latest if latest >= 0 else plan.epoch, "time": round(step.times.ended, 3),
         "loss": round(loss, 6),
+        **(sources or {}),
         **aux_loss(per_rank["aux_sum_micro"], real),
         "lr": step.lr, "samples": plan.num_samples, "samples_done": samples_done,
         "epochs_done": round(samples_done / max(1, dataset_size), 4),
@@ -86,9 +88,16 @@ def aux_loss(aux_sum_micro: np.ndarray, real_tokens: int) -> dict[str, float]:
 
 
 def eval_row(step: int, *, loss: float | None, label_tokens: int, samples: int, seconds: float,
-             over_cap: int) -> dict[str, Any]:
+             over_cap: int, sources: Mapping[str, tuple[float | None, int]] | None = None) -> dict[str, Any]:
     """An evaluation's row: ``loss`` None (an eval set without label tokens) is written as null, as
-    JSON has no NaN; ``over_cap``: samples over the cap, scored whole."""
-    return {"step": step, "eval_loss": None if loss is None else round(loss, 6), "eval_label_tokens": label_tokens,
-            "eval_samples": samples, "eval_over_cap": over_cap, "eval_s": round(seconds, 3),
-            "time": round(time.time(), 3)}
+    JSON has no NaN; ``over_cap``: samples over the cap, scored whole; ``sources`` (an eval set of
+    several sources): per name its loss and label tokens, as ``eval_loss/<name>`` and
+    ``eval_label_tokens/<name>``."""
+    by_source: dict[str, Any] = {}
+    for name, (source_loss, _) in (sources or {}).items():
+        by_source[f"eval_loss/{name}"] = None if source_loss is None else round(source_loss, 6)
+    for name, (_, tokens) in (sources or {}).items():
+        by_source[f"eval_label_tokens/{name}"] = tokens
+    return {"step": step, "eval_loss": None if loss is None else round(loss, 6), **by_source,
+            "eval_label_tokens": label_tokens, "eval_samples": samples, "eval_over_cap": over_cap,
+            "eval_s": round(seconds, 3), "time": round(time.time(), 3)}

@@ -12,6 +12,7 @@ from typing import Any
 
 from odb.batching.plan import StepPlan
 from odb.telemetry.reports import COUNTS
+from odb.telemetry.sources import SourceTotals
 
 __all__ = ["TRUNCATION_WARNING_SHARE", "RunTotals"]
 
@@ -33,6 +34,7 @@ class RunTotals:
         self.zero_label_steps = 0  # steps whose samples had no label token at all (the same on every rank)
         self.last_eval: dict[str, Any] | None = None  # the latest evaluation's row
         self.fetched_lost = (0, 0)  # the run's, as of the checkpoint (Telemetry keeps them up to date)
+        self.sources = SourceTotals()  # this rank's samples and label tokens per source, whole run
         self.this_process = {"steps": 0, "samples": 0, "rounds": 0, "wall_s": 0.0}
         self._started: float | None = None  # while the train loop runs
 
@@ -128,7 +130,7 @@ class RunTotals:
                 "truncated": dict(self.truncated_before + Counter(truncated)),
                 "zero_label_steps": self.zero_label_steps, "last_eval": self.last_eval,
                 "first_losses": (self.first_losses + losses)[:3],
-                "fetched_lost": list(fetched_lost)}
+                "fetched_lost": list(fetched_lost), "sources": self.sources.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continues the counts of a checkpoint's :meth:`state_dict` (a resumed run)."""
@@ -141,13 +143,15 @@ class RunTotals:
         self.last_eval = state.get("last_eval")
         self.first_losses = list(state["first_losses"])
         self.fetched_lost = tuple(state["fetched_lost"])
+        self.sources.load_state_dict(state.get("sources", {}))  # (none in a checkpoint of an older odb)
 
     @staticmethod
     def redeal_states(states: list[Mapping[str, Any]], world_size: int) -> list[dict[str, Any]]:
         """Every old rank's :meth:`state_dict` as ``world_size`` new ranks' (a resume on another number
-        of ranks): what each rank counted for itself (its totals, skipped and truncated records) is
-        summed on new rank 0, so the run's sums stay; the train-loop time is the old ranks' mean on
-        every new rank, so its mean stays; the run's progress is every rank's alike."""
+        of ranks): what each rank counted for itself (its totals, skipped and truncated records, its
+        per-source counts) is summed on new rank 0, so the run's sums stay; the train-loop time is
+        the old ranks' mean on every new rank, so its mean stays; the run's progress is every rank's
+        alike."""
         totals = {k: sum(s["totals"][k] for s in states) for k in states[0]["totals"]}
         wall_us = totals["wall_us"] // len(states)
         out = []
@@ -156,5 +160,6 @@ class RunTotals:
             out.append({**states[0], "totals": {**mine, "wall_us": wall_us},
                         "skipped": dict(sum((Counter(s["skipped"]) for s in states), Counter())) if r == 0 else {},
                         "truncated": dict(sum((Counter(s.get("truncated", {})) for s in states), Counter()))
-                        if r == 0 else {}})
+                        if r == 0 else {},
+                        "sources": SourceTotals.merged([s.get("sources", {}) for s in states]) if r == 0 else {}})
         return out

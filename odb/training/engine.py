@@ -23,6 +23,12 @@ The token losses come from :mod:`odb.training.loss` (by default): the LM head ap
 the final hidden states, never the row's full fp32 logits; ``loss_chunk_tokens=None`` keeps the
 full-logits loss (:func:`token_loss_sum`), the oracle both are tested against.
 
+Per source (a data mixture): each sample carries ``source``; a micro-batch whose samples come from
+several sources splits its token losses at the samples' bounds into per-source sums
+(:class:`odb.training.loss.SourceSplit`), from the same token losses whose sum it backs: no extra
+forward, no second loss. A step reports them with each source's label tokens and samples
+(:class:`StepResult`); the metrics add them up over ranks and steps (:mod:`odb.telemetry.sources`).
+
 Gradients are reduced across ranks only in the last backward of a step (``backend.backward(loss,
 sync=m == last)``), then one ``backend.step()``. docs/design.md (loss math) records why for DeepSpeed 0.19.8:
 uneven micro-batch counts deadlock at every stage, and ``managed_gradient_accumulation: false``
@@ -43,15 +49,22 @@ import torch
 import torch.nn.functional as F
 
 from odb.batching.plan import StepPlan
-from odb.data.collate import collate_packed, collate_padded
+from odb.data.collate import collate_packed, collate_padded, token_sources
 from odb.training.attention import calls as attention_calls
 from odb.training.backends.base import Backend
-from odb.training.loss import DEFAULT_LOSS_CHUNK_TOKENS, HeadLoss, final_logit_softcap, num_loss_chunks
+from odb.training.loss import (
+    DEFAULT_LOSS_CHUNK_TOKENS,
+    HeadLoss,
+    SourceSplit,
+    SourceSums,
+    final_logit_softcap,
+    num_loss_chunks,
+)
 from odb.training.model import hf_model
 from odb.training.moe import router_loss
 from odb.training.mrope import packed_position_ids
 
-__all__ = ["OdbEngine", "StepResult", "StepTally", "token_loss_sum", "BLANK_IMAGE_TOKENS"]
+__all__ = ["OdbEngine", "StepResult", "StepTally", "sample_source", "token_loss_sum", "BLANK_IMAGE_TOKENS"]
 
 BLANK_IMAGE_TOKENS = 3  # vision start, one image pad (a 2x2-merged 4-patch image), vision end
 
@@ -70,6 +83,13 @@ class StepResult:
     (over all ranks these add up to ``coef * aux_loss``; 0 for a dense model)."""
     forward_seconds: tuple[float, ...] = ()
     """Each micro-batch's forward time (the loss included) on this rank (:class:`ForwardClock`)."""
+    source_loss: tuple[float, ...] = ()
+    """Per source id (a sample's ``source``): this rank's summed token loss of that source's samples
+    (they add up to ``loss_sum``); as long as the largest source id of the step's samples + 1."""
+    source_label_tokens: tuple[int, ...] = ()
+    """Per source id: this rank's label tokens of that source (they add up to ``label_tokens``)."""
+    source_samples: tuple[int, ...] = ()
+    """Per source id: this rank's samples of that source."""
 
 
 class ForwardClock:
@@ -128,6 +148,7 @@ class StepTally:
         self.loss_sum = torch.zeros((), device=engine.device)  # one host sync per step
         self.aux_sum = torch.zeros((), device=engine.device)
         self.label_tokens = 0
+        self.by_source = SourceSums(engine.device)
         self.clock = ForwardClock(engine.device)
 
     def loss(self, micro, samples: Sequence[dict[str, Any]]) -> torch.Tensor:
@@ -138,9 +159,11 @@ class StepTally:
         if micro.is_dummy:
             loss = engine._dummy_loss()
         else:
-            summed, aux = engine._forward_loss(samples, micro.padded, router=self.router)
+            summed, aux = engine._forward_loss(samples, micro.padded, router=self.router, by_source=self.by_source)
             self.loss_sum += summed.detach()
             self.label_tokens += micro.label_tokens
+            for sample, cost in zip(samples, micro.samples, strict=True):
+                self.by_source.count(sample_source(sample), cost.label_tokens)
             loss = summed * self.scale
             if aux is not None:  # coef * aux_{r,m} * T_{r,m} * W / T_s (odb.training.moe)
                 weighted = aux * micro.tokens
@@ -152,21 +175,34 @@ class StepTally:
     def result(self, lr: float) -> StepResult:
         """What the step reports, once every micro-batch's :meth:`loss` has run."""
         seconds = self.clock.seconds()
+        loss, tokens, samples = self.by_source.read()
+        sources = {"source_loss": tuple(loss), "source_label_tokens": tuple(tokens), "source_samples": tuple(samples)}
         if not self.router:
             return StepResult(loss_sum=float(self.loss_sum), label_tokens=self.label_tokens, lr=lr,
-                              forward_seconds=seconds)
+                              forward_seconds=seconds, **sources)
         aux_sum = float(self.aux_sum)
         coef = self.engine.router_loss.coef
         return StepResult(loss_sum=float(self.loss_sum), label_tokens=self.label_tokens, lr=lr, aux_sum=aux_sum,
                           aux_loss=coef * aux_sum / self.step_tokens if self.step_tokens else 0.0,
-                          forward_seconds=seconds)
+                          forward_seconds=seconds, **sources)
 
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def sample_source(sample: dict[str, Any]) -> int:
+    """A processed sample's source id (0 for one without: a single-source dataset's)."""
+    return int(sample.get("source", 0))
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, split: SourceSplit | None = None) -> torch.Tensor:
     """Summed next-token cross entropy of a row batch ``logits [B, T, V]``, ``labels [B, T]``
-    (-100 ignored; the shift happens here: logits at t predict labels at t + 1)."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                           ignore_index=-100, reduction="sum")
+    (-100 ignored; the shift happens here: logits at t predict labels at t + 1); ``split``
+    receives each source's sum of the same token losses (or None)."""
+    if split is None:
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                               ignore_index=-100, reduction="sum")
+    losses_n = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                               ignore_index=-100, reduction="none")  # 0 where ignored
+    split.add(split.predicted()[:, :-1].flatten(), losses_n)
+    return losses_n.sum()
 
 
 class OdbEngine:
@@ -203,17 +239,25 @@ class OdbEngine:
             num_chunks=num_loss_chunks(max_tokens, loss_chunk_tokens), fused=fused_loss)
 
     def _forward_loss(self, samples: Sequence[dict[str, Any]], padded: bool, *, router: bool = False,
-                      truncate: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      truncate: bool = True, by_source: SourceSums | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The summed token loss of ``samples`` in one model call, and with ``router`` (a model with
         a router loss) its router loss ``aux`` over the samples' own tokens (else None); each sample
-        cut to ``max_tokens`` unless ``truncate`` is False."""
+        cut to ``max_tokens`` unless ``truncate`` is False. ``by_source`` gets the loss split by the
+        samples' sources (the call's whole sum where they share one)."""
         is_dummy, blank = not samples, self._needs_blank(samples)
+        present = sorted({sample_source(s) for s in samples})
+        split_rows = by_source is not None and len(present) > 1  # several sources: split the token losses
         samples = [*samples, self._blank_image()] if blank else samples
         cap = self.max_tokens if truncate else None
         if padded or not self.packed:
-            batch = collate_padded(samples, pad_token_id=self.pad_token_id, max_tokens=cap)
+            batch = collate_padded(samples, pad_token_id=self.pad_token_id, max_tokens=cap, sources=split_rows)
         else:
-            batch = collate_packed(samples, max_tokens=cap)
+            batch = collate_packed(samples, max_tokens=cap, sources=split_rows)
+        split = None
+        if split_rows:  # (the blank image, labels all -100, counts as source 0 and adds nothing)
+            split = SourceSplit(token_sources(batch).to(self.device), present)
+            del batch["sources"]  # not the model's
         batch = _to_device(batch, self.device)
         labels = batch.pop("labels")
         if self.vision is not None and "cu_seq_lens_q" in batch:  # each sample's own M-RoPE, text in row 0
@@ -224,24 +268,31 @@ class OdbEngine:
             batch["mm_token_type_ids"] = (batch["input_ids"] == self.model.config.image_token_id).int()
         # a dummy (the blank image alone) has no real token: its router loss over every token, weighed 0
         real = None if is_dummy else _real_tokens(batch, blank=blank)
-        return self._call(batch, labels, router=router, real_tokens=real)
+        summed, aux = self._call(batch, labels, router=router, real_tokens=real, split=split)
+        if split is not None:
+            by_source.add_split(split)
+        elif by_source is not None and present:
+            by_source.add_total(present[0], summed)
+        return summed, aux
 
     def _call(self, batch: dict[str, Any], labels: torch.Tensor, *, router: bool,
-              real_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One model call: the summed token loss and, with ``router``, the router loss over
-        ``real_tokens`` (None: every token)."""
+              real_tokens: torch.Tensor | None = None, split: SourceSplit | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One model call: the summed token loss (``split``: also by source) and, with ``router``,
+        the router loss over ``real_tokens`` (None: every token)."""
         if not router:
-            return self._loss(batch, labels), None
+            return self._loss(batch, labels, split=split), None
         output: dict[str, Any] = {}
 
         def forward():
             output["out"] = self.backend(**batch, use_cache=False, **self.router_loss.call_kwargs)
             return output["out"]
 
-        summed = self._loss(batch, labels, forward)
+        summed = self._loss(batch, labels, forward, split=split)
         return summed, self.router_loss(output["out"], real_tokens, batch.get("attention_mask"))
 
-    def _loss(self, batch: dict[str, Any], labels: torch.Tensor, forward=None) -> torch.Tensor:
+    def _loss(self, batch: dict[str, Any], labels: torch.Tensor, forward=None, *,
+              split: SourceSplit | None = None) -> torch.Tensor:
         """The summed token loss of one model call (through the backend either way; ``forward``:
         the call, when it is not the plain one). The first call checks that the model's attention
         went through odb's (a model that computes attention its own way would attend across the
@@ -249,9 +300,9 @@ class OdbEngine:
         forward = forward or (lambda: self.backend(**batch, use_cache=False))
         before = None if self._attention_seen else sum(attention_calls.values())
         if self.head_loss is None:
-            summed = token_loss_sum(forward().logits, labels)
+            summed = token_loss_sum(forward().logits, labels, split)
         else:
-            summed = self.head_loss.forward_loss(forward, labels)
+            summed = self.head_loss.forward_loss(forward, labels, split)
         if before is not None:
             if sum(attention_calls.values()) == before:
                 raise ValueError(f"{type(self.model).__name__} never called odb's attention in its forward: it "
@@ -336,10 +387,11 @@ class OdbEngine:
 
     @torch.no_grad()
     def eval_step(self, plan: StepPlan, samples: Sequence[Sequence[dict[str, Any]]], *,
-                  truncate: bool = True) -> tuple[float, int]:
+                  truncate: bool = True, by_source: SourceSums | None = None) -> tuple[float, int]:
         """Forwards only, no gradients: the plan's micro-batches as :meth:`train_step` runs them
         (dummies too, so every rank enters ZeRO-3's or FSDP2's parameter gathers alike), no backward, no step.
         ``truncate`` False: samples are scored whole, not cut to ``max_tokens`` (evaluation's over-cap ones).
+        ``by_source``: gets the same figures per source (loss, label tokens, samples).
 
         Returns:
             ``(loss_sum, label_tokens)`` of this rank's real micro-batches: the summed next-token
@@ -353,10 +405,14 @@ class OdbEngine:
             if micro.is_dummy:
                 self._dummy_loss()
                 continue
-            loss_sum += self._forward_loss(micro_samples, micro.padded, truncate=truncate)[0].double()
+            loss_sum += self._forward_loss(micro_samples, micro.padded, truncate=truncate,
+                                           by_source=by_source)[0].double()
             cap = self.max_tokens if truncate else None
             for sample in micro_samples:
-                label_tokens += int((torch.as_tensor(sample["labels"])[1:cap] != -100).sum())
+                tokens = int((torch.as_tensor(sample["labels"])[1:cap] != -100).sum())
+                label_tokens += tokens
+                if by_source is not None:
+                    by_source.count(sample_source(sample), tokens)
         return float(loss_sum), label_tokens
 
 

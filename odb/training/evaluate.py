@@ -30,11 +30,19 @@ sample a few times ``max_tokens`` long fits where a training step does; one far 
 No label token in the whole set (every record skipped, or none with an assistant turn): the loss is
 undefined, ``None`` (``null`` in metrics.jsonl and summary.json), never NaN.
 
+An eval set of several sources (a data mixture) also gets each source's loss, the same sum over
+that source's label tokens only::
+
+    eval_loss/<s> = sum_{r,m,t : src(t) = s} l_{r,m,t} / N_s     N_s = label tokens of source s
+
+from the same forwards (:class:`odb.training.loss.SourceSplit` splits a packed row's token losses at
+its samples' bounds), the per-source sums riding on the same final gather.
+
 Cross-rank sum: one ``all_gather`` of a small int64 vector after the last round, through the eval
 batcher's :class:`~odb.batching.align.Aligner` (the door of every odb collective); the float64 loss
-sum and wall time travel bit-cast to int64. Every rank adds the same gathered loss sums with
-``math.fsum`` (exactly rounded), so every rank computes the identical float and returns the
-identical :class:`EvalResult`.
+sums (the whole set's and, several sources, each source's) and wall time travel bit-cast to
+int64. Every rank adds the same gathered loss sums with ``math.fsum`` (exactly rounded), so every
+rank computes the identical float and returns the identical :class:`EvalResult`.
 
 The eval batcher shares the training batcher's communicator: its collectives (the settings
 check at construction, one per round, the final gather) happen at the same point on every rank,
@@ -61,6 +69,7 @@ from odb.data.feed import SampleFeed
 from odb.data.formats import SKIP_REASONS
 from odb.data.processing import SampleDataset, sample_sizes
 from odb.training.engine import OdbEngine
+from odb.training.loss import SourceSums
 
 __all__ = ["EvalResult", "Evaluator", "eval_batching"]
 
@@ -80,6 +89,8 @@ class EvalResult:
         seconds: wall time of the evaluation (the slowest rank).
         over_cap: of ``samples``, those over ``max_tokens`` (or ``max_patches``), each scored whole
             in a forward of its own.
+        sources: an eval set of several sources: per source name ``(loss, label_tokens)`` of that
+            source's samples alone (loss ``None`` without label tokens); empty for one source.
     """
 
     loss: float | None
@@ -88,6 +99,7 @@ class EvalResult:
     skipped: dict[str, int]
     seconds: float
     over_cap: int = 0
+    sources: dict[str, tuple[float | None, int]] = dataclasses.field(default_factory=dict)
 
 
 def eval_batching(batching: OdbConfig) -> OdbConfig:
@@ -151,17 +163,19 @@ class Evaluator:
         feed = SampleFeed(self.dataset, sample_sizes, num_workers=self.num_workers,
                           prefetch_factor=self.prefetch_factor)
         loss_sum, label_tokens, samples = 0.0, 0, 0  # this rank's
+        names = tuple(self.dataset.source_names)
+        by_source = SourceSums(self.engine.device) if len(names) > 1 else None
         kept = _KeepOverCap(feed)
         try:
             batcher = OnlineBatcher(self.batching, self.comm, dataset_size=len(self.dataset), feed=kept)
             self.engine.backend.train(False)
             for plan in batcher:
                 taken = [[feed.take(uid) for uid in micro.uids] for micro in plan.micro_batches]
-                step_loss, step_tokens = self.engine.eval_step(plan, taken)
+                step_loss, step_tokens = self.engine.eval_step(plan, taken, by_source=by_source)
                 loss_sum += step_loss
                 label_tokens += step_tokens
                 samples += sum(len(micro.samples) for micro in plan.micro_batches)
-            whole_loss, whole_tokens = self._score_whole(batcher.aligner, kept.over_cap, feed)
+            whole_loss, whole_tokens = self._score_whole(batcher.aligner, kept.over_cap, feed, by_source)
             loss_sum, label_tokens = loss_sum + whole_loss, label_tokens + whole_tokens
             samples += len(kept.over_cap)
         finally:
@@ -170,9 +184,11 @@ class Evaluator:
             self.engine.backend.release_cache()
             feed.close()
         return _combine(batcher.aligner, loss_sum, label_tokens, samples, Counter(feed.skipped),
-                        len(kept.over_cap), time.perf_counter() - start)
+                        len(kept.over_cap), time.perf_counter() - start,
+                        sources=None if by_source is None else (names, by_source))
 
-    def _score_whole(self, aligner: Aligner, over_cap: list[SampleCost], feed: SampleFeed) -> tuple[float, int]:
+    def _score_whole(self, aligner: Aligner, over_cap: list[SampleCost], feed: SampleFeed,
+                     by_source: SourceSums | None = None) -> tuple[float, int]:
         """This rank's samples over the caps, each whole in a forward of its own, longest first;
         as many forwards on every rank (dummies where it has fewer): ``(loss_sum, label_tokens)``.
         One gather (collective) of how many each rank holds."""
@@ -184,28 +200,43 @@ class Evaluator:
             plan = StepPlan(epoch=0, step=i, micro_batches=(micro,), num_label_tokens=0, num_samples=0,
                             rank_costs=(), rank_tokens=())  # eval_step reads only the micro-batches
             step_loss, step_tokens = self.engine.eval_step(plan, [[feed.take(s.uid) for s in micro.samples]],
-                                                           truncate=False)
+                                                           truncate=False, by_source=by_source)
             loss_sum += step_loss
             label_tokens += step_tokens
         return loss_sum, label_tokens
 
 
 def _combine(aligner: Aligner, loss_sum: float, label_tokens: int, samples: int, skipped: Counter[str],
-             over_cap: int, seconds: float) -> EvalResult:
+             over_cap: int, seconds: float, *, sources: tuple[tuple[str, ...], SourceSums] | None = None
+             ) -> EvalResult:
     """The one gather: ``[loss_sum bits, label_tokens, samples, seconds bits, over_cap, skipped...]``
-    per rank. The float64 loss sums are added exactly rounded (``math.fsum``): the same inputs give
-    the same float on every rank, whatever the order."""
+    per rank, then with ``sources`` (the names and this rank's sums, several sources) each source's
+    loss sum bits and label tokens. The float64 loss sums are added exactly rounded (``math.fsum``):
+    the same inputs give the same float on every rank, whatever the order."""
     counts = [skipped.get(r, 0) for r in SKIP_REASONS]
     # A reason outside SKIP_REASONS (none today) counts as 'error': raising here, on one rank,
     # would leave the others waiting in the gather.
     counts[SKIP_REASONS.index("error")] += sum(n for r, n in skipped.items() if r not in SKIP_REASONS)
     floats = np.array([loss_sum, seconds], dtype=np.float64).view(np.int64)
-    mine = np.array([floats[0], label_tokens, samples, floats[1], over_cap, *counts], dtype=np.int64)
-    gathered = aligner.gather_reports(mine)  # [world, 5 + len(SKIP_REASONS)]
+    head = [floats[0], label_tokens, samples, floats[1], over_cap, *counts]
+    names: tuple[str, ...] = ()
+    if sources is not None:
+        names, sums = sources
+        source_loss, source_tokens, _ = sums.read()  # (per source id: the eval dataset's own, < len(names))
+        missing = len(names) - len(source_tokens)
+        head += [*np.array(source_loss + [0.0] * missing, dtype=np.float64).view(np.int64),
+                 *source_tokens, *[0] * missing]
+    gathered = aligner.gather_reports(np.array(head, dtype=np.int64))  # [world, 5 + len(SKIP_REASONS) + 2 S]
     total = math.fsum(np.ascontiguousarray(gathered[:, 0]).view(np.float64).tolist())  # exactly rounded
     tokens = int(gathered[:, 1].sum())
+    at, size = 5 + len(SKIP_REASONS), len(names)
+    by_source = {}
+    for s, name in enumerate(names):
+        source_total = math.fsum(np.ascontiguousarray(gathered[:, at + s]).view(np.float64).tolist())
+        source_tokens_s = int(gathered[:, at + size + s].sum())
+        by_source[name] = (source_total / source_tokens_s if source_tokens_s else None, source_tokens_s)
     return EvalResult(
         loss=total / tokens if tokens else None, label_tokens=tokens, samples=int(gathered[:, 2].sum()),
-        skipped={r: int(n) for r, n in zip(SKIP_REASONS, gathered[:, 5:].sum(axis=0)) if n},
+        skipped={r: int(n) for r, n in zip(SKIP_REASONS, gathered[:, 5:at].sum(axis=0)) if n},
         seconds=float(np.ascontiguousarray(gathered[:, 3]).view(np.float64).max()),
-        over_cap=int(gathered[:, 4].sum()))
+        over_cap=int(gathered[:, 4].sum()), sources=by_source)

@@ -44,13 +44,28 @@ Liger's fused linear cross entropy (``liger_kernel``, not a dependency) computes
 its own Triton kernels; :class:`HeadLoss` uses it where it can: importable, a CUDA head that is a
 plain ``nn.Linear`` and is not partitioned by ZeRO-3 (Liger reads the weight directly, and that
 is only the whole weight outside ZeRO-3). Everywhere else the chunked path runs.
+
+Per source (a data mixture: a packed row may hold samples of several sources). The sum splits
+over the sources of the labels as it splits over chunks: with ``src(i)`` the source of the sample
+whose label position ``i`` predicts (``t + 1``, inside the same sample: a sample's first label is
+-100, so no scored position straddles two samples)::
+
+    loss = sum_s L_s        L_s = sum_{i : src(i) = s} CE(cap(W h_i + b), y_i)
+
+A :class:`SourceSplit` passed to the loss gets each ``L_s`` (detached, fp64) from the very token
+losses whose sum is backed: each chunk's losses come out per token (``reduction="none"``, ``[c]``
+instead of one number; the logits are still made and freed chunk by chunk) and are added into
+their sources with one ``index_add``; the full-logits loss does the same over its ``[B, T - 1]``
+losses; Liger's fused loss, which gives only a sum, runs once per source present, on that
+source's scored rows (the same total, and no more logits at once). Without a split (one source in
+the call) nothing changes: the per-source sum is the call's own.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -61,6 +76,8 @@ from torch.utils.checkpoint import checkpoint
 __all__ = [
     "DEFAULT_LOSS_CHUNK_TOKENS",
     "HeadLoss",
+    "SourceSplit",
+    "SourceSums",
     "call_as_forward",
     "chunked_token_loss_sum",
     "final_logit_softcap",
@@ -95,25 +112,106 @@ def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 
 def _chunk_loss(project: Callable[[torch.Tensor], torch.Tensor], hidden_ch: torch.Tensor, labels_c: torch.Tensor,
-                cap: float | None) -> torch.Tensor:
+                cap: float | None, reduction: str = "sum") -> torch.Tensor:
     logits_cv = softcap_logits(project(hidden_ch), cap)
-    return F.cross_entropy(logits_cv.float(), labels_c, ignore_index=-100, reduction="sum")
+    return F.cross_entropy(logits_cv.float(), labels_c, ignore_index=-100, reduction=reduction)
 
 
-def scored_tokens(hidden: torch.Tensor, labels: torch.Tensor, *,
-                  min_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows of ``hidden [B, T, H]`` whose next label counts, and those labels: ``[N, H]``, ``[N]``
-    (the shift inside each row; one host sync for N); then zero rows labelled -100 up to ``min_rows``."""
+class SourceSplit:
+    """Where one model call's token losses go by source (the module docstring's per-source sum).
+
+    Args:
+        sources_bt: ``[B, T]``, the source of every token (:func:`odb.data.collate.token_sources`),
+            on the device of the labels.
+        present: the sources of the call's samples (host ints; the sums are as long as the largest + 1).
+
+    Attributes:
+        sums: ``[max(present) + 1]`` fp64, detached: each source's summed token loss, once the loss
+            has run (0 for a source absent from the call).
+    """
+
+    def __init__(self, sources_bt: torch.Tensor, present: Sequence[int]) -> None:
+        self.sources_bt = sources_bt
+        self.present = tuple(sorted(set(present)))
+        self.sums = torch.zeros(max(self.present) + 1, dtype=torch.float64, device=sources_bt.device)
+
+    def predicted(self) -> torch.Tensor:
+        """``[B, T]``: the source of the label each position predicts (``t + 1``; 0 at the last)."""
+        out = torch.zeros_like(self.sources_bt)
+        out[:, :-1] = self.sources_bt[:, 1:]
+        return out
+
+    def add(self, sources_n: torch.Tensor, losses_n: torch.Tensor) -> None:
+        """Adds token losses ``[n]`` (detached here) into their sources ``[n]``."""
+        self.sums.index_add_(0, sources_n, losses_n.detach().double())
+
+
+class SourceSums:
+    """Per source, over several model calls (a step's micro-batches, an evaluation): the summed
+    token loss (fp64, on the device until :meth:`read`), and the label tokens and samples (counted
+    on the host), each list indexed by source id."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.loss = torch.zeros(0, dtype=torch.float64, device=device)
+        self.label_tokens: list[int] = []
+        self.samples: list[int] = []
+
+    def _grow(self, size: int) -> None:
+        if size > self.loss.numel():
+            self.loss = torch.cat([self.loss, self.loss.new_zeros(size - self.loss.numel())])
+        missing = size - len(self.samples)
+        if missing > 0:
+            self.label_tokens += [0] * missing
+            self.samples += [0] * missing
+
+    def add_split(self, split: SourceSplit) -> None:
+        """A call's per-source sums (:attr:`SourceSplit.sums`)."""
+        self._grow(split.sums.numel())
+        self.loss[:split.sums.numel()] += split.sums
+
+    def add_total(self, source: int, loss: torch.Tensor) -> None:
+        """A call whose samples are all of ``source``: its summed loss (detached here)."""
+        self._grow(source + 1)
+        self.loss[source] += loss.detach().double()
+
+    def count(self, source: int, label_tokens: int) -> None:
+        """One sample of ``source`` with ``label_tokens`` label tokens."""
+        self._grow(source + 1)
+        self.samples[source] += 1
+        self.label_tokens[source] += label_tokens
+
+    def read(self) -> tuple[list[float], list[int], list[int]]:
+        """``(loss, label_tokens, samples)`` per source, as long as the largest source seen + 1
+        (one host sync)."""
+        self._grow(len(self.samples))
+        return self.loss.tolist(), list(self.label_tokens), list(self.samples)
+
+
+def _scored(hidden: torch.Tensor, labels: torch.Tensor, *, min_rows: int = 0, split: SourceSplit | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`scored_tokens`, and with ``split`` the source of each scored row ``[N]`` (0 for the
+    rows added up to ``min_rows``)."""
     if hidden.shape[:2] != labels.shape:
         raise ValueError(f"hidden states {tuple(hidden.shape)} do not match labels {tuple(labels.shape)}")
     shifted_bt = torch.full_like(labels, -100)
     shifted_bt[:, :-1] = labels[:, 1:]
     keep_n = (shifted_bt.flatten() != -100).nonzero().squeeze(1)
     hidden_nh, labels_n = hidden.flatten(0, 1).index_select(0, keep_n), shifted_bt.flatten().index_select(0, keep_n)
+    sources_n = None if split is None else split.predicted().flatten().index_select(0, keep_n)
     missing = min_rows - labels_n.numel()
     if missing > 0:
         hidden_nh = torch.cat([hidden_nh, hidden_nh.new_zeros(missing, hidden_nh.shape[1])])
         labels_n = torch.cat([labels_n, labels_n.new_full((missing,), -100)])
+        if sources_n is not None:
+            sources_n = torch.cat([sources_n, sources_n.new_zeros(missing)])
+    return hidden_nh, labels_n, sources_n
+
+
+def scored_tokens(hidden: torch.Tensor, labels: torch.Tensor, *,
+                  min_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of ``hidden [B, T, H]`` whose next label counts, and those labels: ``[N, H]``, ``[N]``
+    (the shift inside each row; one host sync for N); then zero rows labelled -100 up to ``min_rows``."""
+    hidden_nh, labels_n, _ = _scored(hidden, labels, min_rows=min_rows)
     return hidden_nh, labels_n
 
 
@@ -133,7 +231,8 @@ def call_as_forward(module: torch.nn.Module, function: Callable[..., Any], *args
 
 
 def chunked_token_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
-                           *, num_chunks: int, softcap: float | None = None) -> torch.Tensor:
+                           *, num_chunks: int, softcap: float | None = None,
+                           split: SourceSplit | None = None) -> torch.Tensor:
     """Summed next-token cross entropy, the head applied chunk by chunk (the module docstring's math).
 
     Args:
@@ -143,32 +242,39 @@ def chunked_token_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: Cal
             (:func:`call_as_forward`), its own forward applied to each chunk.
         num_chunks: chunks of the scored tokens; the head's forward runs exactly this many times.
         softcap: the model's final logit soft-capping, applied after the head (None: none).
+        split: receives each source's summed token loss (the module docstring), or None.
 
     Returns:
         The fp32 sum; with gradients enabled each chunk's logits are recomputed in the backward.
     """
     # every chunk non-empty: the same calls and autograd graph on every rank
-    hidden_nh, labels_n = scored_tokens(hidden, labels, min_rows=num_chunks)
+    hidden_nh, labels_n, sources_n = _scored(hidden, labels, min_rows=num_chunks, split=split)
     chunks = partial(_sum_of_chunks, head.forward if isinstance(head, torch.nn.Module) else head,
-                     num_chunks=num_chunks, softcap=softcap)
+                     num_chunks=num_chunks, softcap=softcap, split=split, sources_n=sources_n)
     if isinstance(head, torch.nn.Module):
         return call_as_forward(head, chunks, hidden_nh, labels_n)
     return chunks(hidden_nh, labels_n)
 
 
 def _sum_of_chunks(project: Callable[[torch.Tensor], torch.Tensor], hidden_nh: torch.Tensor, labels_n: torch.Tensor,
-                   *, num_chunks: int, softcap: float | None) -> torch.Tensor:
+                   *, num_chunks: int, softcap: float | None, split: SourceSplit | None = None,
+                   sources_n: torch.Tensor | None = None) -> torch.Tensor:
     rows = labels_n.numel()
     bounds = [rows * k // num_chunks for k in range(num_chunks + 1)]
     recompute = torch.is_grad_enabled()
+    reduction = "sum" if split is None else "none"  # per source: the chunk's token losses [c]
     total = None
     for start, end in zip(bounds, bounds[1:]):
-        args = (project, hidden_nh[start:end], labels_n[start:end], softcap)
+        args = (project, hidden_nh[start:end], labels_n[start:end], softcap, reduction)
         # ZeRO-3: the recomputation runs after the head's pre-backward hook (the loss this call
         # returns carries it), so the weights it saves are gathered, and stay so until the hidden
         # states' gradient is complete (a frozen one a sub-module gathers is held for the head).
         # The RNG state is kept so that a head with dropout (LoRA's) draws the same mask again.
         chunk = checkpoint(_chunk_loss, *args, use_reentrant=False) if recompute else _chunk_loss(*args)
+        if split is not None:
+            assert sources_n is not None
+            split.add(sources_n[start:end], chunk)
+            chunk = chunk.sum()
         total = chunk if total is None else total + chunk
     return total
 
@@ -221,9 +327,11 @@ class HeadLoss:
         self.fused = liger_loss(head, softcap) if fused else None
         self._checked = False
 
-    def forward_loss(self, forward: Callable[[], Any], labels: torch.Tensor) -> torch.Tensor:
+    def forward_loss(self, forward: Callable[[], Any], labels: torch.Tensor, split: SourceSplit | None = None
+                     ) -> torch.Tensor:
         """Runs ``forward()`` (the model call, returning an output with ``.logits``) and returns the
-        fp32 sum of its next-token cross entropy over ``labels [B, T]``."""
+        fp32 sum of its next-token cross entropy over ``labels [B, T]``; ``split`` receives each
+        source's sum (or None)."""
         seen: dict[str, torch.Tensor] = {}
 
         def keep_input(module, args):
@@ -247,9 +355,27 @@ class HeadLoss:
         if not self._checked:
             self._check(seen["raw"], logits)
         if self.fused is not None:
-            return self.fused(*scored_tokens(seen["hidden"], labels, min_rows=1))
+            if split is None:
+                return self.fused(*scored_tokens(seen["hidden"], labels, min_rows=1))
+            return self._fused_by_source(seen["hidden"], labels, split)
         return chunked_token_loss_sum(seen["hidden"], labels, self.head, num_chunks=self.num_chunks,
-                                      softcap=self.softcap)
+                                      softcap=self.softcap, split=split)
+
+    def _fused_by_source(self, hidden: torch.Tensor, labels: torch.Tensor, split: SourceSplit) -> torch.Tensor:
+        """Liger's loss once per source present, on that source's scored rows: their sum is the
+        call's (the sum splits over any partition of the tokens), each part a source's."""
+        assert self.fused is not None
+        hidden_nh, labels_n, sources_n = _scored(hidden, labels, min_rows=1, split=split)
+        assert sources_n is not None
+        total = None
+        for source in split.present:
+            rows_n = (sources_n == source).nonzero().squeeze(1)
+            if not rows_n.numel():
+                continue
+            part = self.fused(hidden_nh.index_select(0, rows_n), labels_n.index_select(0, rows_n))
+            split.sums[source] += part.detach().double()
+            total = part if total is None else total + part
+        return self.fused(hidden_nh, labels_n) if total is None else total
 
     @torch.no_grad()
     def _check(self, raw: torch.Tensor, logits: torch.Tensor) -> None:

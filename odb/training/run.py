@@ -92,12 +92,19 @@ class Trainer:
                                       report=self._report, on_reports=self._on_reports, log=self.log,
                                       watchdog=self.watchdog, load=plan)
         self.config = self.parts.config  # (budgets resolved: the checkpoints' run_config.json holds them)
+        self._track_sources()
         if plan is not None:
             load_checkpoint(self.parts, config, tag, plan, self.log)
         self.log("odb: " + ", ".join(f"{k} {v}" for k, v in self.parts.settings.items()))
         # rank 0's tracker runs, from this process's first step on (a resume's: its checkpoint's)
         self.parts.trackers.start(self.parts.telemetry.steps_done, self.log)
         return self
+
+    def _track_sources(self) -> None:
+        """Tells the telemetry the dataset's sources (a mixture's loss per source, over intervals of
+        ``--log_steps`` steps, every step with 0: :mod:`odb.telemetry.sources`)."""
+        parts = self._built()
+        parts.telemetry.set_sources(tuple(parts.dataset.source_names), every=self.config.logging.log_steps or 1)
 
     # ---- train ------------------------------------------------------------------------------
 
@@ -166,7 +173,9 @@ class Trainer:
                           collective=after.collective_s - before.collective_s, step=time.perf_counter() - began,
                           ended=time.time(), forward=sum(result.forward_seconds))
         parts.batcher.observe(plan, list(result.forward_seconds))  # the cost fit's (cost_model "fit")
-        parts.telemetry.record(plan, loss_sum=result.loss_sum, lr=result.lr, times=times, aux_sum=result.aux_sum)
+        parts.telemetry.record(plan, loss_sum=result.loss_sum, lr=result.lr, times=times, aux_sum=result.aux_sum,
+                               source_loss=result.source_loss, source_label_tokens=result.source_label_tokens,
+                               source_samples=result.source_samples)
         self._audit(plan)
 
     def _watched(self) -> Watchdog:
@@ -226,13 +235,19 @@ class Trainer:
                 "truncated_tokens": stats.truncated_tokens + workers["tokens"]}
 
     def _audit(self, plan: StepPlan) -> None:
+        """The step's audit lines: per micro-batch the samples' ``ids`` (a mixture's: each record's
+        index within its own source; one source: the dataset index), ``sources`` (their source
+        names) and ``epochs`` (each sample's pass over its data)."""
         if self.audit is None:
             return
-        size = len(self._built().dataset)
+        dataset = self._built().dataset
+        size, names = len(dataset), dataset.source_names
         for m, micro in enumerate(plan.micro_batches):
+            located = [dataset.locate(u % size) for u in micro.uids]
+            ids = [record for _, record in located] if len(names) > 1 else [u % size for u in micro.uids]
             # each sample's own epoch: in quota mode a step may mix passes over the data
-            self.audit.write(json.dumps({"epoch": plan.epoch, "step": plan.step, "micro": m,
-                                         "ids": [u % size for u in micro.uids],
+            self.audit.write(json.dumps({"epoch": plan.epoch, "step": plan.step, "micro": m, "ids": ids,
+                                         "sources": [names[source] for source, _ in located],
                                          "epochs": [u // size for u in micro.uids]}) + "\n")
         self.audit.flush()  # a run that fails later still shows what it trained
 
@@ -264,14 +279,17 @@ class Trainer:
         result = parts.evaluator.run()
         telemetry = parts.telemetry
         telemetry.record_eval(telemetry.steps_done - 1, loss=result.loss, label_tokens=result.label_tokens,
-                              samples=result.samples, seconds=result.seconds, over_cap=result.over_cap)
+                              samples=result.samples, seconds=result.seconds, over_cap=result.over_cap,
+                              sources=result.sources)
         self.evaluated_at = telemetry.steps_done
         skipped = f", skipped {result.skipped}" if result.skipped else ""
         whole = f", {result.over_cap} over max_tokens scored whole" if result.over_cap else ""
         loss = f"loss {result.loss:.5f}" if result.loss is not None else \
             "no loss (eval_loss null: no sample has a label token; see the skip reasons)"
+        by_source = "".join(f"; {name} {'-' if value is None else f'{value:.5f}'} ({tokens} label tokens)"
+                            for name, (value, tokens) in result.sources.items())
         self.log(f"eval after step {telemetry.steps_done}: {loss} over {result.samples} samples "
-                 f"({result.label_tokens} label tokens{whole}, {result.seconds:.1f} s{skipped})")
+                 f"({result.label_tokens} label tokens{whole}, {result.seconds:.1f} s{skipped}){by_source}")
 
     # ---- the end ----------------------------------------------------------------------------
 
