@@ -17,7 +17,8 @@ otherwise it is rebuilt. Several processes (the ranks of a node, or nodes sharin
 may start at once: the first creates ``<index>.lock`` and builds, touching the lock as it goes;
 the others print what they wait for and read its index when it appears. A waiter builds the index
 itself (written to a temporary file and renamed, so any reader sees a whole index) when the lock
-stops being touched for ``STALE_S`` or after ``MAX_WAIT_S``: nobody waits forever.
+stops being touched for ``STALE_S`` (the lock is then removed: its process is gone) or after
+``MAX_WAIT_S``: nobody waits forever, nor silently.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class LineIndex:
     """
 
     def __init__(self, array: np.ndarray, path: Path | None) -> None:
+        array = array.view(np.ndarray)  # the same mapped bytes, without np.memmap's cost at every get
         self.array, self.path = array, path
         self.size, self.num_records, num_blank = (int(v) for v in (array[1], array[3], array[4]))
         self.offsets = array[HEADER:HEADER + self.num_records]
@@ -72,7 +74,7 @@ class LineIndex:
 
     def line(self, record: int) -> int:
         """The 1-based line number of record ``record``."""
-        return record + 1 + int(np.searchsorted(self.blank_at, record, side="right"))
+        return record + 1 + (int(self.blank_at.searchsorted(record, side="right")) if len(self.blank_at) else 0)
 
     def identity(self) -> bytes:
         """What the records are, whatever the file's mtime: the record and blank-line counts and
@@ -141,9 +143,12 @@ def _index_at(place: Path, file: Path, stamp: tuple[int, int]) -> LineIndex:
                 continue  # released just now: read its index, or claim the lock
             if seen is None or seen[0] != mtime:
                 seen = (mtime, now)
-            if now - seen[1] > STALE_S or now - waited_since > MAX_WAIT_S:
-                why = f"not touched for {STALE_S:.0f} s" if now - seen[1] > STALE_S else f"{MAX_WAIT_S:.0f} s passed"
-                _say(f"stopped waiting for {lock} ({why}): building the index of {file} here too")
+            if now - seen[1] > STALE_S:  # its process is gone: take the lock over
+                _say(f"removing {lock} of {owner}, not touched for {STALE_S:.0f} s: indexing {file} here")
+                lock.unlink(missing_ok=True)
+                continue
+            if now - waited_since > MAX_WAIT_S:  # still touched, but too long: build alongside
+                _say(f"waited {MAX_WAIT_S:.0f} s for {owner} to index {file}: indexing it here too")
                 return _write(place, build_index(file), file)
             if now - last_report >= REPORT_EVERY_S:
                 _say(f"waiting for {owner} to index {file} (lock {lock}, waited {now - waited_since:.0f} s; "
