@@ -76,7 +76,7 @@ class OdbSettings:
     tokenizer: str | None = None
     """The tokenizer folder; None: the model's folder."""
     audit_ids: bool = False
-    """Write emitted_ids.rank<R>.jsonl (the dataset indices of every micro-batch), as odb's trainer."""
+    """Write emitted_ids.rank<R>.jsonl (every micro-batch's record indices and sources), as odb's trainer."""
     log_steps: int = 0
     """Rank 0 prints odb's line every N steps (0: the host's logging only)."""
 
