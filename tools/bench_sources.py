@@ -11,8 +11,10 @@ list of ``(offset, line)`` tuples, a file opened per get, the fingerprint over t
 ``new`` is :class:`odb.data.sources.Source`. The rank indexes the file (``new``: first with no
 index file, then again reading it), takes the fingerprint, then forks ``--workers`` processes (as
 DataLoader workers are forked) that each time ``--gets`` random gets and then touch every
-record's index entry (what an epoch does). Memory comes from ``/proc/self/smaps_rollup``: USS
-(the pages only that process holds), PSS (shared pages divided among their processes) and RSS.
+record's index entry (what an epoch does). Memory comes from ``/proc/self/smaps_rollup`` (see
+:func:`memory`): the table shows private dirty memory (what only that process holds, and the
+kernel cannot drop) and PSS (shared pages divided among the processes that map them); the JSON
+also has RSS and USS.
 The file stays in the page cache throughout, so the times are CPU, not disk.
 
 Parquet (``--parquet_rows`` rows in 4 row groups): odb's reader (Hugging Face ``datasets``:
@@ -109,11 +111,12 @@ class _RowGroups:
 def records(count: int, seed: int = 0):
     """``count`` chat records of a few hundred bytes, as JSON lines."""
     rng = random.Random(seed)
+    questions = [" ".join(rng.choices(WORDS, k=rng.randint(8, 40))) for _ in range(4096)]
+    answers = [" ".join(rng.choices(WORDS, k=rng.randint(10, 50))) for _ in range(4096)]
     for i in range(count):
-        question = " ".join(rng.choices(WORDS, k=rng.randint(8, 40)))
-        answer = " ".join(rng.choices(WORDS, k=rng.randint(10, 50)))
-        yield json.dumps({"id": i, "messages": [{"role": "user", "content": question},
-                                                {"role": "assistant", "content": answer}]}) + "\n"
+        question, answer = questions[rng.getrandbits(12)], answers[rng.getrandbits(12)]
+        yield (f'{{"id": {i}, "messages": [{{"role": "user", "content": "{question}"}}, '  # plain words: no escapes
+               f'{{"role": "assistant", "content": "{answer}"}}]}}\n')
 
 
 def write_jsonl(path: Path, count: int) -> None:
@@ -128,16 +131,18 @@ def write_jsonl(path: Path, count: int) -> None:
 
 
 def memory() -> dict[str, float]:
-    """This process's memory in MB: RSS, PSS and USS from /proc/self/smaps_rollup (RSS alone from
-    /proc/self/status where the kernel has no rollup)."""
+    """This process's memory in MB from /proc/self/smaps_rollup: RSS, PSS, USS and USS's dirty part
+    (RSS alone from /proc/self/status where the kernel has no rollup). ``private_dirty`` is what
+    only this process holds and the kernel cannot drop; USS also counts clean page-cache pages
+    (a mapped index or Arrow file) that no other process happens to map at that moment."""
     try:
         fields = {line.split(":")[0]: int(line.split()[1]) / 1024 for line in open("/proc/self/smaps_rollup")
                   if line.split(":")[0] in ("Rss", "Pss", "Private_Clean", "Private_Dirty")}
-        return {"rss": fields["Rss"], "pss": fields["Pss"],
-                "uss": fields["Private_Clean"] + fields["Private_Dirty"]}
+        return {"rss": fields["Rss"], "pss": fields["Pss"], "uss": fields["Private_Clean"] + fields["Private_Dirty"],
+                "private_dirty": fields["Private_Dirty"]}
     except OSError:
         rss = next(int(line.split()[1]) / 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
-        return {"rss": rss, "pss": None, "uss": None}
+        return {"rss": rss, "pss": None, "uss": None, "private_dirty": None}
 
 
 def timed_gets(get, size: int, gets: int, seed: int) -> dict[str, float]:
@@ -285,8 +290,9 @@ def table(report: dict) -> str:
     def mb(value):
         return "-" if value is None else f"{value:,.0f}"
 
-    rows = ["| records | reader | index, first (s) | index, reused (s) | fingerprint (s) | rank USS growth (MB) "
-            "| worker USS after gets / after all (MB) | worker PSS after all (MB) | get mean / p99 (us) |",
+    rows = ["| records | reader | index, first (s) | index, reused (s) | fingerprint (s) | rank: private dirty "
+            "growth (MB) | worker: private dirty after gets / after all (MB) | worker: PSS after all (MB) "
+            "| get mean / p99 (us) |",
             "|---|---|---|---|---|---|---|---|---|"]
     for result in report["jsonl"]:
         note = " (extrapolated)" if "extrapolated_from" in result else ""
@@ -295,19 +301,19 @@ def table(report: dict) -> str:
             w = r["workers"][0]
             reuse = "rebuilt" if r["index_reuse_s"] is None else f"{r['index_reuse_s']:.3f}"
             rows.append(f"| {result['records']:,}{note} | {reader} | {r['index_first_s']:.2f} | {reuse} "
-                        f"| {r['fingerprint_s']:.3f} | {mb(r['rank']['uss'] - r['before']['uss'])} "
-                        f"| {mb(w['after_gets']['uss'])} / {mb(w['after_touching_all']['uss'])} "
+                        f"| {r['fingerprint_s']:.3f} | {mb(r['rank']['private_dirty'] - r['before']['private_dirty'])} "
+                        f"| {mb(w['after_gets']['private_dirty'])} / {mb(w['after_touching_all']['private_dirty'])} "
                         f"| {mb(w['after_touching_all']['pss'])} | {w['get_mean_us']:.0f} / {w['get_p99_us']:.0f} |")
     if report.get("parquet"):
         p = report["parquet"]
         rows += ["", f"| Parquet, {p['rows']:,} rows in {p['row_groups']} row groups | import (s) | open (s) "
-                 "| get mean / p99 (us) | USS after gets (MB) |", "|---|---|---|---|---|"]
+                 "| get mean / p99 (us) | private dirty / USS after gets (MB) |", "|---|---|---|---|---|"]
         for label, name in (("datasets_first", "datasets, first open (converts)"),
                             ("datasets_cached", "datasets, a later open (each rank)"),
                             ("pyarrow_row_groups", "pyarrow row groups, 2 kept (not chosen)")):
-            r = p[label]
-            rows.append(f"| {name} | {r['import_s']:.2f} | {r['open_s']:.3f} "
-                        f"| {r['get_mean_us']:,.0f} / {r['get_p99_us']:,.0f} | {mb(r['after_gets']['uss'])} |")
+            r, m = p[label], p[label]["after_gets"]
+            rows.append(f"| {name} | {r['import_s']:.2f} | {r['open_s']:.3f} | {r['get_mean_us']:,.0f} / "
+                        f"{r['get_p99_us']:,.0f} | {mb(m['private_dirty'])} / {mb(m['uss'])} |")
     return "\n".join(rows)
 
 
