@@ -30,11 +30,12 @@ from odb.batching.align import Aligner, Communicator, PeerStopped
 from odb.batching.config import OdbConfig
 from odb.batching.cost import CostModel
 from odb.batching.fit import CostFit, Fitted, Observation
+from odb.batching.mixture import Mixture
 from odb.batching.packer import make_packer
 from odb.batching.plan import Decision, MicroBatch, StepPlan
 from odb.batching.state import Snapshot, decode_state, encode_state
 from odb.batching.stream import UidStream, epoch_order
-from odb.batching.wire import Proposal
+from odb.batching.wire import Layout, Proposal
 
 __all__ = ["BatcherStats", "Feed", "OnlineBatcher", "epoch_order", "features"]  # (epoch_order: odb.batching.stream)
 
@@ -118,7 +119,7 @@ class OnlineBatcher:
                  num_epochs: int = 1, shards: list[list[int]] | None = None,
                  report: Callable[[], np.ndarray] | None = None,
                  on_reports: Callable[[np.ndarray], None] | None = None,
-                 settings: dict[str, Any] | None = None) -> None:
+                 settings: dict[str, Any] | None = None, mixture: Mixture | None = None) -> None:
         if dataset_size < 0 or num_epochs < 1:
             raise ValueError(f"need dataset_size >= 0 and num_epochs >= 1, got {dataset_size}, {num_epochs}")
         self.config, self.feed = config, feed
@@ -126,8 +127,12 @@ class OnlineBatcher:
         self.rank, self.world_size = comm.rank, comm.world_size
         self.dataset_size, self.num_epochs = dataset_size, num_epochs
         self.report, self.on_reports = report, on_reports  # telemetry riding on each round
+        if mixture is not None and (mixture.dataset_size != dataset_size or mixture.quota != (config.mode == "quota")):
+            raise ValueError(f"the mixture covers {mixture.dataset_size} records (quota {mixture.quota}) and the "
+                             f"batcher {dataset_size} (mode {config.mode!r}): build it for this dataset and mode")
+        self.mixture = mixture
         self.stream = UidStream(config, rank=self.rank, world_size=self.world_size, dataset_size=dataset_size,
-                                shards=shards)
+                                shards=shards, mixture=mixture)
         self.cost_model = CostModel.from_config(config)
         self.packer = make_packer(config, self.cost_model)
         self.fit = (CostFit(rank=self.rank, attn_coef=config.attn_coef, patch_coef=config.patch_coef)
@@ -139,7 +144,9 @@ class OnlineBatcher:
         self.capacity = dataset_size if self.packer.is_offline else config.window + config.lookahead
         self.aligner.check_settings({**(settings or {}), **config.to_dict(), "world_size": self.world_size,
                                      "dataset_size": dataset_size, "num_epochs": num_epochs,
-                                     "explicit_shards": shards is not None})
+                                     "explicit_shards": shards is not None,
+                                     "mixture": None if mixture is None else [mixture.sizes, mixture.weights,
+                                                                              mixture.mix_by, mixture.epoch_rule]})
         if config.mode == "quota" and self.stream.total_size == 0:
             raise ValueError("quota mode needs a non-empty dataset")
         self.round_index = self.step_index = 0
@@ -227,13 +234,16 @@ class OnlineBatcher:
                 self._proposal(), max_bins=self.capacity, max_samples=self.capacity, gas=self.config.gas,
                 seed=self.config.seed, epoch=self.epoch, round_index=self.round_index,
                 quota_left=quota_left, stream_left=self.stream.left(), inflight_target=self.stream.inflight_target,
-                report=self.report() if self.report else None,
-                extra=(self.fit.layout, self.fit.fields()) if self.fit is not None else None)
+                stream_ready=self.stream.ready(),
+                report=self.report() if self.report else None, extra=self._extra())
         except PeerStopped:
             if self.fatal is not None:
                 raise self.fatal from None  # this rank's own error, with its message
             raise
+        epoch = self.epoch
         self._apply(decision)
+        if self.mixture is not None and self.epoch == epoch:  # (a new epoch counts afresh)
+            self.mixture.merge(self.aligner.extra)  # after the deal, which drew on the last round's sums
         if self.fit is not None and self.fit.merge(self.aligner.extra):
             self._reprice()
         self._deal()
@@ -241,6 +251,16 @@ class OnlineBatcher:
         self.plan_s += time.perf_counter() - start - waited
         if self.on_reports:
             self.on_reports(self.aligner.reports)
+
+    def _extra(self) -> tuple[Layout, dict[str, Any]] | None:
+        """What rides on the round beside the proposal: the cost fit's times, the mixture's counts."""
+        parts = [(part.layout, part.fields()) for part in (self.fit, self.mixture) if part is not None]
+        if not parts:
+            return None
+        layout, values = parts[0]
+        for more, fields in parts[1:]:
+            layout, values = layout.then(more), {**values, **fields}
+        return layout, values
 
     def _deal(self) -> None:
         uids = self.stream.undealt()
@@ -269,6 +289,8 @@ class OnlineBatcher:
         if len(admitted) < len(uids):
             kept = {s.uid for s in admitted}
             self.feed.forget([u for u in uids if u not in kept])
+        if self.mixture is not None:
+            self.mixture.observe(uids, [(s.uid, s.tokens, s.label_tokens) for s in admitted])
         for outcome, count in outcomes.items():
             self.counts[outcome] += count
         self.observed_cost += sum(s.cost for s in admitted)
@@ -349,7 +371,8 @@ class OnlineBatcher:
             unpacked=list(self.packer.unpacked), queue=list(self.queue),
             observed=(self.observed_cost, self.observed_cost_sq, self.observed_samples),
             counts=dict(self.counts), is_planned=self.is_planned,
-            fit=self.fit.state_dict() if self.fit is not None else None)
+            fit=self.fit.state_dict() if self.fit is not None else None,
+            mixture=self.mixture.state_dict() if self.mixture is not None else None)
         return encode_state(snapshot, num_epochs=self.num_epochs, **self._identity())
 
     def load_state_dict(self, state: dict) -> None:
@@ -363,6 +386,11 @@ class OnlineBatcher:
         self.queue = deque(s.queue)
         self.observed_cost, self.observed_cost_sq, self.observed_samples = s.observed
         self.counts, self.is_planned = {**dict.fromkeys(self.counts, 0), **s.counts}, s.is_planned
+        if (s.mixture is None) != (self.mixture is None):
+            raise ValueError("the state was taken " + ("with" if s.mixture is not None else "without")
+                             + " a weighted data mixture and this run is the other way: resume with the same data")
+        if self.mixture is not None:
+            self.mixture.load_state_dict(s.mixture)
         if self.fit is not None and s.fit is not None:  # (a state of a run without the fit: it starts now)
             self.fit.load_state_dict(s.fit)
             self.cost_model.set_coefficients(*self.fit.coefficients)

@@ -139,7 +139,8 @@ class Decision:
 
 
 def decide(fields: Mapping[str, np.ndarray], *, gas: int, seed: int, epoch: int, round_index: int,
-           quota_left: int | None, stream_left: int | None, inflight_target: int) -> Decision:
+           quota_left: int | None, stream_left: int | None, inflight_target: int,
+           stream_ready: int | None = None) -> Decision:
     """The round decision from the gathered proposals as decoded by
     :func:`odb.batching.wire.proposal_layout` (scalars ``[world]``, arrays ``[world, slots]``), in the
     five phases of the module docstring.
@@ -149,6 +150,7 @@ def decide(fields: Mapping[str, np.ndarray], *, gas: int, seed: int, epoch: int,
         seed, epoch, round_index: seed the permutation of slots shared by all ranks.
         quota_left: samples still to train in quota mode, ``None`` in join mode.
         stream_left: indices not yet dealt (``None``: static shards, nothing to deal).
+        stream_ready: of those, how many may be dealt now (``None``: all; a data mixture's).
         inflight_target: samples each rank should hold or expect (window + lookahead).
 
     Raises:
@@ -157,7 +159,7 @@ def decide(fields: Mapping[str, np.ndarray], *, gas: int, seed: int, epoch: int,
     g = _unpack(fields)
     dealer = Dealer(stream_left, inflight_target, observed_cost=g.fields["observed_cost"].sum(),
                     observed_cost_sq=g.fields["observed_cost_sq"].sum(),
-                    observed_samples=int(g.fields["observed_samples"].sum()))
+                    observed_samples=int(g.fields["observed_samples"].sum()), stream_ready=stream_ready)
     target, is_drain = _target(g, gas, dealer)  # 1
     take, target, cut, is_quota_done = _close_quota(g, target, quota_left, gas)  # 2
     new_indices = [0] * len(take) if is_drain or is_quota_done else _deal(g, dealer, take)  # 3
@@ -216,7 +218,8 @@ def _target(g: _Gathered, gas: int, dealer: Dealer) -> tuple[int, bool]:
     if not active.any():  # drain: every rank's input is used up (nothing is left to deal)
         return _round_up(int(num_bins.max()), gas), True
     target = int(g.fields["num_ready"][active].min()) // gas * gas
-    if target == 0 and num_bins.any() and not any(_deal(g, dealer, np.zeros_like(num_bins))):
+    if target == 0 and num_bins.any() and not any(_deal(g, dealer, np.zeros_like(num_bins))) \
+            and not dealer.is_waiting:
         target = gas  # nothing to wait for: train what there is, so every round makes progress
     # No rank holds a bin and nothing is dealt: T = 0; every active rank fetches more next round.
     return target, False

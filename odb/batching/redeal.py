@@ -26,6 +26,7 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
+from odb.batching.mixture import redeal_mixture
 from odb.batching.state import STATE_VERSION, upgrade_state
 
 __all__ = ["redeal_states"]
@@ -100,12 +101,13 @@ def redeal_states(states: Sequence[dict[str, Any]], world_size: int) -> list[dic
 
     # the cost fit: every rank holds the same window and coefficients; what a rank had not sent yet is lost
     fit = {**copy.deepcopy(first["fit"]), "unsent": []} if first.get("fit") else None
-    epoch, is_planned = first["epoch"], first["is_planned"]
+    epoch, is_planned, reopened = first["epoch"], first["is_planned"], False
     if is_planned and first["config"]["mode"] == "join" and held:
         # the queue held the last epoch's last steps: that epoch is not over until they train
-        epoch, is_planned = epoch - 1, False
+        epoch, is_planned, reopened = epoch - 1, False, True
     elif is_planned and held:
         is_planned = False  # quota mode: the queued samples are planned again, up to the quota
+    mixtures = redeal_mixture([s.get("mixture") for s in states], again, world_size, closed=reopened)
     out = []
     for r in range(world_size):
         out.append({
@@ -117,6 +119,6 @@ def redeal_states(states: Sequence[dict[str, Any]], world_size: int) -> list[dic
             "bins": [], "unpacked": sorted(unpacked[r], key=lambda row: row[0]), "queue": [],
             "observed": observed if r == 0 else [0, 0, 0],
             "counts": counts if r == 0 else dict.fromkeys(counts, 0), "is_planned": is_planned,
-            "fit": fit,
+            "fit": fit, "mixture": mixtures[r],
         })
     return out

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from odb.batching.align import SimulatedGroup
 from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import OdbConfig
+from odb.batching.mixture import Mixture
 from odb.batching.plan import StepPlan
 
 __all__ = ["SimulatedFeed", "SimulationResult", "run_ranks", "simulate"]
@@ -74,18 +75,21 @@ class SimulationResult:
 def simulate(config: OdbConfig, lengths: list[tuple[int, int]], world_size: int, *,
              shards: list[list[int]] | None = None, num_epochs: int = 1,
              max_steps: int | None = None, timeout_s: float = 300.0,
-             train: Callable[[int, StepPlan], list[float]] | None = None) -> SimulationResult:
+             train: Callable[[int, StepPlan], list[float]] | None = None,
+             mixture: Callable[[], Mixture] | None = None) -> SimulationResult:
     """Runs every rank's batcher to the end (or ``max_steps`` steps) over simulated samples
     (``(tokens, patches)`` per dataset index, each rank with its own :class:`SimulatedFeed`).
     ``train(rank, step)``: what a rank does with each step, returning each micro-batch's seconds,
     which the batcher observes (the cost fit, ``cost_model: "fit"``) as it would a trainer's
-    (one rank runs at a time: its time is its own)."""
+    (one rank runs at a time: its time is its own). ``mixture()``: each rank's
+    :class:`~odb.batching.mixture.Mixture` of the records, for a weighted mixture."""
     batchers: list[OnlineBatcher | None] = [None] * world_size
     seconds: list[list[list[float]]] = [[] for _ in range(world_size)]
 
     def rank_main(comm) -> list[StepPlan]:
         batcher = OnlineBatcher(config, comm, dataset_size=len(lengths), feed=SimulatedFeed(lengths),
-                                num_epochs=num_epochs, shards=shards)
+                                num_epochs=num_epochs, shards=shards,
+                                mixture=mixture() if mixture is not None else None)
         batchers[comm.rank] = batcher
         steps = []
         for step in batcher:

@@ -14,6 +14,8 @@ new :class:`Snapshot`, never touching its input. The layout (``STATE_VERSION`` 2
     observed, counts                                               [cost, cost^2, samples]; over-cap counts
     fit                                                            cost_model "fit": coefficients, window
                                                                    (odb.batching.fit); absent or null: none
+    mixture                                                        a weighted data mixture: cursors, counts
+                                                                   (odb.batching.mixture); absent or null: none
 
 ``is_planned``: every step of the run is planned, no round is left; the run itself is over only
 once the queue is empty too (:func:`is_finished`). The last round of a run may plan several
@@ -60,6 +62,7 @@ class Snapshot:
     counts: dict[str, int]  # truncated (samples), truncated_tokens, dropped, skipped
     is_planned: bool  # every step of the run planned: no more rounds (the queue may still hold steps)
     fit: dict[str, Any] | None = None  # cost_model "fit": odb.batching.fit.CostFit.state_dict()
+    mixture: dict[str, Any] | None = None  # a weighted mixture: odb.batching.mixture.Mixture.state_dict()
 
 
 def encode_state(snapshot: Snapshot, *, world_size: int, rank: int, config: dict[str, Any], dataset_size: int,
@@ -74,7 +77,7 @@ def encode_state(snapshot: Snapshot, *, world_size: int, rank: int, config: dict
         "bins": [[list(sample) for sample in samples] for samples in s.bins],
         "unpacked": [list(sample) for sample in s.unpacked],
         "queue": encode_steps(s.queue), "observed": list(s.observed), "counts": dict(s.counts),
-        "is_planned": s.is_planned, "fit": s.fit,
+        "is_planned": s.is_planned, "fit": s.fit, "mixture": s.mixture,
     }
 
 
@@ -110,7 +113,7 @@ def decode_state(state: dict[str, Any], *, world_size: int, rank: int, config: d
         bins=[[SampleCost(*row) for row in samples] for samples in state["bins"]],
         unpacked=[SampleCost(*row) for row in state["unpacked"]], queue=decode_steps(state["queue"]),
         observed=tuple(state["observed"]), counts=dict(state["counts"]), is_planned=state["is_planned"],
-        fit=state.get("fit"))
+        fit=state.get("fit"), mixture=state.get("mixture"))
 
 
 def check_state(state: dict[str, Any], *, world_size: int, rank: int, config: dict[str, Any],

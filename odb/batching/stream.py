@@ -92,19 +92,27 @@ class Dealer:
 
     Args:
         stream_left: indices not dealt yet (``None``: static shards; 0: none left).
+        stream_ready: of those, how many may be dealt now (``None``: all; a data mixture draws only
+            what its measured figures allow, :meth:`odb.batching.mixture.Mixture.drawable`).
         inflight_target: samples a rank should hold or expect (window + lookahead).
         observed_cost, observed_cost_sq, observed_samples: admitted samples, all ranks, whole run.
     """
 
     def __init__(self, stream_left: int | None, inflight_target: int, *, observed_cost, observed_cost_sq,
-                 observed_samples: int) -> None:
-        self.stream_left, self.inflight_target = stream_left, inflight_target
+                 observed_samples: int, stream_ready: int | None = None) -> None:
+        self.stream_left, self.inflight_target, self.stream_ready = stream_left, inflight_target, stream_ready
         self.unit, self.spread = 1, 1.0  # nothing observed yet: cost 1 a sample, spread 1
         if observed_samples:
             mean = observed_cost / observed_samples
             self.unit = max(1, int(mean))
             var = observed_cost_sq / observed_samples - mean * mean
             self.spread = math.sqrt(max(0.0, var)) / mean
+
+    @property
+    def is_waiting(self) -> bool:
+        """Whether indices are left that may not be dealt yet (a data mixture's, until the records in
+        flight are measured): the next rounds deal them."""
+        return self.stream_ready is not None and bool(self.stream_left) and self.stream_ready < self.stream_left
 
     def __call__(self, carry_cost: np.ndarray, carry_samples: np.ndarray, num_pending: np.ndarray) -> list[int]:
         """Counts per rank, from each rank's carried cost and samples and its pending indices ``[world]``."""
@@ -114,6 +122,8 @@ class Dealer:
         room = self.inflight_target - (carry_samples + num_pending)
         loads = carry_cost + num_pending * self.unit
         budget = deal_budget(left, world, self.inflight_target, self.spread)
+        if self.stream_ready is not None:
+            budget = min(budget, self.stream_ready)
         return waterfill(loads.tolist(), self.unit, budget, room.tolist())
 
 
@@ -125,12 +135,18 @@ class UidStream:
         rank, world_size: this rank and the number of ranks.
         dataset_size: samples in the dataset (all ranks).
         shards: optional explicit per-rank lists of dataset indices (static sharding only).
+        mixture: a weighted mixture of sources (:mod:`odb.batching.mixture`, dynamic sharding only):
+            it draws the shared stream instead of the epoch's order.
     """
 
     def __init__(self, config, *, rank: int, world_size: int, dataset_size: int,
-                 shards: list[list[int]] | None = None) -> None:
+                 shards: list[list[int]] | None = None, mixture=None) -> None:
         if shards is not None and config.sharding != "static":
             raise ValueError("explicit shards need sharding='static'")
+        if mixture is not None and config.sharding != "dynamic":
+            raise ValueError("a weighted data mixture needs sharding 'dynamic' (the mixture is drawn round by "
+                             "round from what every rank has measured); set sharding: dynamic")
+        self.mixture = mixture
         self.sharding, self.mode, self.seed = config.sharding, config.mode, config.seed
         self.inflight_target = config.window + config.lookahead  # samples a rank holds or expects
         self.rank, self.world_size, self.dataset_size = rank, world_size, dataset_size
@@ -153,9 +169,16 @@ class UidStream:
         """Indices of the shared stream not dealt yet (``None``: static shards, nothing to deal)."""
         if self.sharding == "static":
             return None
+        if self.mixture is not None:
+            return self.mixture.left()  # (quota mode: what may be drawn now; the stream runs on)
         if self.mode == "quota":
             return 1 << 62  # the stream runs on until the quota closes the run
         return (self.epoch + 1) * self.dataset_size - self.stream_pos
+
+    def ready(self) -> int | None:
+        """Of :meth:`left`, how many may be dealt now (``None``: all of them; a data mixture draws only
+        what its measured figures allow)."""
+        return sum(self.mixture.drawable()) if self.mixture is not None else None
 
     def is_tail(self) -> bool:
         """Whether the rest of the epoch's stream fits in flight on every rank at once."""
@@ -168,11 +191,15 @@ class UidStream:
             return False
         if self.sharding == "static":
             return self.mode == "join" or not self._shard_size()
+        if self.mixture is not None and (self.mode == "quota" or not self.mixture.is_settled):
+            return False  # its last estimates are checked on observed figures first (odb.batching.mixture)
         return self.left() == 0
 
     def is_first_pass_open(self) -> bool:
         """Whether indices of the run's first pass over the data are still to be fetched here."""
-        if self.sharding == "dynamic" and self.stream_pos < self.dataset_size:
+        if self.mixture is not None and self.mixture.is_first_pass_open():
+            return True
+        if self.mixture is None and self.sharding == "dynamic" and self.stream_pos < self.dataset_size:
             return True  # not all dealt yet
         return bool(self.pending) and self.pending[0] < self.dataset_size  # pending is in stream order
 
@@ -186,15 +213,30 @@ class UidStream:
         # nothing observed yet: assume a spread of 1 (coefficient of variation of cost)
         per_rank = self.inflight_target
         total = min(self.world_size * per_rank, deal_budget(self.left(), self.world_size, per_rank, spread=1.0))
+        if self.mixture is not None:
+            total = min(total, self.ready())
         base, extra = divmod(total, self.world_size)
         self.deal([base + (r < extra) for r in range(self.world_size)])
 
     def next_epoch(self) -> None:
         """The epoch is over (nothing of it pending): count the next one; :meth:`start_epoch` starts it."""
         self.epoch += 1
+        if self.mixture is not None:
+            self.mixture.next_epoch()
 
     def deal(self, counts: list[int]) -> None:
         """The next ``sum(counts)`` indices of the shared stream, ``counts[r]`` to rank r in rank order."""
+        if self.mixture is not None:  # every rank draws them all alike, and keeps its own
+            uids = self.mixture.draw(sum(counts))
+            assert len(uids) == sum(counts), f"dealt {sum(counts)} of a mixture that may draw {len(uids)} now"
+            # drawn source by source as their levels call: shuffled (seeded, the same on every rank)
+            # so that each rank's share holds the sources as the whole does, not a run of one
+            order = np.random.default_rng([self.seed, self.epoch, self.stream_pos]).permutation(len(uids))
+            uids = [uids[i] for i in order]
+            at = sum(counts[:self.rank])
+            self._assign(uids[at:at + counts[self.rank]])
+            self.stream_pos += len(uids)
+            return
         start = self.stream_pos + sum(counts[:self.rank])
         self._assign(self._stream_uids(start, start + counts[self.rank]))
         self.stream_pos += sum(counts)

@@ -1,0 +1,214 @@
+"""A weighted data mixture (odb/batching/mixture.py) over simulated ranks: the trained share of
+each source's units against the offline optimum computed from every length up front (a brute
+force over how many records each source trains), exact-once and alignment, resume (also on
+another world size), and every unit (label tokens, tokens, samples)."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from conftest import check_aligned, roundtrip
+from odb.batching.batcher import OnlineBatcher
+from odb.batching.config import OdbConfig
+from odb.batching.mixture import Mixture
+from odb.batching.redeal import redeal_states
+from odb.batching.simulate import SimulatedFeed, run_ranks, simulate
+
+MAX_TOKENS = 2048
+
+
+def make_sources(sizes, ranges, seed=0, skip_every=0):
+    """Token counts per record, source after source (``None``: a record the data layer skips)."""
+    rng = np.random.default_rng(seed)
+    lengths = []
+    for size, (low, high) in zip(sizes, ranges):
+        for i in range(size):
+            skip = skip_every and i % skip_every == skip_every - 1
+            lengths.append(None if skip else (int(rng.integers(low, high)), 0))
+    return lengths
+
+
+def unit(entry, mix_by):
+    """A record's units as SimulatedFeed makes it: ``tokens - 1`` label tokens, none if skipped."""
+    if entry is None:
+        return 0
+    return {"label_tokens": entry[0] - 1, "tokens": entry[0], "samples": 1}[mix_by]
+
+
+def trained(steps, lengths, starts, mix_by):
+    """Units trained per source, and the trained uids."""
+    uids = [u for rank_steps in steps for s in rank_steps for m in s.micro_batches for u in m.uids]
+    size = len(lengths)
+    units = [0] * (len(starts) - 1)
+    for uid in uids:
+        source = int(np.searchsorted(starts, uid % size, side="right")) - 1
+        units[source] += unit(lengths[uid % size], mix_by)
+    return units, uids
+
+
+def oracle(lengths, sizes, weights, seed, mix_by, rule):
+    """The offline optimum: every length known, each source's records in its seeded order pass
+    after pass; the anchor (the largest pass level for 'all', the smallest for 'first') trains one
+    pass, and each other source the number of records (searched, brute force) whose units come
+    nearest its share. Returns the units per source."""
+    weights = np.asarray(weights, dtype=float) / sum(weights)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+
+    def drawn(source, count):  # units of the first draws from ``source``, passes rolling: a prefix sum
+        size = sizes[source]
+        units = [unit(lengths[starts[source] + int(index)], mix_by) for passed in range(-(-count // size))
+                 for index in np.random.default_rng([seed, source, passed]).permutation(size)]
+        return np.concatenate([[0], np.cumsum(units[:count])])
+
+    passes = [drawn(i, n)[n] for i, n in enumerate(sizes)]
+    levels = [p / w for p, w in zip(passes, weights)]
+    level = max(levels) if rule == "all" else min(levels)
+    best = []
+    for i, size in enumerate(sizes):
+        target = weights[i] * level
+        most = size * (2 + int(target // max(1, passes[i])))  # passes enough to pass the target
+        prefix = drawn(i, most)
+        counts = range(size, most + 1) if rule == "all" else range(0, size + 1)
+        best.append(int(min((abs(prefix[n] - target), prefix[n]) for n in counts)[1]))
+    return best
+
+
+def check_epoch(steps, lengths, sizes, rule):
+    """Every uid once; per source each record at least once ('all') or at most once ('first')."""
+    uids = [u for rank_steps in steps for s in rank_steps for m in s.micro_batches for u in m.uids]
+    assert len(uids) == len(set(uids)), "a uid trained twice"
+    size = len(lengths)
+    times = Counter(u % size for u in uids)
+    for index, entry in enumerate(lengths):
+        if entry is None:
+            assert times[index] == 0
+        elif rule == "all":
+            assert times[index] >= 1, f"record {index} never trained"
+        else:
+            assert times[index] <= 1, f"record {index} trained {times[index]} times in one epoch"
+
+
+def run(lengths, sizes, weights, *, world, mix_by="label_tokens", rule="all", seed=0, epochs=1, **config):
+    config = OdbConfig(max_tokens=MAX_TOKENS, window=config.pop("window", 64), cost_model="manual", seed=seed,
+                       **config)
+    quota = config.mode == "quota"
+    return simulate(config, lengths, world, num_epochs=epochs,
+                    mixture=lambda: Mixture(sizes, weights, mix_by=mix_by, epoch_rule=rule, seed=seed, quota=quota))
+
+
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("rule", ["all", "first"])
+@pytest.mark.parametrize("sizes,ranges,weights", [
+    ([300, 100], [(20, 60), (600, 1800)], [0.3, 0.7]),  # lengths 30x apart
+    ([200, 80, 120], [(20, 60), (600, 1800), (100, 300)], [0.2, 0.3, 0.5]),
+])
+def test_trained_shares_match_the_weights_within_one_micro_batch(world, rule, sizes, ranges, weights):
+    lengths = make_sources(sizes, ranges, seed=world, skip_every=37)
+    result = run(lengths, sizes, weights, world=world, rule=rule, seed=world)
+    check_aligned(result.steps)
+    check_epoch(result.steps, lengths, sizes, rule)
+    units, _ = trained(result.steps, lengths, np.cumsum([0] + sizes), "label_tokens")
+    total = sum(units)
+    shares = np.array(units) / total
+    for i, w in enumerate(np.asarray(weights) / sum(weights)):
+        assert abs(units[i] - w * total) <= MAX_TOKENS, (units, shares.round(4).tolist(), weights)
+    best = oracle(lengths, sizes, weights, world, "label_tokens", rule)
+    for got, want in zip(units, best):
+        assert abs(got - want) <= MAX_TOKENS, (units, best)
+
+
+@pytest.mark.parametrize("mix_by", ["tokens", "samples"])
+def test_the_other_units(mix_by):
+    sizes, weights = [150, 60], [0.5, 0.5]
+    lengths = make_sources(sizes, [(20, 60), (600, 1800)], seed=5)
+    result = run(lengths, sizes, weights, world=2, mix_by=mix_by)
+    units, _ = trained(result.steps, lengths, np.cumsum([0] + sizes), mix_by)
+    tolerance = 1 if mix_by == "samples" else MAX_TOKENS
+    assert abs(units[0] - units[1]) <= 2 * tolerance, units
+    assert units == oracle(lengths, sizes, weights, 0, mix_by, "all") or mix_by != "samples"
+
+
+def test_a_second_epoch_mixes_again_on_fresh_passes():
+    sizes, weights = [120, 40], [0.3, 0.7]
+    lengths = make_sources(sizes, [(20, 60), (600, 1800)], seed=2)
+    result = run(lengths, sizes, weights, world=2, epochs=2)
+    check_aligned(result.steps)
+    for epoch in (0, 1):
+        steps = [[s for s in rank if s.epoch == epoch] for rank in result.steps]
+        check_epoch(steps, lengths, sizes, "all")
+        units, _ = trained(steps, lengths, np.cumsum([0] + sizes), "label_tokens")
+        assert abs(units[1] - 0.7 * sum(units)) <= MAX_TOKENS, (epoch, units)
+    _, uids = trained(result.steps, lengths, np.cumsum([0] + sizes), "label_tokens")
+    assert len(uids) == len(set(uids))
+
+
+def test_quota_mode_holds_the_shares_of_what_it_trains():
+    """Quota mode draws to the weights; what trains is that less what the windows hold when the
+    quota closes (mostly the cheap source's records, the packer's fillers): a quota many windows
+    long (6000 samples, windows of 64) trains within one micro-batch of the shares."""
+    sizes, weights = [100, 50], [0.4, 0.6]
+    lengths = make_sources(sizes, [(20, 60), (600, 1800)], seed=3)
+    result = run(lengths, sizes, weights, world=2, mode="quota", quota=6000)
+    check_aligned(result.steps)
+    units, uids = trained(result.steps, lengths, np.cumsum([0] + sizes), "label_tokens")
+    assert len(uids) == 6000 and len(set(uids)) == 6000
+    assert abs(units[1] - 0.6 * sum(units)) <= MAX_TOKENS, units
+
+
+def run_to_state(lengths, sizes, weights, world, stop_after, config):
+    """Each rank's batcher state after ``stop_after`` steps (a checkpoint), and the steps before."""
+    def rank_main(comm):
+        batcher = OnlineBatcher(config, comm, dataset_size=len(lengths), feed=SimulatedFeed(lengths),
+                                mixture=Mixture(sizes, weights, seed=config.seed))
+        steps = []
+        for step in batcher:
+            steps.append(step)
+            if len(steps) == stop_after:
+                break
+        return steps, roundtrip(batcher.state_dict())
+
+    out = run_ranks(world, rank_main)
+    return [steps for steps, _ in out], [state for _, state in out]
+
+
+def resume(lengths, sizes, weights, states, config):
+    def rank_main(comm):
+        batcher = OnlineBatcher(config, comm, dataset_size=len(lengths), feed=SimulatedFeed(lengths),
+                                mixture=Mixture(sizes, weights, seed=config.seed))
+        batcher.load_state_dict(states[comm.rank])
+        return list(batcher)
+
+    return run_ranks(len(states), rank_main)
+
+
+@pytest.mark.parametrize("world_after", [2, 3])
+def test_resume_mid_epoch_keeps_the_shares_and_exact_once(world_after):
+    sizes, weights = [200, 60], [0.3, 0.7]
+    lengths = make_sources(sizes, [(20, 60), (600, 1800)], seed=4, skip_every=29)
+    config = OdbConfig(max_tokens=MAX_TOKENS, window=64, cost_model="manual", seed=4)
+    whole = simulate(config, lengths, 2, mixture=lambda: Mixture(sizes, weights, seed=4))
+    before, states = run_to_state(lengths, sizes, weights, 2, stop_after=6, config=config)
+    if world_after != 2:
+        states = redeal_states(states, world_after)
+    after = resume(lengths, sizes, weights, states, config)
+    check_aligned(after)
+    steps = [before[r] if r < len(before) else [] for r in range(max(2, world_after))]
+    steps = [steps[r] + (after[r] if r < len(after) else []) for r in range(len(steps))]
+    check_epoch(steps, lengths, sizes, "all")
+    units, uids = trained(steps, lengths, np.cumsum([0] + sizes), "label_tokens")
+    assert abs(units[1] - 0.7 * sum(units)) <= MAX_TOKENS, units
+    if world_after == 2:  # the same ranks: the very plans the uninterrupted run made
+        assert [[(s.step, [m.uids for m in s.micro_batches]) for s in rank] for rank in steps] == \
+               [[(s.step, [m.uids for m in s.micro_batches]) for s in rank] for rank in whole.steps]
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="weights must be > 0"):
+        Mixture([3, 4], [1.0, 0.0])
+    with pytest.raises(ValueError, match="mix_by"):
+        Mixture([3, 4], [1.0, 1.0], mix_by="bytes")
+    config = OdbConfig(max_tokens=64, window=8, sharding="static")
+    with pytest.raises(ValueError, match="sharding 'dynamic'"):
+        run_ranks(1, lambda comm: OnlineBatcher(config, comm, dataset_size=7, feed=SimulatedFeed([(5, 0)] * 7),
+                                                mixture=Mixture([3, 4], [1.0, 1.0])))
