@@ -38,7 +38,7 @@ __all__ = ["LineIndex", "load_line_index"]
 VERSION = 0x6F6462_0001  # "odb", format 1
 HEADER = 9
 SUFFIX = ".odb-index.npy"
-CHUNK_BYTES = 8 << 20
+CHUNK_BYTES = 1 << 20
 STALE_S = 60.0  # a lock not touched for this long belongs to a process that is gone
 MAX_WAIT_S = 900.0  # the longest any process waits for another's index before building its own
 REPORT_EVERY_S = 30.0
@@ -186,20 +186,19 @@ def build_index(file: Path, *, touch: Path | None = None) -> np.ndarray:
     iteration over a binary file splits it; a blank line is one that ``bytes.strip()`` empties.
     """
     digest = hashlib.sha256()
-    offsets: list[np.ndarray] = []
-    blank_at: list[np.ndarray] = []
-    num_records = 0
+    offsets, blank_at = _Column(), _Column()
     line_start, line_blank = 0, True  # the line still open at the end of the last chunk
     position = 0
     touched = time.monotonic()
+    buffer = np.empty(CHUNK_BYTES, dtype=np.uint8)
     with open(file, "rb", buffering=0) as f:
         stat = os.fstat(f.fileno())
         if stat.st_size >= LARGE_BYTES:
             _say(f"indexing {file} ({stat.st_size / 2**30:.1f} GiB) for random access; done once while the "
                  "file is unchanged")
-        while chunk := f.read(CHUNK_BYTES):
-            digest.update(chunk)
-            buf = np.frombuffer(chunk, dtype=np.uint8)
+        while size := f.readinto(buffer):
+            buf = buffer[:size]
+            digest.update(buf)
             newlines = np.flatnonzero(buf == 10)
             if not len(newlines):
                 line_blank = line_blank and _all_space(buf)
@@ -213,21 +212,40 @@ def build_index(file: Path, *, touch: Path | None = None) -> np.ndarray:
                 keep = ~blank
                 line_starts = starts + position
                 line_starts[0] = line_start
-                offsets.append(line_starts[keep])
-                blank_at.append((num_records + np.cumsum(keep) - keep)[blank])
-                num_records += int(keep.sum())
+                blank_at.extend((offsets.size + np.cumsum(keep) - keep)[blank])
+                offsets.extend(line_starts[keep])
                 line_start = position + int(newlines[-1]) + 1
                 line_blank = _all_space(buf[newlines[-1] + 1:])
-            position += len(chunk)
+            position += size
             if touch is not None and time.monotonic() - touched > TOUCH_EVERY_S:
                 os.utime(touch)
                 touched = time.monotonic()
     if not line_blank:  # a last line without a newline
-        offsets.append(np.array([line_start]))
-        num_records += 1
+        offsets.extend(np.array([line_start]))
     words = np.frombuffer(digest.digest(), dtype=np.int64)
-    header = np.array([VERSION, stat.st_size, stat.st_mtime_ns, num_records, sum(map(len, blank_at))], np.int64)
-    return np.concatenate([header, words, *offsets, *blank_at]).astype(np.int64, copy=False)
+    header = np.array([VERSION, stat.st_size, stat.st_mtime_ns, offsets.size, blank_at.size], np.int64)
+    return np.concatenate([header, words, offsets.values(), blank_at.values()])
+
+
+class _Column:
+    """An int64 column appended to in place. Its storage doubles, from 32 MiB (virtual until
+    written): allocations that large are mapped apart and go back to the system when freed, where
+    a list of per-chunk pieces would stay in the allocator's heap (measured: 80 MB at 10M records)."""
+
+    def __init__(self) -> None:
+        self.data, self.size = np.empty(4 << 20, dtype=np.int64), 0
+
+    def extend(self, values: np.ndarray) -> None:
+        end = self.size + len(values)
+        if end > len(self.data):
+            grown = np.empty(max(2 * len(self.data), end), dtype=np.int64)
+            grown[:self.size] = self.data[:self.size]
+            self.data = grown
+        self.data[self.size:end] = values
+        self.size = end
+
+    def values(self) -> np.ndarray:
+        return self.data[:self.size]
 
 
 def _all_space(piece: np.ndarray) -> bool:
