@@ -33,6 +33,7 @@ the nearest valid key.
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,6 +133,8 @@ def _words(action: argparse.Action, value: Any, where: str) -> list[str]:
         raise ValueError(f"{where} takes a value, not a mapping (only the settings files take their keys inline)")
     if isinstance(value, bool):
         raise ValueError(f"{where} takes a value, not {str(value).lower()}")
+    if isinstance(value, (list, tuple)) and action.nargs == "+":  # (e.g. data: a list of sources)
+        return [flag, *(json.dumps(dict(v)) if isinstance(v, Mapping) else str(v) for v in value)]
     if isinstance(value, (list, tuple)):
         value = ",".join(map(str, value))
     return [f"{flag}={value}"]

@@ -217,6 +217,11 @@ class Mixture:
         drawable = sum(self.drawable())
         return drawable if self.is_settled else max(drawable, sum(self.owed(cautious=False)))
 
+    def epoch_estimate(self) -> int:
+        """Records this epoch draws in all: those drawn, and those still owed (an estimate until its
+        last rounds); the same on every rank (a learning-rate schedule's length)."""
+        return sum(self.dealt) + (0 if self.closed else sum(self.owed(cautious=False)))
+
     def draw(self, count: int) -> list[int]:
         """The next positions of the shared stream, as uids, at most ``count`` (fewer when less may
         be drawn now: :meth:`drawable`); the same on every rank."""

@@ -16,12 +16,13 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch.utils.data import Dataset
 
-__all__ = ["MixedDataset"]
+__all__ = ["MixedDataset", "SourceSpec", "parse_source", "parse_sources"]
 
 
 class MixedDataset(Dataset):
@@ -69,3 +70,75 @@ class MixedDataset(Dataset):
         sample = part[(uid // size) * len(part) + record]  # the source's own uid: its pass and record
         sample.update(uid=uid, index=index, source=source)
         return sample
+
+
+_PER_SOURCE = ("format", "train_on", "truncation", "strict", "system_prompts", "system_prompt_prob", "turn_sampling",
+               "image_folder", "min_pixels", "max_pixels")
+"""The processing settings (:class:`odb.data.processing.DataConfig`) a source may set for itself."""
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One named source of a data mixture: where its records are, its weight (None: no weights, the
+    sources are simply laid end to end) and its own processing settings (over ``--data_config``'s)."""
+
+    name: str
+    path: str
+    weight: float | None = None
+    processing: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
+            raise ValueError(f"a source's name must be letters, digits, '-', '_' or '.', got {self.name!r} (it "
+                             "names the source's loss/<name> rows)")
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError(f"source {self.name!r} needs a path (a data file or folder)")
+        if self.weight is not None and (isinstance(self.weight, bool) or not isinstance(self.weight, (int, float))
+                                        or not self.weight > 0):
+            raise ValueError(f"source {self.name!r}: weight must be a number > 0, got {self.weight!r}")
+        unknown = sorted(set(self.processing) - set(_PER_SOURCE))
+        if unknown:
+            raise ValueError(f"source {self.name!r}: unknown key(s) {unknown}; a source may set name, path, weight "
+                             f"and {', '.join(_PER_SOURCE)}")
+        object.__setattr__(self, "processing", dict(self.processing))
+
+
+def parse_source(value: str | Mapping[str, Any]) -> SourceSpec:
+    """A source from ``NAME=PATH``, ``NAME=PATH:WEIGHT``, a JSON object (``{"name": ..., "path":
+    ..., "weight": ..., "train_on": ...}``) or a mapping (a recipe's list item)."""
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--data {value!r} is not a JSON object ({err})") from None
+    if isinstance(value, Mapping):
+        keys = dict(value)
+        if "name" not in keys or "path" not in keys:
+            raise ValueError(f"a data source needs a name and a path, got {sorted(keys)}")
+        name, path, weight = keys.pop("name"), keys.pop("path"), keys.pop("weight", None)
+        return SourceSpec(str(name), str(path), weight, keys)
+    name, sep, rest = str(value).partition("=")
+    if not sep:
+        raise ValueError(f"--data {value!r}: with several sources each is NAME=PATH or NAME=PATH:WEIGHT "
+                         "(e.g. --data chat=data/chat.jsonl:0.3 code=data/code:0.7)")
+    path, colon, weight = rest.rpartition(":")
+    if colon:
+        try:
+            return SourceSpec(name, path, float(weight))
+        except ValueError as err:
+            if "weight" in str(err) or not path:
+                raise
+    return SourceSpec(name, rest)
+
+
+def parse_sources(values: Sequence[str | Mapping[str, Any]]) -> tuple[SourceSpec, ...]:
+    """Several sources (:func:`parse_source`): distinct names, and weights on all or on none."""
+    sources = tuple(parse_source(v) for v in values)
+    names = [s.name for s in sources]
+    if len(set(names)) != len(names):
+        raise ValueError(f"data sources need distinct names, got {names}")
+    weighted = [s.weight is not None for s in sources]
+    if any(weighted) and not all(weighted):
+        raise ValueError("give every data source a weight, or none (then they are laid end to end): "
+                         + ", ".join(f"{s.name}={s.weight}" for s in sources))
+    return sources

@@ -140,12 +140,15 @@ class SampleDataset(Dataset):
         vision: the image processor and vision tokens of a vision-language model; None for a text model.
         indices: the dataset is these records of the source, in this order (e.g. a validation
             split): ``index`` is the position in ``indices``, ``where`` the record's own file:line.
+        cache_dir: where a JSONL file's index goes when the data's folder is read-only
+            (:class:`odb.data.sources.Source`).
     """
 
     def __init__(self, path: str | Path, tokenizer, config: DataConfig = DataConfig(), *, seed: int = 0,
                  max_samples: int | None = None, truncate_to: int | None = None,
-                 vision: VisionSpec | None = None, indices: Sequence[int] | None = None) -> None:
-        self.source = Source(path)
+                 vision: VisionSpec | None = None, indices: Sequence[int] | None = None,
+                 cache_dir: str | Path | None = None) -> None:
+        self.source = Source(path, cache_dir=cache_dir)
         if indices is not None:
             indices = [int(i) for i in indices]
             outside = [i for i in indices if not 0 <= i < len(self.source)]

@@ -22,7 +22,9 @@ import torch
 from odb.batching.align import TorchCommunicator
 from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import AUTO, OdbConfig
+from odb.batching.mixture import Mixture
 from odb.data.feed import SampleFeed
+from odb.data.mixture import MixedDataset, SourceSpec
 from odb.data.processing import SampleDataset, sample_sizes
 from odb.telemetry import Telemetry
 from odb.telemetry.trackers import RunInfo, Trackers
@@ -168,8 +170,12 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
     evaluator = None if eval_dataset is None else Evaluator(
         engine, eval_dataset, batching, watched, num_workers=config.data.num_workers,
         prefetch_factor=config.data.prefetch_factor)
+    mixture = None
+    if config.data.is_weighted:
+        mixture = Mixture(dataset.sizes, [s.weight for s in config.data.sources], mix_by=config.data.mix_by,
+                          epoch_rule=config.data.mix_epoch, seed=batching.seed, quota=batching.mode == "quota")
     batcher = OnlineBatcher(batching, watched, dataset_size=len(dataset), feed=feed, num_epochs=config.run.epochs,
-                            report=report, on_reports=on_reports,
+                            report=report, on_reports=on_reports, mixture=mixture,
                             settings=shared_settings(config, model.config, dataset, eval_dataset))
     planned = batching.quota if batching.mode == "quota" else config.run.epochs * len(dataset)
     schedule = ProgressSchedule(config.optimization.lr, planned, warmup_ratio=config.optimization.warmup_ratio)
@@ -265,6 +271,7 @@ def shared_settings(config: RunConfig, model_config, dataset: SampleDataset,
         "model.loss_chunk_tokens": config.model.loss_chunk_tokens,
         "data.fingerprint": dataset.fingerprint(),
         "data.processing": dataclasses.asdict(config.data.processing),
+        "data.sources": [[s.name, s.weight, dict(s.processing)] for s in config.data.sources],
         "data.image_processor": dataclasses.asdict(dataset.vision) if dataset.vision is not None else None,
         "data.eval_fingerprint": eval_dataset.fingerprint() if eval_dataset is not None else None,
         "data.eval_steps": config.data.eval_steps,
@@ -283,23 +290,36 @@ def _datasets(config: RunConfig, tokenizer, vision, *, truncate_to: int | None
     evaluator scores one over the cap in a forward of its own), so the eval loss does not depend
     on ``max_tokens``."""
     data = config.data
-    common = {"seed": config.seed, "truncate_to": truncate_to, "vision": vision}
-    whole = {**common, "truncate_to": None}
-    plain = dataclasses.replace(data.processing, system_prompt_prob=0.0, turn_sampling=False)
+    sources = data.sources or (SourceSpec("data", data.path),)
+    train, held_out = [], []
+    for number, source in enumerate(sources):
+        processing = dataclasses.replace(data.processing, **source.processing)
+        plain = dataclasses.replace(processing, system_prompt_prob=0.0, turn_sampling=False)
+        common = {"seed": config.seed + 7919 * number, "truncate_to": truncate_to, "vision": vision,
+                  "cache_dir": config.output_dir}
+        whole = {**common, "truncate_to": None}
+        dataset = SampleDataset(source.path, tokenizer, processing, max_samples=data.max_samples, **common)
+        if data.val_ratio:  # each source's own seeded share held out
+            size = len(dataset)
+            held = max(1, round(size * data.val_ratio))
+            if held >= size:
+                raise ValueError(f"--val_ratio {data.val_ratio} of {size} records of {source.path} leaves nothing "
+                                 "to train on; lower it or pass --eval_data")
+            order = np.random.default_rng(config.seed + 7919 * number).permutation(size)
+            val, kept = sorted(order[:held].tolist()), sorted(order[held:].tolist())
+            dataset = SampleDataset(source.path, tokenizer, processing, indices=kept, **common)
+            held_out.append((source.name, SampleDataset(source.path, tokenizer, plain, indices=val, **whole)))
+        train.append((source.name, dataset))
     if data.eval_path is not None:
-        return (SampleDataset(data.path, tokenizer, data.processing, max_samples=data.max_samples, **common),
-                SampleDataset(data.eval_path, tokenizer, plain, **whole))
-    if not data.val_ratio:
-        return SampleDataset(data.path, tokenizer, data.processing, max_samples=data.max_samples, **common), None
-    size = len(SampleDataset(data.path, tokenizer, data.processing, max_samples=data.max_samples, **common))
-    held = max(1, round(size * data.val_ratio))
-    if held >= size:
-        raise ValueError(f"--val_ratio {data.val_ratio} of {size} records leaves nothing to train on; "
-                         "lower it or pass --eval_data")
-    order = np.random.default_rng(config.seed).permutation(size)
-    val, train = sorted(order[:held].tolist()), sorted(order[held:].tolist())
-    return (SampleDataset(data.path, tokenizer, data.processing, indices=train, **common),
-            SampleDataset(data.path, tokenizer, plain, indices=val, **whole))
+        plain = dataclasses.replace(data.processing, system_prompt_prob=0.0, turn_sampling=False)
+        whole = {"seed": config.seed, "truncate_to": None, "vision": vision, "cache_dir": config.output_dir}
+        held_out = [(s.name, SampleDataset(s.path, tokenizer, dataclasses.replace(plain, **s.processing), **whole))
+                    for s in data.eval_sources or (SourceSpec("data", data.eval_path),)]
+
+    def joined(parts):
+        return parts[0][1] if len(parts) == 1 else MixedDataset(parts)
+
+    return joined(train), joined(held_out) if held_out else None
 
 
 def _settings(config: RunConfig, batching: OdbConfig, *, world_size: int, packed: bool, dataset_size: int,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from odb.batching.config import OdbConfig, load_odb_config
+from odb.data.mixture import SourceSpec, parse_sources
 from odb.data.processing import DataConfig, load_data_config
 from odb.recipe import Recipe, bundled_root, load_recipe
 from odb.settings import add_flags, field_docs, flag_values, load_json_config, read_json_object
@@ -107,7 +108,7 @@ def parser(defaults: FileDefaults) -> argparse.ArgumentParser:
                        help=f"{field_docs(ModelSettings)['lora']} The flag alone reads {defaults.lora}.")
     add_flags(p.add_argument_group("model"), ModelSettings, skip=("lora",), defaults={"path": str(defaults.model)})
     data = p.add_argument_group("data")
-    add_flags(data, DataSettings, skip=("processing",), defaults={"path": str(defaults.data)})
+    add_flags(data, DataSettings, skip=("processing", "sources", "eval_sources"), defaults={"path": str(defaults.data)})
     add_flags(data, DataConfig, only=_DATA_OVERRIDES, override=True)
     add_flags(p.add_argument_group("batching: odb's keys, over --odb_config's"), OdbConfig, skip=_TRAINER_SETS,
               override=True)
@@ -199,12 +200,31 @@ def _batching(args: argparse.Namespace, defaults: FileDefaults) -> OdbConfig:
 
 
 def _data(args: argparse.Namespace) -> DataSettings:
-    _need_file(args.data, "data path", "pass --data data/chat.jsonl, or your own file or folder")
+    path, sources = _sources(args.data, "--data", "pass --data data/chat.jsonl, or your own file or folder")
+    eval_path, eval_sources = None, ()
     if args.eval_data is not None:
-        _need_file(args.eval_data, "--eval_data", "pass a validation file or folder, or --val_ratio R instead")
+        eval_path, eval_sources = _sources(args.eval_data, "--eval_data",
+                                           "pass a validation file or folder, or --val_ratio R instead")
+        if any(s.weight is not None for s in eval_sources):
+            raise ValueError("--eval_data sources take no weight (each is scored whole): pass NAME=PATH")
     processing = load_data_config(args.data_config, **flag_values(DataConfig, args, only=_DATA_OVERRIDES,
                                                                   override=True))
-    return DataSettings(processing=processing, **flag_values(DataSettings, args, skip=("processing",)))
+    values = flag_values(DataSettings, args, skip=("processing", "path", "eval_path", "sources", "eval_sources"))
+    return DataSettings(processing=processing, path=path, sources=sources, eval_path=eval_path,
+                        eval_sources=eval_sources, **values)
+
+
+def _sources(values: str | list[str], flag: str, fix: str) -> tuple[str, tuple[SourceSpec, ...]]:
+    """``--data``'s (or ``--eval_data``'s) words: one path, or named sources (:func:`parse_sources`),
+    each of whose paths must exist. Returns the path (for a mixture, its words) and the sources."""
+    words = [values] if isinstance(values, (str, Path)) else list(values)
+    if len(words) == 1 and not str(words[0]).lstrip().startswith("{") and "=" not in str(words[0]):
+        _need_file(words[0], f"{flag} path", fix)
+        return str(words[0]), ()
+    sources = parse_sources(words)
+    for source in sources:
+        _need_file(source.path, f"{flag} source {source.name!r}: path", fix)
+    return " ".join(f"{s.name}={s.path}" + (f":{s.weight:g}" if s.weight is not None else "") for s in sources), sources
 
 
 RUN_RECORDS = ("checkpoints/", "metrics.jsonl", "summary.json", "emitted_ids.rank*.jsonl", "hf/")

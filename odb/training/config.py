@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from odb.batching.config import OdbConfig
+from odb.batching.mixture import MIX_BY, MIX_EPOCH
+from odb.data.mixture import SourceSpec
 from odb.data.processing import DataConfig
 from odb.settings import (
     check,
@@ -118,8 +120,20 @@ class RunSettings:
 class DataSettings:
     """Where records come from and how they become samples."""
 
-    path: str = field(metadata=flag("--data"))
-    """JSONL / JSON / Parquet file or folder: messages, ShareGPT or LLaVA records."""
+    path: str = field(metadata=flag("--data", nargs="+"))
+    """JSONL / JSON / Parquet file or folder (or a datasets.save_to_disk folder): messages, ShareGPT or
+    LLaVA records. Several sources: NAME=PATH:WEIGHT each (weights on all or none; without, they are laid
+    end to end), or a JSON object with name, path, weight and the source's own format, train_on,
+    system_prompts, max_pixels, ... (docs/training.md#data-mixtures)."""
+    sources: tuple[SourceSpec, ...] = ()
+    """The named sources of a mixture (from --data's NAME=PATH:WEIGHT words or a recipe's list); empty:
+    the one source ``path``."""
+    mix_by: str = field(default="label_tokens", metadata=flag(choices=MIX_BY))
+    """What a mixture's weights share out: trained label tokens, tokens, or samples."""
+    mix_epoch: str = field(default="all", metadata=flag(choices=MIX_EPOCH))
+    """A weighted mixture's epoch: 'all' (every record of every source at least once; the others are
+    up-sampled, each repeat a sample of its own) or 'first' (every record at most once; the others are
+    down-sampled, a seeded subset each epoch)."""
     processing: DataConfig = field(default_factory=DataConfig)
     """Format, labels, augmentation, image sizes, strict (``--data_config``)."""
     max_samples: int | None = None
@@ -128,9 +142,11 @@ class DataSettings:
     """DataLoader workers per rank."""
     prefetch_factor: int = 4
     """Samples each DataLoader worker prepares ahead."""
-    eval_path: str | None = field(default=None, metadata=flag("--eval_data"))
+    eval_path: str | None = field(default=None, metadata=flag("--eval_data", nargs="+"))
     """Validation records (same formats as --data), processed as the training data but without
-    augmentation."""
+    augmentation; several sources as NAME=PATH (their loss reported each: eval_loss/NAME)."""
+    eval_sources: tuple[SourceSpec, ...] = ()
+    """The named validation sources (from --eval_data's NAME=PATH words)."""
     val_ratio: float = 0.0
     """Hold out this share of --data for validation instead (a seeded split)."""
     eval_steps: int = 0
@@ -154,6 +170,18 @@ class DataSettings:
                                                      "or --val_ratio R")
         check_int("--num_workers", self.num_workers, 0)
         check_int("--prefetch_factor", self.prefetch_factor, 1)
+        check(self.mix_by in MIX_BY, f"--mix_by must be one of {MIX_BY}, got {self.mix_by!r}")
+        check(self.mix_epoch in MIX_EPOCH, f"--mix_epoch must be one of {MIX_EPOCH}, got {self.mix_epoch!r}")
+        for name, flag_ in (("sources", "--data"), ("eval_sources", "--eval_data")):
+            value = getattr(self, name)
+            check(isinstance(value, (list, tuple)) and all(isinstance(s, SourceSpec) for s in value),
+                  f"{flag_} sources must be a list of named sources (odb.data.mixture.SourceSpec), got {value!r}")
+            object.__setattr__(self, name, tuple(value))
+
+    @property
+    def is_weighted(self) -> bool:
+        """Whether the training data is a weighted mixture (sources with weights)."""
+        return any(s.weight is not None for s in self.sources)
 
 
 @dataclass(frozen=True, kw_only=True)

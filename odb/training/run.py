@@ -190,10 +190,19 @@ class Trainer:
         """The learning rate of the next step, planned over the samples that will train (join
         mode: skipped and dropped records never train); the same on every rank."""
         parts = self._built()
-        total = parts.schedule.total
+        total = self._planned()
         if parts.batching.mode == "join":
             total = planned_to_train(total, fetched=parts.telemetry.fetched, lost=parts.telemetry.lost)
         return parts.schedule(parts.telemetry.samples_done, total)
+
+    def _planned(self) -> int:
+        """Sample visits the run plans: epochs x records, or the quota; a weighted mixture's epoch
+        is as long as its current estimate (:meth:`odb.batching.mixture.Mixture.epoch_estimate`)."""
+        parts = self._built()
+        mixture = parts.batcher.mixture
+        if mixture is not None and parts.batching.mode == "join":
+            return self.config.run.epochs * mixture.epoch_estimate()
+        return parts.schedule.total
 
     def _report(self) -> np.ndarray:
         """This rank's telemetry vector for the next round (its steps, its whole-run counts)."""
@@ -212,7 +221,7 @@ class Trainer:
 
     def _progress_line(self, row: dict[str, Any]) -> str:
         """One step's line for a log without a terminal, as other trainers print them."""
-        total = self._built().schedule.total
+        total = self._planned()
         began, done_before = self._train_began
         elapsed = max(0.0, row["time"] - began)
         done = row["samples_done"]

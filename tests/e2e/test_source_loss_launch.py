@@ -1,13 +1,13 @@
-"""A 2-rank run on a mixture of two named sources (ZeRO-2, the tiny model, the bundled
-tokenizer), through launch/train.py's own run with the mixture built by tests/e2e/source_loss_worker.py:
-``loss/<source>`` and ``label_tokens/<source>`` rows over ``--log_steps`` intervals that add up to
-the rows' own loss and label tokens, the eval loss per source, ``summary.json``'s ``sources``, and
-audit rows whose ``(source, id)`` pairs are every record of each source once."""
+"""2-rank runs on a mixture of named sources (ZeRO-2, the tiny model, the bundled tokenizer),
+through launch/train.py's ``--data NAME=PATH ...``: ``loss/<source>`` and ``label_tokens/<source>``
+rows over ``--log_steps`` intervals that add up to the rows' own loss and label tokens, the eval loss
+per source, ``summary.json``'s ``sources``, and audit rows whose ``(source, id)`` pairs are every
+record of each source once; with weights (``NAME=PATH:WEIGHT``), the trained label tokens of each
+source within one micro-batch of its share, every record at least once."""
 
 from __future__ import annotations
 
 import json
-import os
 import random
 from collections import Counter
 from pathlib import Path
@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 
 from conftest import bundled_tokenizer
-from launch import ROOT, audit, deepspeed, ds_config, odb_config, write_json
+from launch import ROOT, audit, deepspeed, ds_config, odb_config
 from odb.batching.cost import count_label_tokens
 from odb.data.processing import SampleDataset
 
 TOKENIZER = bundled_tokenizer()
-WORKER = Path(__file__).resolve().parent / "source_loss_worker.py"
 WORDS = "apple river quiet rapid garden cloud summer letter hidden golden ticket pencil market orange".split()
 LOG_STEPS = 2
 MAX_TOKENS = 256
@@ -50,22 +49,18 @@ def rows(out: Path) -> list[dict]:
 def mixture_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sources")
     chat = (ROOT / "data" / "chat.jsonl").read_text().splitlines()
-    sources = {"train": [["chat", write_lines(tmp / "chat.jsonl", chat[:30])],
-                         ["short", write_lines(tmp / "short.jsonl", short_records(1, 40))]],
-               "eval": [["chat", write_lines(tmp / "chat_eval.jsonl", chat[30:36])],
-                        ["short", write_lines(tmp / "short_eval.jsonl", short_records(2, 8))]]}
-    spec = write_json(tmp / "mixture.json", sources)
+    train = [["chat", write_lines(tmp / "chat.jsonl", chat[:30])],
+             ["short", write_lines(tmp / "short.jsonl", short_records(1, 40))]]
+    held = [["chat", write_lines(tmp / "chat_eval.jsonl", chat[30:36])],
+            ["short", write_lines(tmp / "short_eval.jsonl", short_records(2, 8))]]
     out = tmp / "run"
-    os.environ["ODB_TEST_MIXTURE"] = str(spec)
-    try:
-        proc = deepspeed(["--deepspeed_config", str(ds_config(tmp, 2)),
-                          "--odb_config", str(odb_config(tmp, max_tokens=MAX_TOKENS, window=16)),
-                          "--data", sources["train"][0][1], "--eval_data", sources["eval"][0][1],
-                          "--output_dir", str(out), "--audit_ids", "--no_final_checkpoint", "--preflight", "off",
-                          "--log_steps", str(LOG_STEPS)], script=WORKER)
-    finally:
-        del os.environ["ODB_TEST_MIXTURE"]
-    datasets = {name: SampleDataset(path, TOKENIZER, truncate_to=MAX_TOKENS) for name, path in sources["train"]}
+    proc = deepspeed(["--deepspeed_config", str(ds_config(tmp, 2)),
+                      "--odb_config", str(odb_config(tmp, max_tokens=MAX_TOKENS, window=16)),
+                      "--data", *(f"{name}={path}" for name, path in train),
+                      "--eval_data", *(f"{name}={path}" for name, path in held),
+                      "--output_dir", str(out), "--audit_ids", "--no_final_checkpoint", "--preflight", "off",
+                      "--log_steps", str(LOG_STEPS)])
+    datasets = {name: SampleDataset(path, TOKENIZER, truncate_to=MAX_TOKENS) for name, path in train}
     return out, proc, datasets
 
 
@@ -113,3 +108,31 @@ def test_the_eval_row_has_each_sources_eval_loss(mixture_run):
     mean = sum(row[f"eval_loss/{name}"] * n for name, n in tokens.items()) / row["eval_label_tokens"]
     assert mean == pytest.approx(row["eval_loss"], abs=2e-6)
     assert "; chat " in proc.stdout and "; short " in proc.stdout  # the eval log line names them
+
+
+def test_a_weighted_mixture_trains_each_sources_share_of_label_tokens(tmp_path):
+    chat = (ROOT / "data" / "chat.jsonl").read_text().splitlines()
+    train = {"chat": write_lines(tmp_path / "chat.jsonl", chat[:40]),
+             "short": write_lines(tmp_path / "short.jsonl", short_records(3, 60))}
+    weights = {"chat": 0.3, "short": 0.7}  # the short records carry far fewer label tokens: up-sampled
+    out = tmp_path / "run"
+    deepspeed(["--deepspeed_config", str(ds_config(tmp_path, 2)),
+               "--odb_config", str(odb_config(tmp_path, max_tokens=MAX_TOKENS, window=16)),
+               "--data", *(f"{name}={path}:{weights[name]}" for name, path in train.items()),
+               "--output_dir", str(out), "--audit_ids", "--no_final_checkpoint", "--preflight", "off"])
+    datasets = {name: SampleDataset(path, TOKENIZER, truncate_to=MAX_TOKENS) for name, path in train.items()}
+    trained = Counter()
+    times = Counter()
+    for m in (m for rank in audit(out, 2) for m in rank):
+        for source, i in zip(m["sources"], m["ids"], strict=True):
+            trained[source] += count_label_tokens(datasets[source][i]["labels"])
+            times[source, i] += 1
+    total = sum(trained.values())
+    for name, weight in weights.items():  # within one micro-batch of the exact share
+        assert abs(trained[name] - weight * total) <= MAX_TOKENS, (dict(trained), weights)
+        assert all(times[name, i] >= 1 for i in range(len(datasets[name])))  # every record at least once
+    summary = json.loads((out / "summary.json").read_text())
+    assert {name: v["label_tokens"] for name, v in summary["sources"].items()} == dict(trained)
+    print(f"shares {{{', '.join(f'{n}: {trained[n] / total:.4f}' for n in weights)}}} of {total} label tokens; "
+          f"short records trained {sum(v for (n, _), v in times.items() if n == 'short')} times for "
+          f"{len(datasets['short'])} records")
