@@ -300,10 +300,12 @@ class LoggingSettings:
     wandb_tags: tuple[str, ...] = field(default=(), metadata=flag(parse=lambda v: tuple(t for t in v.split(",") if t)))
     """W&B tags, comma-separated on the command line."""
     audit_ids: bool = False
-    """Write emitted_ids.rank<R>.jsonl: the dataset indices of every micro-batch."""
+    """Write emitted_ids.rank<R>.jsonl: every micro-batch's record indices (within their source for a
+    mixture), source names and epochs."""
     log_steps: int = 10
     """Rank 0 prints a line every N steps (step, samples, loss, lr, tokens/s, MFU, padding, sync
-    efficiency, elapsed, ETA) where no terminal shows the progress bar (SLURM logs, files); 0: never."""
+    efficiency, elapsed, ETA) where no terminal shows the progress bar (SLURM logs, files); 0: never. A
+    mixture's loss/<source> rows cover the same N steps (every step with 0)."""
 
     def __post_init__(self) -> None:
         names = _names(self.report_to) if isinstance(self.report_to, str) else self.report_to  # (a JSON config's)

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from odb.batching.config import OdbConfig
+from odb.data.mixture import SourceSpec
 from odb.integrations import OdbSettings, host_config
 from odb.training.config import DataSettings
 from odb.training.schedule import ProgressSchedule
@@ -58,6 +59,10 @@ def test_odbs_gas_is_the_hosts_gradient_accumulation_steps():
     held_out = OdbSettings(data=DataSettings(path="data/chat.jsonl", val_ratio=0.1), batching=SETTINGS.batching)
     with pytest.raises(ValueError, match="eval_dataset"):
         host_config(held_out, gas=1, **common)
+    weighted = OdbSettings(data=DataSettings(path="m", sources=(SourceSpec("a", "p", 1.0), SourceSpec("b", "q", 2.0))),
+                           batching=SETTINGS.batching)
+    with pytest.raises(ValueError, match="weighted mixture"):
+        host_config(weighted, gas=1, **common)
     fsdp = host_config(SETTINGS, gas=1, backend="fsdp2", **common)
     assert fsdp.optimization.fsdp2 is not None and not fsdp.optimization.deepspeed
 
