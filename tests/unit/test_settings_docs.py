@@ -25,9 +25,10 @@ from odb.training.config import (
 )
 from odb.training.settings_docs import BEGIN, END, settings_tables
 
-FROM_FILES = {ModelSettings: {"lora"}, DataSettings: {"processing"}, OptimizationSettings: set(backends.NAMES),
-              OdbConfig: {"pad_rows"}}
-"""Fields read from a settings file rather than a flag of their own (odb's pad_rows: the trainer's)."""
+FROM_FILES = {ModelSettings: {"lora"}, DataSettings: {"processing", "sources", "eval_sources"},
+              OptimizationSettings: set(backends.NAMES), OdbConfig: {"pad_rows"}}
+"""Fields read from a settings file rather than a flag of their own (odb's pad_rows: the trainer's; a
+mixture's sources: --data's and --eval_data's words)."""
 SETTINGS = (ModelSettings, DataSettings, OptimizationSettings, RunSettings, CheckpointSettings, LoggingSettings,
             OdbConfig)
 
