@@ -12,9 +12,10 @@ list of ``(offset, line)`` tuples, a file opened per get, the fingerprint over t
 index file, then again reading it), takes the fingerprint, then forks ``--workers`` processes (as
 DataLoader workers are forked) that each time ``--gets`` random gets and then touch every
 record's index entry (what an epoch does). Memory comes from ``/proc/self/smaps_rollup`` (see
-:func:`memory`): the table shows private dirty memory (what only that process holds, and the
-kernel cannot drop) and PSS (shared pages divided among the processes that map them); the JSON
-also has RSS and USS.
+:func:`memory`); the table shows anonymous PSS, the memory a process costs that the kernel cannot
+drop (a page shared copy-on-write with the rank counts by its share), and file PSS, the page-cache
+pages it maps (a memory-mapped index: shared by every process on the node, and reclaimable); for
+workers, the larger of the workers' figures.
 The file stays in the page cache throughout, so the times are CPU, not disk.
 
 Parquet (``--parquet_rows`` rows in 4 row groups): odb's reader (Hugging Face ``datasets``:
@@ -131,18 +132,18 @@ def write_jsonl(path: Path, count: int) -> None:
 
 
 def memory() -> dict[str, float]:
-    """This process's memory in MB from /proc/self/smaps_rollup: RSS, PSS, USS and USS's dirty part
-    (RSS alone from /proc/self/status where the kernel has no rollup). ``private_dirty`` is what
-    only this process holds and the kernel cannot drop; USS also counts clean page-cache pages
-    (a mapped index or Arrow file) that no other process happens to map at that moment."""
+    """This process's memory in MB from /proc/self/smaps_rollup: RSS, PSS, USS and PSS split into
+    anonymous and file-backed pages (RSS alone from /proc/self/status where the kernel has no
+    rollup). Not USS or private dirty for what a process costs: both count the page-cache pages of
+    a file just written (an index) as the process's own while no other process maps them."""
     try:
         fields = {line.split(":")[0]: int(line.split()[1]) / 1024 for line in open("/proc/self/smaps_rollup")
-                  if line.split(":")[0] in ("Rss", "Pss", "Private_Clean", "Private_Dirty")}
+                  if line.split(":")[0] in ("Rss", "Pss", "Pss_Anon", "Pss_File", "Private_Clean", "Private_Dirty")}
         return {"rss": fields["Rss"], "pss": fields["Pss"], "uss": fields["Private_Clean"] + fields["Private_Dirty"],
-                "private_dirty": fields["Private_Dirty"]}
-    except OSError:
+                "pss_anon": fields["Pss_Anon"], "pss_file": fields["Pss_File"]}
+    except (OSError, KeyError):
         rss = next(int(line.split()[1]) / 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
-        return {"rss": rss, "pss": None, "uss": None, "private_dirty": None}
+        return {"rss": rss, "pss": None, "uss": None, "pss_anon": None, "pss_file": None}
 
 
 def timed_gets(get, size: int, gets: int, seed: int) -> dict[str, float]:
@@ -290,31 +291,37 @@ def table(report: dict) -> str:
     def mb(value):
         return "-" if value is None else f"{value:,.0f}"
 
-    rows = ["| records | reader | index, first (s) | index, reused (s) | fingerprint (s) | rank: private dirty "
-            "growth (MB) | worker: private dirty after gets / after all (MB) | worker: PSS after all (MB) "
-            "| get mean / p99 (us) |",
+    rows = ["| records | reader | index, first (s) | index, reused (s) | fingerprint (s) | rank: anon growth (MB) "
+            "| worker: anon after gets / after all (MB) | worker: file after all (MB) | get mean / p99 (us) |",
             "|---|---|---|---|---|---|---|---|---|"]
     for result in report["jsonl"]:
         note = " (extrapolated)" if "extrapolated_from" in result else ""
         for reader in ("old", "new"):
-            r = result[reader]
-            w = r["workers"][0]
+            r, workers = result[reader], result[reader]["workers"]
             reuse = "rebuilt" if r["index_reuse_s"] is None else f"{r['index_reuse_s']:.3f}"
+            anon = None if r["rank"]["pss_anon"] is None else r["rank"]["pss_anon"] - r["before"]["pss_anon"]
+            gets, everything = (_worst(workers, moment, "pss_anon") for moment in ("after_gets", "after_touching_all"))
+            mean_us = sum(w["get_mean_us"] for w in workers) / len(workers)
             rows.append(f"| {result['records']:,}{note} | {reader} | {r['index_first_s']:.2f} | {reuse} "
-                        f"| {r['fingerprint_s']:.3f} | {mb(r['rank']['private_dirty'] - r['before']['private_dirty'])} "
-                        f"| {mb(w['after_gets']['private_dirty'])} / {mb(w['after_touching_all']['private_dirty'])} "
-                        f"| {mb(w['after_touching_all']['pss'])} | {w['get_mean_us']:.0f} / {w['get_p99_us']:.0f} |")
+                        f"| {r['fingerprint_s']:.3f} | {mb(anon)} | {mb(gets)} / {mb(everything)} "
+                        f"| {mb(_worst(workers, 'after_touching_all', 'pss_file'))} "
+                        f"| {mean_us:.0f} / {max(w['get_p99_us'] for w in workers):.0f} |")
     if report.get("parquet"):
         p = report["parquet"]
         rows += ["", f"| Parquet, {p['rows']:,} rows in {p['row_groups']} row groups | import (s) | open (s) "
-                 "| get mean / p99 (us) | private dirty / USS after gets (MB) |", "|---|---|---|---|---|"]
+                 "| get mean / p99 (us) | anon / file after gets (MB) |", "|---|---|---|---|---|"]
         for label, name in (("datasets_first", "datasets, first open (converts)"),
                             ("datasets_cached", "datasets, a later open (each rank)"),
                             ("pyarrow_row_groups", "pyarrow row groups, 2 kept (not chosen)")):
             r, m = p[label], p[label]["after_gets"]
             rows.append(f"| {name} | {r['import_s']:.2f} | {r['open_s']:.3f} | {r['get_mean_us']:,.0f} / "
-                        f"{r['get_p99_us']:,.0f} | {mb(m['private_dirty'])} / {mb(m['uss'])} |")
+                        f"{r['get_p99_us']:,.0f} | {mb(m['pss_anon'])} / {mb(m['pss_file'])} |")
     return "\n".join(rows)
+
+
+def _worst(workers: list[dict], moment: str, key: str) -> float | None:
+    values = [worker[moment][key] for worker in workers]
+    return None if None in values else max(values)
 
 
 def main(argv: list[str] | None = None) -> None:
