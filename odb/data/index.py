@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["LineIndex", "load_line_index"]
+__all__ = ["SUFFIX", "LineIndex", "build_index", "load_line_index", "read_index"]
 
 VERSION = 0x6F6462_0001  # "odb", format 1
 HEADER = 9
