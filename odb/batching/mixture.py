@@ -198,7 +198,12 @@ class Mixture:
         measured mean yet (its first epoch) has at most ``PROBE`` records, or twice what was measured,
         in flight, beyond the first pass it owes whole ("all"): a source guessed cheap is not drawn
         by the hundred before one is measured."""
-        owed = [1 << 62] * len(self.sizes) if self.quota else self.owed()
+        seen = self.seen
+        if self.quota:  # no end; but a source whose whole first pass gave no units is left out
+            owed = [0 if seen["first_fetched"][i] >= size and not seen["first_units"][i] else 1 << 62
+                    for i, size in enumerate(self.sizes)]
+        else:
+            owed = self.owed()
         out = []
         for i, owes in enumerate(owed):
             if not self.prior[i]:

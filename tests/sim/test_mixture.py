@@ -212,3 +212,13 @@ def test_settings_are_checked():
     with pytest.raises(ValueError, match="sharding 'dynamic'"):
         run_ranks(1, lambda comm: OnlineBatcher(config, comm, dataset_size=7, feed=SimulatedFeed([(5, 0)] * 7),
                                                 mixture=Mixture([3, 4], [1.0, 1.0])))
+
+
+@pytest.mark.parametrize("mode", ["join", "quota"])
+def test_a_source_whose_every_record_is_skipped_is_left_out(mode):
+    sizes, weights = [50, 30], [0.5, 0.5]
+    lengths = [None] * 50 + [(40, 0)] * 30
+    result = run(lengths, sizes, weights, world=2, **({"mode": "quota", "quota": 100} if mode == "quota" else {}))
+    check_aligned(result.steps)
+    units, uids = trained(result.steps, lengths, np.cumsum([0] + sizes), "label_tokens")
+    assert units[0] == 0 and len(uids) == len(set(uids)) == (100 if mode == "quota" else 30)
