@@ -234,7 +234,7 @@ class OnlineBatcher:
                 self._proposal(), max_bins=self.capacity, max_samples=self.capacity, gas=self.config.gas,
                 seed=self.config.seed, epoch=self.epoch, round_index=self.round_index,
                 quota_left=quota_left, stream_left=self.stream.left(), inflight_target=self.stream.inflight_target,
-                stream_ready=self.stream.ready(),
+                stream_ready=self.stream.ready(), window=self.config.window,
                 report=self.report() if self.report else None, extra=self._extra())
         except PeerStopped:
             if self.fatal is not None:

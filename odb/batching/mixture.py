@@ -72,15 +72,16 @@ class Mixture:
             raise ValueError(f"a mixture needs one weight per source, got {len(weights)} for {len(sizes)}")
         if any(int(n) < 1 for n in sizes):
             raise ValueError(f"every source of a mixture needs records, got sizes {list(sizes)}")
-        if any(not w > 0 for w in weights):
-            raise ValueError(f"mixture weights must be > 0, got {list(weights)}")
+        if any(not (w > 0 and math.isfinite(w)) for w in weights):
+            raise ValueError(f"mixture weights must be finite and > 0, got {list(weights)}")
         if mix_by not in MIX_BY:
             raise ValueError(f"mix_by must be one of {MIX_BY}, got {mix_by!r}")
         if epoch_rule not in MIX_EPOCH:
             raise ValueError(f"mix_epoch must be one of {MIX_EPOCH}, got {epoch_rule!r}")
         self.sizes = [int(n) for n in sizes]
-        total = float(sum(weights))
-        self.weights = [float(w) / total for w in weights]
+        largest = float(max(weights))
+        total = sum(float(w) / largest for w in weights)
+        self.weights = [float(w) / largest / total for w in weights]
         self.mix_by, self.epoch_rule, self.seed, self.quota = mix_by, epoch_rule, seed, quota
         self.starts = [0]
         for n in self.sizes:
@@ -180,6 +181,8 @@ class Mixture:
         anchor = min(active, key=lambda i: (passes[i] / self.weights[i], i))
         if any(not seen["fetched"][i] and not self.prior[i] for i in active):
             anchor = -1
+        if self.epoch_rule == "first" and anchor >= 0:  # never past the anchor's pass (a light source's
+            level = min(level, passes[anchor] / self.weights[anchor])  # one record would lift it far)
         out = []
         for i, rest in enumerate(rests):
             records = max(0, round((self.weights[i] * level - expected[i]) / means[i])) if i in active else 0

@@ -140,7 +140,7 @@ class Decision:
 
 def decide(fields: Mapping[str, np.ndarray], *, gas: int, seed: int, epoch: int, round_index: int,
            quota_left: int | None, stream_left: int | None, inflight_target: int,
-           stream_ready: int | None = None) -> Decision:
+           stream_ready: int | None = None, window: int | None = None) -> Decision:
     """The round decision from the gathered proposals as decoded by
     :func:`odb.batching.wire.proposal_layout` (scalars ``[world]``, arrays ``[world, slots]``), in the
     five phases of the module docstring.
@@ -151,6 +151,7 @@ def decide(fields: Mapping[str, np.ndarray], *, gas: int, seed: int, epoch: int,
         quota_left: samples still to train in quota mode, ``None`` in join mode.
         stream_left: indices not yet dealt (``None``: static shards, nothing to deal).
         stream_ready: of those, how many may be dealt now (``None``: all; a data mixture's).
+        window: samples a rank's window holds (with ``stream_ready``: whether a rank can still fetch).
         inflight_target: samples each rank should hold or expect (window + lookahead).
 
     Raises:
@@ -160,7 +161,7 @@ def decide(fields: Mapping[str, np.ndarray], *, gas: int, seed: int, epoch: int,
     dealer = Dealer(stream_left, inflight_target, observed_cost=g.fields["observed_cost"].sum(),
                     observed_cost_sq=g.fields["observed_cost_sq"].sum(),
                     observed_samples=int(g.fields["observed_samples"].sum()), stream_ready=stream_ready)
-    target, is_drain = _target(g, gas, dealer)  # 1
+    target, is_drain = _target(g, gas, dealer, window)  # 1
     take, target, cut, is_quota_done = _close_quota(g, target, quota_left, gas)  # 2
     new_indices = [0] * len(take) if is_drain or is_quota_done else _deal(g, dealer, take)  # 3
     figures = _bin_figures(g, cut)  # 4
@@ -211,15 +212,19 @@ def _first(take: np.ndarray, like: np.ndarray) -> np.ndarray:
 
 # ---- phase 1: T --------------------------------------------------------------------------------
 
-def _target(g: _Gathered, gas: int, dealer: Dealer) -> tuple[int, bool]:
+def _target(g: _Gathered, gas: int, dealer: Dealer, window: int | None = None) -> tuple[int, bool]:
     """``T`` and whether this is the drain round (see the module docstring)."""
     num_bins = g.num_bins
     active = g.fields["is_exhausted"] == 0
     if not active.any():  # drain: every rank's input is used up (nothing is left to deal)
         return _round_up(int(num_bins.max()), gas), True
     target = int(g.fields["num_ready"][active].min()) // gas * gas
+    # a data mixture may deal more once the records in flight are measured: wait for that, while
+    # some rank can still fetch them (pending records and room in its window)
+    can_fetch = window is not None and bool(((g.fields["num_pending"] > 0)
+                                              & (g.fields["window_samples"] < window)).any())
     if target == 0 and num_bins.any() and not any(_deal(g, dealer, np.zeros_like(num_bins))) \
-            and not dealer.is_waiting:
+            and not (dealer.is_waiting and can_fetch):
         target = gas  # nothing to wait for: train what there is, so every round makes progress
     # No rank holds a bin and nothing is dealt: T = 0; every active rank fetches more next round.
     return target, False

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,8 +95,8 @@ class SourceSpec:
         if not isinstance(self.path, str) or not self.path:
             raise ValueError(f"source {self.name!r} needs a path (a data file or folder)")
         if self.weight is not None and (isinstance(self.weight, bool) or not isinstance(self.weight, (int, float))
-                                        or not self.weight > 0):
-            raise ValueError(f"source {self.name!r}: weight must be a number > 0, got {self.weight!r}")
+                                        or not (self.weight > 0 and math.isfinite(self.weight))):
+            raise ValueError(f"source {self.name!r}: weight must be a finite number > 0, got {self.weight!r}")
         unknown = sorted(set(self.processing) - set(_PER_SOURCE))
         if unknown:
             raise ValueError(f"source {self.name!r}: unknown key(s) {unknown}; a source may set name, path, weight "

@@ -70,7 +70,8 @@ class StepReports:
 
     Args:
         max_steps: the most steps a round can plan.
-        dataset_size: for each step's epoch.
+        dataset_size: for each step's epoch (0: the plan's, as for a weighted mixture, whose
+            uids count their source's passes).
     """
 
     def __init__(self, *, max_steps: int, dataset_size: int) -> None:
@@ -94,7 +95,8 @@ class StepReports:
             "wait_us": [round(s.times.wait * 1e6) for s in steps],
             "plan_us": [round(s.times.plan * 1e6) for s in steps],
             "collective_us": [round(s.times.collective * 1e6) for s in steps],
-            "epoch": [max((u // size for m in s.plan.micro_batches for u in m.uids), default=-1) for s in steps],
+            "epoch": [max((u // size for m in s.plan.micro_batches for u in m.uids), default=-1)
+                      if self.dataset_size else s.plan.epoch for s in steps],
             "aux_sum_micro": [-1 if s.aux_sum is None else round(s.aux_sum * 1e6) for s in steps],
             "attn_area": [sum(c.tokens ** 2 for m in s.plan.micro_batches for c in m.samples) for s in steps],
             "forward_us": [round(s.times.forward * 1e6) for s in steps]}

@@ -44,7 +44,7 @@ def step_row(step: Step, per_rank: Mapping[str, np.ndarray], *, samples_done: in
         **(sources or {}),
         **aux_loss(per_rank["aux_sum_micro"], real),
         "lr": step.lr, "samples": plan.num_samples, "samples_done": samples_done,
-        "epochs_done": round(samples_done / max(1, dataset_size), 4),
+        "epochs_done": round(samples_done / dataset_size, 4) if dataset_size else None,
         "label_tokens": plan.num_label_tokens, "real_tokens": real, "materialized_tokens": materialized,
         "padding_ratio": round(1 - real / materialized, 6) if materialized else 0.0,
         "budget_fill": round(real / (micro * max_tokens), 6) if micro else 0.0,

@@ -187,7 +187,7 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
         config.optimization))
     telemetry = Telemetry(rank=rank, max_steps_per_round=batcher.capacity // batching.gas + 1,
                           max_tokens=batching.max_tokens, dataset_size=len(dataset), output_dir=config.output_dir,
-                          sink=trackers.log if trackers else None, flops=flops)
+                          sink=trackers.log if trackers else None, flops=flops, mixture=mixture is not None)
     return Components(rank=rank, world_size=world_size, config=config, batching=batching, tokenizer=tokenizer,
                       engine=engine, dataset=dataset, feed=feed, comm=comm, batcher=batcher, schedule=schedule,
                       telemetry=telemetry, settings=settings, preflight=measured, trackers=trackers,
@@ -316,10 +316,12 @@ def _datasets(config: RunConfig, tokenizer, vision, *, truncate_to: int | None
         held_out = [(s.name, SampleDataset(s.path, tokenizer, dataclasses.replace(plain, **s.processing), **whole))
                     for s in data.eval_sources or (SourceSpec("data", data.eval_path),)]
 
-    def joined(parts):
-        return parts[0][1] if len(parts) == 1 else MixedDataset(parts)
+    def joined(parts, named: bool):  # named sources keep their names, even one
+        return MixedDataset(parts) if named or len(parts) > 1 else parts[0][1]
 
-    return joined(train), joined(held_out) if held_out else None
+    return (joined(train, bool(data.sources)),
+            joined(held_out, bool(data.eval_sources if data.eval_path is not None else data.sources))
+            if held_out else None)
 
 
 def _settings(config: RunConfig, batching: OdbConfig, *, world_size: int, packed: bool, dataset_size: int,

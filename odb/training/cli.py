@@ -218,7 +218,8 @@ def _sources(values: str | list[str], flag: str, fix: str) -> tuple[str, tuple[S
     """``--data``'s (or ``--eval_data``'s) words: one path, or named sources (:func:`parse_sources`),
     each of whose paths must exist. Returns the path (for a mixture, its words) and the sources."""
     words = [values] if isinstance(values, (str, Path)) else list(values)
-    if len(words) == 1 and not str(words[0]).lstrip().startswith("{") and "=" not in str(words[0]):
+    word = str(words[0])
+    if len(words) == 1 and not word.lstrip().startswith("{") and ("=" not in word or Path(word).exists()):
         _need_file(words[0], f"{flag} path", fix)
         return str(words[0]), ()
     sources = parse_sources(words)

@@ -204,7 +204,7 @@ def test_resume_mid_epoch_keeps_the_shares_and_exact_once(world_after):
 
 
 def test_settings_are_checked():
-    with pytest.raises(ValueError, match="weights must be > 0"):
+    with pytest.raises(ValueError, match="weights must be finite and > 0"):
         Mixture([3, 4], [1.0, 0.0])
     with pytest.raises(ValueError, match="mix_by"):
         Mixture([3, 4], [1.0, 1.0], mix_by="bytes")
@@ -222,3 +222,46 @@ def test_a_source_whose_every_record_is_skipped_is_left_out(mode):
     check_aligned(result.steps)
     units, uids = trained(result.steps, lengths, np.cumsum([0] + sizes), "label_tokens")
     assert units[0] == 0 and len(uids) == len(set(uids)) == (100 if mode == "quota" else 30)
+
+
+def test_full_windows_waiting_on_gas_do_not_stall_a_mixture():
+    """Every window full, pending at the lookahead, one rank short of GAS ready bins: a round must
+    still train (the records in flight cannot be measured until a window has room)."""
+    sizes, weights = [50, 300, 300], [0.2, 0.2, 0.5]
+    rng = np.random.default_rng(118)
+    lengths = [(int(rng.integers(lo, hi + 1)), 0)
+               for n, (lo, hi) in zip(sizes, [(20, 60), (20, 60), (600, 1800)]) for _ in range(n)]
+    config = OdbConfig(max_tokens=MAX_TOKENS, window=64, gas=4, cost_model="manual", seed=118)
+    result = simulate(config, lengths, 2, mixture=lambda: Mixture(sizes, weights, seed=118), timeout_s=60)
+    check_aligned(result.steps)
+    check_epoch(result.steps, lengths, sizes, "all")
+    assert result.batchers[0].round_index < 300
+
+
+def test_quota_mode_with_full_windows_does_not_stall():
+    rng = np.random.default_rng(0)
+    lengths = [(int(rng.integers(200, 901)), 0) for _ in range(60)]
+    config = OdbConfig(max_tokens=MAX_TOKENS, window=16, gas=3, cost_model="manual", mode="quota", quota=300)
+    result = simulate(config, lengths, 2, mixture=lambda: Mixture([60], [1.0], quota=True), timeout_s=60)
+    assert sum(len(m.uids) for rank in result.steps for s in rank for m in s.micro_batches) == 300
+    assert result.batchers[0].round_index < 100
+
+
+def test_first_never_draws_past_the_anchors_pass_level():
+    """'first': a light source's one (large) record must not lift the level the others are drawn
+    to past the anchor's pass: every source within one micro-batch of its share."""
+    sizes, weights = [300, 300, 50], [1, 0.2, 2]
+    lengths = make_sources(sizes, [(200, 900), (600, 1800), (20, 60)], seed=7)
+    result = run(lengths, sizes, weights, world=2, rule="first", seed=7)
+    check_epoch(result.steps, lengths, sizes, "first")
+    units, _ = trained(result.steps, lengths, np.cumsum([0] + sizes), "label_tokens")
+    total = sum(units)
+    for i, w in enumerate(np.asarray(weights) / sum(weights)):
+        assert abs(units[i] - w * total) <= MAX_TOKENS, units
+
+
+def test_weights_must_be_finite():
+    with pytest.raises(ValueError, match="finite"):
+        Mixture([3, 4], [float("inf"), 1.0])
+    mixture = Mixture([3, 4], [1e308, 1e308])  # normalized by the largest: no overflow
+    assert mixture.weights == [0.5, 0.5]

@@ -31,7 +31,7 @@ def test_source_words():
     assert parse_source("code=C:/data/code:2") == SourceSpec("code", "C:/data/code", 2.0)
     assert parse_source('{"name": "m", "path": "p", "weight": 1, "train_on": "last"}') == \
         SourceSpec("m", "p", 1, {"train_on": "last"})
-    for bad, match in [("data/chat.jsonl", "NAME=PATH"), ("a b=p", "name"), ("a=p:0", "weight"),
+    for bad, match in [("data/chat.jsonl", "NAME=PATH"), ("a b=p", "name"), ("a=p:0", "weight"), ("a=p:inf", "finite"),
                        ('{"name": "a", "path": "p", "lr": 1}', "unknown key"), ("{nope", "JSON")]:
         with pytest.raises(ValueError, match=match):
             parse_source(bad)
@@ -84,3 +84,16 @@ def test_a_held_out_share_of_each_source(tmp_path):
     assert train.sizes == [90, 90] and held.sizes == [10, 10] and held.source_names == ("a", "b")
     for part, out in zip(train.parts, held.parts):
         assert not set(part.indices) & set(out.indices) and len(set(part.indices) | set(out.indices)) == 100
+
+
+def test_one_named_source_keeps_its_name_and_a_path_with_an_equals_sign_is_a_path(tmp_path):
+    config = parse_config(["--data", "chat=data/chat.jsonl:1", "--max_samples", "10", "--eval_data",
+                           "held=data/chat.jsonl", "--output_dir", str(tmp_path / "o")], defaults=DEFAULTS)
+    train, held = _datasets(config, bundled_tokenizer(), None, truncate_to=None)
+    assert train.source_names == ("chat",) and train.sizes == [10] and held.source_names == ("held",)
+    folder = tmp_path / "date=2024"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text((ROOT / "data" / "chat.jsonl").read_text())
+    plain = parse_config(["--data", str(folder / "train.jsonl"), "--output_dir", str(tmp_path / "o")],
+                         defaults=DEFAULTS)
+    assert plain.data.sources == () and plain.data.path == str(folder / "train.jsonl")
