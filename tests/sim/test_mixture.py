@@ -108,6 +108,8 @@ def test_trained_shares_match_the_weights_within_one_micro_batch(world, rule, si
     result = run(lengths, sizes, weights, world=world, rule=rule, seed=world)
     check_aligned(result.steps)
     check_epoch(result.steps, lengths, sizes, rule)
+    # the mixture's counts ride on the rounds: one collective a round, and the settings check
+    assert all(b.aligner.comm.num_collectives == b.round_index + 1 for b in result.batchers)
     units, _ = trained(result.steps, lengths, np.cumsum([0] + sizes), "label_tokens")
     total = sum(units)
     shares = np.array(units) / total
