@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from odb.batching.config import OdbConfig, load_odb_config
-from odb.data.mixture import SourceSpec, parse_sources
+from odb.data.mixture import SourceSpec, parse_source, parse_sources
 from odb.data.processing import DataConfig, load_data_config
 from odb.recipe import Recipe, bundled_root, load_recipe
 from odb.settings import add_flags, field_docs, flag_values, load_json_config, read_json_object
@@ -329,13 +329,18 @@ def _check_not_an_input(args: argparse.Namespace, removed: list[Path]) -> None:
     gone = [p.resolve() for p in removed]
     for flag in _INPUTS:
         value = getattr(args, flag, None)
-        if not value or not isinstance(value, str):
-            continue
-        path = Path(value).resolve()
-        hit = next((g for g in gone if path == g or g in path.parents), None)
-        if hit is not None:
-            raise ValueError(f"--{flag} {value} lies in {hit}, which starting over in --output_dir {args.output_dir} "
-                             "would remove: move it out of the folder, or pass another --output_dir")
+        words = value if isinstance(value, list) else [value]  # (--data, --eval_data: one or more words)
+        for word in words:
+            if not word or not isinstance(word, str):
+                continue
+            if len(words) > 1 or (not Path(word).exists() and ("=" in word or word.lstrip().startswith("{"))):
+                word = parse_source(word).path  # a named source's path
+            path = Path(word).resolve()
+            hit = next((g for g in gone if path == g or g in path.parents), None)
+            if hit is not None:
+                raise ValueError(f"--{flag} {word} lies in {hit}, which starting over in --output_dir "
+                                 f"{args.output_dir} would remove: move it out of the folder, or pass another "
+                                 "--output_dir")
 
 
 def _remove(paths: list[Path]) -> None:

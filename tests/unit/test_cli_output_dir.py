@@ -149,6 +149,10 @@ def test_nothing_the_run_reads_is_removed(tmp_path):
     with pytest.raises(ValueError, match=r"--data .*hf/data.jsonl lies in .*hf, which starting over .* would remove"):
         parse(out, "--overwrite_output_dir", "--data", str(out / "hf" / "data.jsonl"))
     assert names(out) == before
+    with pytest.raises(ValueError, match=r"--data .*hf/data.jsonl lies in .*hf"):  # a named source's path
+        parse(out, "--overwrite_output_dir", "--data", f"mine={out / 'hf' / 'data.jsonl'}:1",
+              f"chat={ROOT / 'data' / 'chat.jsonl'}:1")
+    assert names(out) == before
 
 
 def test_flags_are_never_abbreviated(tmp_path):
