@@ -290,7 +290,7 @@ class OnlineBatcher:
             kept = {s.uid for s in admitted}
             self.feed.forget([u for u in uids if u not in kept])
         if self.mixture is not None:
-            self.mixture.observe(uids, [(s.uid, s.tokens, s.label_tokens) for s in admitted])
+            self.mixture.observe(uids, admitted)
         for outcome, count in outcomes.items():
             self.counts[outcome] += count
         self.observed_cost += sum(s.cost for s in admitted)

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from odb.batching.cost import SampleCost
 from odb.batching.wire import Layout
 
 __all__ = ["MIX_BY", "MIX_EPOCH", "Mixture", "redeal_mixture"]
@@ -106,7 +107,7 @@ class Mixture:
 
     # ---- the counts, and the round --------------------------------------------------------
 
-    def observe(self, fetched: Sequence[int], admitted: Sequence[tuple[int, int, int]]) -> None:
+    def observe(self, fetched: Sequence[int], admitted: Sequence[SampleCost]) -> None:
         """This rank fetched ``fetched`` (uids) and admitted ``admitted`` of them as ``(uid,
         tokens, label_tokens)`` (the rest were skipped or dropped: no units)."""
         size, mine = self.dataset_size, self.mine
@@ -115,11 +116,12 @@ class Mixture:
             mine["fetched"][source] += 1
             if uid // size == self.first_pass[source]:
                 mine["first_fetched"][source] += 1
-        for uid, tokens, label_tokens in admitted:
-            source = self.source_of(uid)
-            units = {"label_tokens": label_tokens, "tokens": tokens, "samples": 1}[self.mix_by]
+        unit = self.mix_by
+        for sample in admitted:
+            source = self.source_of(sample.uid)
+            units = 1 if unit == "samples" else getattr(sample, unit)
             mine["units"][source] += units
-            if uid // size == self.first_pass[source]:
+            if sample.uid // size == self.first_pass[source]:
                 mine["first_units"][source] += units
 
     def fields(self) -> dict[str, Any]:
@@ -311,7 +313,7 @@ def redeal_mixture(states: Sequence[Mapping[str, Any] | None], again: Sequence[S
     if not closed:  # (a closed epoch's counts were reset when the next began: nothing to take back)
         uncounted = Mixture(sizes, [1.0] * len(sizes), mix_by=mix_by)
         uncounted.first_pass = list(first["first_pass"])
-        uncounted.observe([row[0] for row in again], [(row[0], row[1], row[2]) for row in again])
+        uncounted.observe([row[0] for row in again], [SampleCost(*row) for row in again])
         mine = {k: [a - b for a, b in zip(mine[k], uncounted.mine[k])] for k in _COUNTS}
     zero = {k: [0] * len(sizes) for k in _COUNTS}
     return [{**dict(first), "mine": mine if r == 0 else zero, "closed": closed or first["closed"]}

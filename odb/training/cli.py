@@ -217,15 +217,25 @@ def _data(args: argparse.Namespace) -> DataSettings:
 def _sources(values: str | list[str], flag: str, fix: str) -> tuple[str, tuple[SourceSpec, ...]]:
     """``--data``'s (or ``--eval_data``'s) words: one path, or named sources (:func:`parse_sources`),
     each of whose paths must exist. Returns the path (for a mixture, its words) and the sources."""
-    words = [values] if isinstance(values, (str, Path)) else list(values)
-    word = str(words[0])
-    if len(words) == 1 and not word.lstrip().startswith("{") and ("=" not in word or Path(word).exists()):
+    words = _words(values)
+    if _is_one_path(words):
         _need_file(words[0], f"{flag} path", fix)
         return str(words[0]), ()
     sources = parse_sources(words)
     for source in sources:
         _need_file(source.path, f"{flag} source {source.name!r}: path", fix)
     return " ".join(f"{s.name}={s.path}" + (f":{s.weight:g}" if s.weight is not None else "") for s in sources), sources
+
+
+def _words(values: str | Path | list[str]) -> list[str]:
+    return [str(values)] if isinstance(values, (str, Path)) else [str(v) for v in values]
+
+
+def _is_one_path(words: list[str]) -> bool:
+    """Whether ``--data``'s words are one plain path (an existing one even with '=' in it), not
+    named sources."""
+    word = words[0]
+    return len(words) == 1 and not word.lstrip().startswith("{") and ("=" not in word or Path(word).exists())
 
 
 RUN_RECORDS = ("checkpoints/", "metrics.jsonl", "summary.json", "emitted_ids.rank*.jsonl", "hf/")
@@ -329,12 +339,10 @@ def _check_not_an_input(args: argparse.Namespace, removed: list[Path]) -> None:
     gone = [p.resolve() for p in removed]
     for flag in _INPUTS:
         value = getattr(args, flag, None)
-        words = value if isinstance(value, list) else [value]  # (--data, --eval_data: one or more words)
-        for word in words:
-            if not word or not isinstance(word, str):
-                continue
-            if len(words) > 1 or (not Path(word).exists() and ("=" in word or word.lstrip().startswith("{"))):
-                word = parse_source(word).path  # a named source's path
+        if not value or not isinstance(value, (str, list)):
+            continue
+        words = _words(value)  # (--data, --eval_data: one or more words)
+        for word in words if _is_one_path(words) else [s.path for s in map(parse_source, words)]:
             path = Path(word).resolve()
             hit = next((g for g in gone if path == g or g in path.parents), None)
             if hit is not None:
