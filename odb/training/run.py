@@ -253,7 +253,7 @@ class Trainer:
         size, names = len(dataset), dataset.source_names
         for m, micro in enumerate(plan.micro_batches):
             located = [dataset.locate(u % size) for u in micro.uids]
-            ids = [record for _, record in located] if len(names) > 1 else [u % size for u in micro.uids]
+            ids = [record for _, record in located]  # (one source: the dataset index itself)
             # each sample's own epoch: in quota mode a step may mix passes over the data
             self.audit.write(json.dumps({"epoch": plan.epoch, "step": plan.step, "micro": m, "ids": ids,
                                          "sources": [names[source] for source, _ in located],
