@@ -34,7 +34,7 @@ from odb.batching.mixture import Mixture
 from odb.batching.packer import make_packer
 from odb.batching.plan import Decision, MicroBatch, StepPlan
 from odb.batching.state import Snapshot, decode_state, encode_state
-from odb.batching.stream import UidStream, epoch_order
+from odb.batching.stream import Reader, UidStream, epoch_order
 from odb.batching.wire import Layout, Proposal
 
 __all__ = ["BatcherStats", "Feed", "OnlineBatcher", "epoch_order", "features"]  # (epoch_order: odb.batching.stream)
@@ -113,13 +113,17 @@ class OnlineBatcher:
             rank) and, after the round, every rank's (``[world, len]``); see :mod:`odb.telemetry`.
         settings: further settings every rank must share (e.g. the run's precision, the data's
             fingerprint), checked with the batcher's own in the same one collective.
+        mixture: a weighted mixture of sources (:mod:`odb.batching.mixture`).
+        reader: this rank's reader of a streaming source (:class:`odb.batching.stream.Reader`;
+            ``dataset_size``: the uid space of one pass).
     """
 
     def __init__(self, config: OdbConfig, comm: Communicator, *, dataset_size: int, feed: Feed,
                  num_epochs: int = 1, shards: list[list[int]] | None = None,
                  report: Callable[[], np.ndarray] | None = None,
                  on_reports: Callable[[np.ndarray], None] | None = None,
-                 settings: dict[str, Any] | None = None, mixture: Mixture | None = None) -> None:
+                 settings: dict[str, Any] | None = None, mixture: Mixture | None = None,
+                 reader: Reader | None = None) -> None:
         if dataset_size < 0 or num_epochs < 1:
             raise ValueError(f"need dataset_size >= 0 and num_epochs >= 1, got {dataset_size}, {num_epochs}")
         self.config, self.feed = config, feed
@@ -132,7 +136,7 @@ class OnlineBatcher:
                              f"batcher {dataset_size} (mode {config.mode!r}): build it for this dataset and mode")
         self.mixture = mixture
         self.stream = UidStream(config, rank=self.rank, world_size=self.world_size, dataset_size=dataset_size,
-                                shards=shards, mixture=mixture)
+                                shards=shards, mixture=mixture, reader=reader)
         self.cost_model = CostModel.from_config(config)
         self.packer = make_packer(config, self.cost_model)
         self.fit = (CostFit(rank=self.rank, attn_coef=config.attn_coef, patch_coef=config.patch_coef)
@@ -144,7 +148,7 @@ class OnlineBatcher:
         self.capacity = dataset_size if self.packer.is_offline else config.window + config.lookahead
         self.aligner.check_settings({**(settings or {}), **config.to_dict(), "world_size": self.world_size,
                                      "dataset_size": dataset_size, "num_epochs": num_epochs,
-                                     "explicit_shards": shards is not None,
+                                     "explicit_shards": shards is not None, "streaming": reader is not None,
                                      "mixture": None if mixture is None else [mixture.sizes, mixture.weights,
                                                                               mixture.mix_by, mixture.epoch_rule]})
         if config.mode == "quota" and self.stream.total_size == 0:

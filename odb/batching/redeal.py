@@ -16,6 +16,10 @@ own. What is per rank and counted over the run (observed costs, over-cap counts)
 epoch) stays. The queued steps were planned for the old ranks: their samples are planned again,
 so ``step_index`` and ``num_emitted`` go back by what the queue held.
 
+A streaming source's readers (:class:`odb.batching.stream.Reader`) are dealt too
+(:func:`redeal_readers`): the shards still to read, partly read ones first, and the buffered
+records, each to one new rank, in turn.
+
 Not supported (``ValueError`` naming what to do instead): static sharding in quota mode (each
 rank re-walks its own shard), and states of different runs or versions.
 """
@@ -29,7 +33,7 @@ from typing import Any
 from odb.batching.mixture import redeal_mixture
 from odb.batching.state import STATE_VERSION, upgrade_state
 
-__all__ = ["redeal_states"]
+__all__ = ["redeal_readers", "redeal_states"]
 
 _SAME_ON_EVERY_RANK = ("version", "config", "dataset_size", "num_epochs", "epoch", "round_index", "step_index",
                        "stream_pos", "num_emitted", "is_planned")
@@ -108,6 +112,7 @@ def redeal_states(states: Sequence[dict[str, Any]], world_size: int) -> list[dic
     elif is_planned and held:
         is_planned = False  # quota mode: the queued samples are planned again, up to the quota
     mixtures = redeal_mixture([s.get("mixture") for s in states], again, world_size, closed=reopened)
+    readers = redeal_readers([s.get("reader") for s in states], world_size)
     out = []
     for r in range(world_size):
         out.append({
@@ -119,6 +124,22 @@ def redeal_states(states: Sequence[dict[str, Any]], world_size: int) -> list[dic
             "bins": [], "unpacked": sorted(unpacked[r], key=lambda row: row[0]), "queue": [],
             "observed": observed if r == 0 else [0, 0, 0],
             "counts": counts if r == 0 else dict.fromkeys(counts, 0), "is_planned": is_planned,
-            "fit": fit, "mixture": mixtures[r],
+            "fit": fit, "mixture": mixtures[r], "reader": readers[r],
         })
     return out
+
+
+def redeal_readers(readers: Sequence[dict[str, Any] | None], world_size: int) -> list[dict[str, Any] | None]:
+    """A streaming source's reader states (one per old rank; ``None``: no streaming source) dealt
+    to ``world_size`` new ranks: every shard still to read (partly read ones first, each from the
+    byte offset it was read to) and every buffered uid goes to exactly one new rank, in turn."""
+    if all(r is None for r in readers):
+        return [None] * world_size
+    if any(r is None for r in readers) or len({r["pass"] for r in readers}) != 1:
+        raise ValueError("the checkpoint's ranks disagree on their streaming readers: not one run's checkpoint")
+    segments = [list(s) for r in readers for s in r["segments"]]
+    segments = [s for s in segments if s[1] > 0] + [s for s in segments if s[1] == 0]
+    buffered = [u for r in readers for u in r["buffer"]]
+    draws = max(r["draws"] for r in readers)
+    return [{"pass": readers[0]["pass"], "segments": segments[r::world_size], "buffer": buffered[r::world_size],
+             "draws": draws} for r in range(world_size)]

@@ -7,6 +7,8 @@ new :class:`Snapshot`, never touching its input. The layout (``STATE_VERSION`` 2
 
     version, world_size, rank, config, dataset_size, num_epochs   who took it, with what
     epoch, stream_pos, pending, epoch_of_shard                     the uid stream (odb.batching.stream)
+    reader                                                         a streaming source's reader: pass, segments,
+                                                                   buffer, draws; absent or null: none
     round_index, step_index, num_emitted, is_planned               progress (num_emitted: all ranks)
     bins, unpacked                                                 the window: [[uid, tokens, label_tokens,
                                                                    patches, cost], ...] per bin / unpacked
@@ -40,7 +42,7 @@ __all__ = ["STATE_VERSION", "Snapshot", "check_state", "decode_state", "decode_s
 
 STATE_VERSION = 2  # version 1 (still read: upgrade_state) called ``is_planned`` ``is_done``
 
-_STREAM_KEYS = ("epoch", "stream_pos", "pending", "epoch_of_shard")
+_STREAM_KEYS = ("epoch", "stream_pos", "pending", "epoch_of_shard", "reader")
 RESUMABLE_CHANGES = ("cost_model",)
 """Settings a resume may change: how samples are priced (the loading batcher prices the window
 again; a checkpoint written before the fit existed ran as ``"manual"`` does and resumes under
@@ -74,6 +76,7 @@ def encode_state(snapshot: Snapshot, *, world_size: int, rank: int, config: dict
         "dataset_size": dataset_size, "num_epochs": num_epochs, "epoch": stream["epoch"],
         "round_index": s.round_index, "step_index": s.step_index, "stream_pos": stream["stream_pos"],
         "num_emitted": s.num_emitted, "pending": list(stream["pending"]), "epoch_of_shard": stream["epoch_of_shard"],
+        "reader": stream.get("reader"),
         "bins": [[list(sample) for sample in samples] for samples in s.bins],
         "unpacked": [list(sample) for sample in s.unpacked],
         "queue": encode_steps(s.queue), "observed": list(s.observed), "counts": dict(s.counts),
@@ -108,7 +111,7 @@ def decode_state(state: dict[str, Any], *, world_size: int, rank: int, config: d
     state = upgrade_state(state)
     check_state(state, world_size=world_size, rank=rank, config=config, dataset_size=dataset_size)
     return Snapshot(
-        stream={key: list(state[key]) if key == "pending" else state[key] for key in _STREAM_KEYS},
+        stream={key: list(state[key]) if key == "pending" else state.get(key) for key in _STREAM_KEYS},
         round_index=state["round_index"], step_index=state["step_index"], num_emitted=state["num_emitted"],
         bins=[[SampleCost(*row) for row in samples] for samples in state["bins"]],
         unpacked=[SampleCost(*row) for row in state["unpacked"]], queue=decode_steps(state["queue"]),

@@ -7,6 +7,9 @@ shared, seeded order (:func:`epoch_order`, the same on every rank). Two sharding
   torch's ``DistributedSampler``), or its explicit shard, all of it at the start of the epoch.
   In quota mode the shard comes again, in the next epoch's order, whenever fewer than
   ``window + lookahead`` of its uids are pending (re-passes), until the quota closes the run.
+* ``static`` over a stream (a :class:`Reader`: a streaming source, :mod:`odb.data.streaming`):
+  no list of indices exists; rank r's reader reads its own shards of the pass, and the stream
+  keeps ``window + lookahead`` of what it read pending; the rank's input ends when its reader does.
 * ``dynamic``: all ranks walk one shared stream, epoch after epoch. The first ``window +
   lookahead`` per rank go out evenly; after that each round's decision says how many of the
   next indices each rank receives (:class:`Dealer`: the least-loaded rank first, :func:`waterfill`;
@@ -22,11 +25,33 @@ patches a queue: the batcher hands :meth:`UidStream.undealt` to the feed at its 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["Dealer", "UidStream", "deal_budget", "epoch_order", "waterfill"]
+__all__ = ["Dealer", "Reader", "UidStream", "deal_budget", "epoch_order", "waterfill"]
+
+
+class Reader(Protocol):
+    """A rank's records of a streaming source, read in order (:class:`odb.data.streaming.ShardReader`).
+
+    Its state is plain data with ``segments`` (the shards still to read, ``[shard, byte offset]``)
+    and ``buffer`` (uids read, not handed out yet), which :func:`odb.batching.redeal.redeal_readers`
+    deals to another number of ranks."""
+
+    @property
+    def is_done(self) -> bool:
+        """Whether this rank's part of the pass is all handed out."""
+
+    def start_pass(self, pass_index: int, rank: int, world_size: int) -> None:
+        """This rank's part of pass ``pass_index`` (uids ``pass_index * dataset_size + index``)."""
+
+    def read(self, count: int) -> list[int]:
+        """Up to ``count`` uids; fewer only once :attr:`is_done`."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def epoch_order(seed: int, epoch: int, dataset_size: int) -> np.ndarray:
@@ -137,16 +162,21 @@ class UidStream:
         shards: optional explicit per-rank lists of dataset indices (static sharding only).
         mixture: a weighted mixture of sources (:mod:`odb.batching.mixture`, dynamic sharding only):
             it draws the shared stream instead of the epoch's order.
+        reader: a streaming source's reader (static sharding, join mode): the rank's uids as it
+            reads them, instead of a shard of the epoch's order.
     """
 
     def __init__(self, config, *, rank: int, world_size: int, dataset_size: int,
-                 shards: list[list[int]] | None = None, mixture=None) -> None:
+                 shards: list[list[int]] | None = None, mixture=None, reader: Reader | None = None) -> None:
         if shards is not None and config.sharding != "static":
             raise ValueError("explicit shards need sharding='static'")
+        if reader is not None and (config.sharding != "static" or config.mode != "join" or shards is not None):
+            raise ValueError("a streaming source is read with sharding 'static' in mode 'join' (each rank reads its "
+                             f"own shards, pass after pass), got sharding {config.sharding!r}, mode {config.mode!r}")
         if mixture is not None and config.sharding != "dynamic":
             raise ValueError("a weighted data mixture needs sharding 'dynamic' (the mixture is drawn round by "
                              "round from what every rank has measured); set sharding: dynamic")
-        self.mixture = mixture
+        self.mixture, self.reader = mixture, reader
         self.sharding, self.mode, self.seed = config.sharding, config.mode, config.seed
         self.inflight_target = config.window + config.lookahead  # samples a rank holds or expects
         self.rank, self.world_size, self.dataset_size = rank, world_size, dataset_size
@@ -189,6 +219,8 @@ class UidStream:
         """Whether this rank expects no more uids this epoch."""
         if self.pending:
             return False
+        if self.reader is not None:
+            return self.reader.is_done
         if self.sharding == "static":
             return self.mode == "join" or not self._shard_size()
         if self.mixture is not None and (self.mode == "quota" or not self.mixture.is_settled):
@@ -206,7 +238,12 @@ class UidStream:
     # ---- assigning uids -----------------------------------------------------------------------
 
     def start_epoch(self) -> None:
-        """The epoch's first uids: the whole static shard, or an even first deal of the stream."""
+        """The epoch's first uids: the whole static shard, the reader's first, or an even first deal
+        of the stream."""
+        if self.reader is not None:
+            self.reader.start_pass(self.epoch, self.rank, self.world_size)
+            self.top_up()
+            return
         if self.sharding == "static":
             self._assign(self._static_shard(self.epoch))
             return
@@ -242,7 +279,11 @@ class UidStream:
         self.stream_pos += sum(counts)
 
     def top_up(self) -> None:
-        """Static quota mode: the shard again, in the next epoch's order, while few are pending."""
+        """A reader: what it reads next, while fewer than ``window + lookahead`` are pending. Static
+        quota mode: the shard again, in the next epoch's order, while few are pending."""
+        if self.reader is not None:
+            self._assign(self.reader.read(max(0, self.inflight_target - len(self.pending))))
+            return
         if self.sharding != "static" or self.mode != "quota":
             return
         while len(self.pending) < self.inflight_target and self._shard_size():
@@ -297,7 +338,8 @@ class UidStream:
     def state_dict(self) -> dict[str, Any]:
         """This stream's piece of the batcher state (plain ints and lists)."""
         return {"epoch": self.epoch, "stream_pos": self.stream_pos, "pending": list(self.pending),
-                "epoch_of_shard": self.epoch_of_shard}
+                "epoch_of_shard": self.epoch_of_shard,
+                "reader": self.reader.state_dict() if self.reader is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores :meth:`state_dict`; every pending uid is told to the feed again, at the next
@@ -306,3 +348,8 @@ class UidStream:
         self.epoch_of_shard = state["epoch_of_shard"]
         self.pending = list(state["pending"])
         self._undealt = list(self.pending)
+        if (state.get("reader") is None) != (self.reader is None):
+            raise ValueError("the state was taken " + ("with" if state.get("reader") is not None else "without")
+                             + " a streaming source and this run is the other way: resume with the same data")
+        if self.reader is not None:
+            self.reader.load_state_dict(state["reader"])

@@ -28,7 +28,7 @@ from typing import Any
 
 from odb.data.index import LineIndex, load_line_index, read_index
 
-__all__ = ["RawRecord", "Source"]
+__all__ = ["RawRecord", "Source", "parse_line"]
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -84,6 +84,17 @@ class Source:
             raise IndexError(f"record {index} of a source of {len(self)}")
         part = bisect.bisect_right(self.starts, index) - 1
         return self.parts[part][1].get(index - self.starts[part])
+
+
+def parse_line(line: bytes, where: str) -> RawRecord:
+    """One JSONL line as a record, or the reason it is none (``not_json``, ``not_an_object``)."""
+    try:
+        value = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return RawRecord(None, where, "not_json")
+    if not isinstance(value, dict):
+        return RawRecord(None, where, "not_an_object")
+    return RawRecord(value, where)
 
 
 def _find(path: Path) -> list[Path]:
@@ -182,14 +193,7 @@ class _JsonLines:
         index = self.index if self.index is not None else self._map()
         offset, end = index.span(local)
         line = os.pread(self._fileno(), end - offset, offset).partition(b"\n")[0]
-        where = f"{self.file}:{index.line(local)}"
-        try:
-            value = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return RawRecord(None, where, "not_json")
-        if not isinstance(value, dict):
-            return RawRecord(None, where, "not_an_object")
-        return RawRecord(value, where)
+        return parse_line(line, f"{self.file}:{index.line(local)}")
 
     def _fileno(self) -> int:
         if self._handle is None or self._pid != os.getpid():

@@ -1,0 +1,229 @@
+"""Streaming sources (``--streaming``): JSONL shards read front to back, never indexed.
+
+A source too big to index, or one that arrives as many shards, is read as a stream. Each pass over
+the data deals the shards to the ranks in a seeded order (rank r reads shards r, r + W, ... of
+the pass's permutation, :meth:`StreamShards.pass_order`), each rank scans its own shards front to
+back in its own process (:class:`ShardReader`, a few MiB read at a time), and a shuffle buffer
+of ``shuffle_buffer`` records mixes what it hands the batcher. A record's uid says where it is,
+``pass * len(shards) + shard * stride + byte offset`` (``stride``: the largest shard's size + 1),
+so a DataLoader worker reads exactly its line with one ``pread``, and a resumed run reads the
+records it held again by the same offsets.
+
+What odb guarantees for a streaming source, and what it does not:
+
+* Exact-once per pass: every non-blank line of every shard is trained (or skipped and counted)
+  exactly once per pass, since each shard is read whole by one rank.
+* No random access: the order is the shards' seeded order, mixed only within the buffer, so
+  records near each other in a shard train near each other in time; there is no held-out split
+  (``--val_ratio``) and no ``--max_samples``; validation data comes from ``--eval_data``.
+* Uneven shards end a pass unevenly: a rank whose shards run out first joins the others' steps
+  with zero-weight passes until they finish (as any static shard does).
+* Resume by shard and offset: the batcher's state holds each rank's shards still to read, the
+  byte offset its current shard is read to, and its buffer; a resume on another number of ranks
+  deals those partly read shards and buffers to the new ranks whole.
+* The shards are fixed at start: their names, sizes and a digest of their first and last 64 KiB
+  are the data's fingerprint, which a resume checks. A file added later is not read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from odb.data.sources import RawRecord, parse_line
+
+__all__ = ["ShardReader", "StreamShards"]
+
+_EDGE = 1 << 16  # bytes of each end of a shard that the fingerprint hashes
+_MASK = (1 << 64) - 1
+
+
+class StreamShards:
+    """The JSONL shards of ``path`` (a ``.jsonl`` file, or a folder searched for them), fixed at start.
+
+    ``len()`` is the uid space of one pass (``shards x stride``), not a record count: a stream's
+    records are counted only as they are read.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"streaming data path {path} does not exist; pass a .jsonl file or a folder of "
+                                    ".jsonl shards")
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        other = sorted({p.suffix or p.name for p in files if p.suffix != ".jsonl"} - {".lock", ".npy"})
+        files = [p for p in files if p.suffix == ".jsonl"]
+        if not files:
+            raise FileNotFoundError(f"no .jsonl shards under {path}: a streaming source reads JSONL shards "
+                                    f"(found {', '.join(other) or 'nothing'}); drop --streaming to read Parquet, "
+                                    "JSON or save_to_disk data, which odb memory-maps")
+        if other and path.is_dir():
+            raise ValueError(f"{path} holds {', '.join(other)} files beside its .jsonl shards; a streaming source "
+                             "reads JSONL only: move them out, or point --data at the shards' own folder")
+        self.files = files
+        self.sizes = [p.stat().st_size for p in files]
+        self.stride = max(self.sizes) + 1
+        self._handles: dict[int, Any] = {}
+        self._pid = 0
+
+    def __len__(self) -> int:
+        return len(self.files) * self.stride
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__, _handles={}, _pid=0)  # a worker opens its own
+
+    def fingerprint(self) -> str:
+        """A short hash of the shards: each one's name, size and first and last 64 KiB."""
+        digest = hashlib.sha256()
+        for file, size in zip(self.files, self.sizes):
+            digest.update(f"{file.name}:{size};".encode())
+            digest.update(self.read_bytes(self.files.index(file), 0, _EDGE))
+            digest.update(self.read_bytes(self.files.index(file), max(0, size - _EDGE), _EDGE))
+        return digest.hexdigest()[:16]
+
+    def pass_order(self, seed: int, pass_index: int) -> list[int]:
+        """The shards of one pass in their seeded order (the same on every rank)."""
+        return np.random.default_rng([seed, pass_index, 1]).permutation(len(self.files)).tolist()
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """``(shard, byte offset)`` of a record's index (its uid within a pass)."""
+        return divmod(index, self.stride)
+
+    def read_bytes(self, shard: int, offset: int, count: int) -> bytes:
+        """Up to ``count`` bytes of a shard from ``offset`` (never past its size at start)."""
+        count = max(0, min(count, self.sizes[shard] - offset))
+        return os.pread(self._fileno(shard), count, offset) if count else b""
+
+    def get(self, index: int) -> RawRecord:
+        """The record whose line starts at the byte offset ``index`` names."""
+        shard, offset = self.locate(index)
+        if not (0 <= shard < len(self.files) and 0 <= offset < self.sizes[shard]):
+            raise IndexError(f"record {index} is outside the {len(self.files)} shards")
+        line, size = b"", 1 << 16
+        while True:  # read until the line's end (lines may be long: a record with a large payload)
+            chunk = self.read_bytes(shard, offset + len(line), size)
+            end = chunk.find(b"\n")
+            line += chunk if end < 0 else chunk[:end]
+            if end >= 0 or len(chunk) < size:
+                break
+            size *= 2
+        return parse_line(line, f"{self.files[shard]}:byte {offset}")
+
+    def _fileno(self, shard: int) -> int:
+        if self._pid != os.getpid():  # a forked worker: handles of its own
+            self._handles, self._pid = {}, os.getpid()
+        handle = self._handles.get(shard)
+        if handle is None:
+            handle = self._handles[shard] = open(self.files[shard], "rb", buffering=0)
+        return handle.fileno()
+
+
+class ShardReader:
+    """One rank's reader (:class:`odb.batching.stream.Reader`): its shards of a pass, front to back,
+    through a seeded shuffle buffer, as uids.
+
+    The state (:meth:`state_dict`, the layout :func:`odb.batching.redeal.redeal_readers` deals to
+    another number of ranks): ``pass``; ``segments``, the shards still to read as ``[shard, byte
+    offset]`` (the first one partly read when its offset is not 0); ``buffer``, the uids read and
+    not handed out yet; ``draws``, how many the buffer has handed out this pass (it seeds the next
+    pick).
+
+    Args:
+        shards: the stream's shards.
+        seed: the run's seed (the shards' order per pass and the buffer's picks).
+        buffer_size: records the shuffle buffer holds; 1 reads the shards in order.
+        chunk_bytes: bytes read at a time while scanning a shard for lines.
+    """
+
+    def __init__(self, shards: StreamShards, *, seed: int, buffer_size: int, chunk_bytes: int = 1 << 22) -> None:
+        if buffer_size < 1:
+            raise ValueError(f"the shuffle buffer needs room for at least one record, got {buffer_size}")
+        self.shards, self.seed, self.buffer_size, self.chunk_bytes = shards, seed, buffer_size, chunk_bytes
+        self.pass_index, self.draws = 0, 0
+        self.segments: list[list[int]] = []
+        self.buffer: list[int] = []
+        self._chunk, self._chunk_at = b"", (-1, 0)  # the bytes last read, and (shard, offset) they start at
+
+    @property
+    def is_done(self) -> bool:
+        """Whether every record of this rank's shards of the pass has been handed out."""
+        return not self.segments and not self.buffer
+
+    def start_pass(self, pass_index: int, rank: int, world_size: int) -> None:
+        """This rank's shards of pass ``pass_index``: every ``world_size``-th of the pass's order."""
+        order = self.shards.pass_order(self.seed, pass_index)
+        self.pass_index, self.draws, self.buffer = pass_index, 0, []
+        self.segments = [[shard, 0] for shard in order[rank::world_size]]
+
+    def read(self, count: int) -> list[int]:
+        """Up to ``count`` uids, fewer only once this rank's shards of the pass are all handed out."""
+        out: list[int] = []
+        base = self.pass_index * len(self.shards)
+        while len(out) < count:
+            if len(self.buffer) < self.buffer_size and self.segments:
+                index = self._next_line()
+                if index is not None:
+                    self.buffer.append(base + index)
+                continue
+            if not self.buffer:
+                break
+            pick = _mix(self.seed, self.pass_index, self.draws) % len(self.buffer)
+            self.draws += 1
+            self.buffer[pick], self.buffer[-1] = self.buffer[-1], self.buffer[pick]
+            out.append(self.buffer.pop())
+        return out
+
+    def _next_line(self) -> int | None:
+        """The index of the first segment's next non-blank line (the segment moves past it), or
+        None when the segment is read to its end (it is then dropped)."""
+        segment = self.segments[0]
+        shard, size = segment[0], self.shards.sizes[segment[0]]
+        while segment[1] < size:
+            offset = segment[1]
+            end, blank = self._line(shard, offset, size)
+            segment[1] = min(size, end + 1)
+            if not blank:
+                return shard * self.shards.stride + offset
+        self.segments.pop(0)
+        return None
+
+    def _line(self, shard: int, offset: int, size: int) -> tuple[int, bool]:
+        """Where the line at ``offset`` ends (its newline, or the shard's end) and whether it is
+        blank, from the bytes last read, reading on from ``offset`` when they do not hold it whole."""
+        while True:
+            grown = 0
+            chunk_shard, start = self._chunk_at
+            if chunk_shard == shard and start <= offset:
+                at = offset - start
+                end = self._chunk.find(b"\n", at)
+                if end >= 0 or start + len(self._chunk) >= size:
+                    stop = end if end >= 0 else len(self._chunk)
+                    return start + stop, not self._chunk[at:stop].strip()
+                grown = len(self._chunk) - at  # a line longer than what is left: read more at once
+            self._chunk = self.shards.read_bytes(shard, offset, max(self.chunk_bytes, 2 * grown))
+            self._chunk_at = (shard, offset)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pass": self.pass_index, "segments": [list(s) for s in self.segments], "buffer": list(self.buffer),
+                "draws": self.draws}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pass_index, self.draws = int(state["pass"]), int(state["draws"])
+        self.segments = [[int(shard), int(offset)] for shard, offset in state["segments"]]
+        self.buffer = [int(u) for u in state["buffer"]]
+        self._chunk, self._chunk_at = b"", (-1, 0)
+
+
+def _mix(*values: int) -> int:
+    """A 64-bit hash of integers (splitmix64 steps): the buffer's pick, the same on every machine."""
+    x = 0
+    for value in values:
+        x = (x ^ (value & _MASK)) + 0x9E3779B97F4A7C15 & _MASK
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK
+        x ^= x >> 31
+    return x
