@@ -46,6 +46,7 @@ from odb.data.formats import FORMATS, IMAGE_PLACEHOLDER, SkipSample, normalize, 
 from odb.data.images import IMAGE_PAD, VISION_END, VISION_START, ImageProcessor, VisionSpec, expand_placeholders
 from odb.data.labels import TRAIN_ON, LabelledChat, TemplateDropsFields, TemplateMismatch, encode_chat
 from odb.data.sources import Source
+from odb.data.streaming import StreamShards
 from odb.settings import ConfigSource, check_bool, check_int, check_number, check_str, flag, load_json_config
 
 __all__ = ["TRUNCATION", "DataConfig", "SampleDataset", "load_data_config", "sample_sizes"]
@@ -142,13 +143,18 @@ class SampleDataset(Dataset):
             split): ``index`` is the position in ``indices``, ``where`` the record's own file:line.
         cache_dir: where a JSONL file's index goes when the data's folder is read-only
             (:class:`odb.data.sources.Source`).
+        streaming: read ``path`` as JSONL shards, never indexed (:mod:`odb.data.streaming`): the
+            length is then the uid space of one pass, not a record count, and a rank's uids come
+            from its :class:`odb.data.streaming.ShardReader`.
     """
 
     def __init__(self, path: str | Path, tokenizer, config: DataConfig = DataConfig(), *, seed: int = 0,
                  max_samples: int | None = None, truncate_to: int | None = None,
                  vision: VisionSpec | None = None, indices: Sequence[int] | None = None,
-                 cache_dir: str | Path | None = None) -> None:
-        self.source = Source(path, cache_dir=cache_dir)
+                 cache_dir: str | Path | None = None, streaming: bool = False) -> None:
+        if streaming and (indices is not None or max_samples):
+            raise ValueError("a streaming source has no record numbers: no indices or max_samples")
+        self.source = StreamShards(path) if streaming else Source(path, cache_dir=cache_dir)
         if indices is not None:
             indices = [int(i) for i in indices]
             outside = [i for i in indices if not 0 <= i < len(self.source)]

@@ -102,6 +102,10 @@ def host_config(settings: OdbSettings, *, model_path: str, output_dir: str | Pat
         raise ValueError("OdbSettings.data: eval_path / val_ratio is odb's own evaluation, which runs in odb's "
                          "trainer only (val_ratio would hold samples out of training for nothing); evaluate with "
                          "the host's eval_dataset")
+    if settings.data.streaming:
+        raise ValueError("OdbSettings.data: a streaming source's records are counted only as they are read, and "
+                         "the host needs its step count up front; train a streaming source with odb's trainer "
+                         "(odb train / launch/train.py --streaming), or drop streaming to index the data")
     if settings.data.is_weighted:
         raise ValueError("OdbSettings.data: a weighted mixture's epoch is known only as its records are measured, "
                          "and the host needs its step count up front; train a weighted mixture with odb's trainer "

@@ -96,7 +96,7 @@ class RunTotals:
                   f"{cut['tokens']} tokens ({cut_share:.1%} of their tokens); raise max_tokens in the odb config",
                   file=sys.stderr, flush=True)
         return {
-            "world_size": world_size, "dataset_samples": self.dataset_size, "epochs": epochs,
+            "world_size": world_size, "dataset_samples": self.dataset_size or None, "epochs": epochs,
             "steps": self.steps_done, "micro_batches": totals["micro_batches"],
             "dummy_micro_batches": totals["dummy_micro_batches"], "samples_emitted": totals["samples"],
             "real_tokens": totals["real_tokens"], "materialized_tokens": totals["materialized_tokens"],

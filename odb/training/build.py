@@ -26,6 +26,7 @@ from odb.batching.mixture import Mixture
 from odb.data.feed import SampleFeed
 from odb.data.mixture import MixedDataset, SourceSpec
 from odb.data.processing import SampleDataset, sample_sizes
+from odb.data.streaming import ShardReader
 from odb.telemetry import Telemetry
 from odb.telemetry.trackers import RunInfo, Trackers
 from odb.training import backends
@@ -170,28 +171,46 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
     evaluator = None if eval_dataset is None else Evaluator(
         engine, eval_dataset, batching, watched, num_workers=config.data.num_workers,
         prefetch_factor=config.data.prefetch_factor)
-    mixture = None
+    mixture, reader, records = None, None, len(dataset)
+    if config.data.streaming:
+        batching, reader, records = _streaming(config, batching, dataset, log)
     if config.data.is_weighted:
         mixture = Mixture(dataset.sizes, [s.weight for s in config.data.sources], mix_by=config.data.mix_by,
                           epoch_rule=config.data.mix_epoch, seed=batching.seed, quota=batching.mode == "quota")
     batcher = OnlineBatcher(batching, watched, dataset_size=len(dataset), feed=feed, num_epochs=config.run.epochs,
-                            report=report, on_reports=on_reports, mixture=mixture,
+                            report=report, on_reports=on_reports, mixture=mixture, reader=reader,
                             settings=shared_settings(config, model.config, dataset, eval_dataset))
-    planned = batching.quota if batching.mode == "quota" else config.run.epochs * len(dataset)
+    planned = batching.quota if batching.mode == "quota" else config.run.epochs * records
     schedule = ProgressSchedule(config.optimization.lr, planned, warmup_ratio=config.optimization.warmup_ratio)
-    settings = _settings(config, batching, world_size=world_size, packed=packed, dataset_size=len(dataset),
+    settings = _settings(config, batching, world_size=world_size, packed=packed, dataset_size=records,
                          planned=planned)
     settings["eval_samples"] = len(eval_dataset) if eval_dataset is not None else 0
     trackers = Trackers(config.logging.report_to if rank == 0 else (), _run_info(config, settings, batching))
     flops = flops_model(backend.module, backend.device, backends.get(config.optimization.backend).compute_dtype(
         config.optimization))
     telemetry = Telemetry(rank=rank, max_steps_per_round=batcher.capacity // batching.gas + 1,
-                          max_tokens=batching.max_tokens, dataset_size=len(dataset), output_dir=config.output_dir,
-                          sink=trackers.log if trackers else None, flops=flops, mixture=mixture is not None)
+                          max_tokens=batching.max_tokens, dataset_size=0 if reader else len(dataset),
+                          output_dir=config.output_dir, sink=trackers.log if trackers else None, flops=flops,
+                          epoch_from_plan=mixture is not None or reader is not None)
     return Components(rank=rank, world_size=world_size, config=config, batching=batching, tokenizer=tokenizer,
                       engine=engine, dataset=dataset, feed=feed, comm=comm, batcher=batcher, schedule=schedule,
                       telemetry=telemetry, settings=settings, preflight=measured, trackers=trackers,
                       evaluator=evaluator)
+
+
+def _streaming(config: RunConfig, batching: OdbConfig, dataset: SampleDataset, log: Callable[[str], None]
+               ) -> tuple[OdbConfig, ShardReader, int]:
+    """A streaming source's batching (static shards: each rank reads its own), this rank's reader,
+    and the records of one pass as the schedule plans them (an estimate, the same on every rank)."""
+    shards = dataset.source
+    if batching.sharding != "static":
+        batching = dataclasses.replace(batching, sharding="static")
+    records = shards.estimate_records()
+    log(f"odb: streaming {len(shards.files)} shard(s) of {config.data.path}, about {records} records a pass "
+        f"(estimated from each shard's size and first and last 64 KiB: the learning-rate schedule's length); "
+        f"each rank reads its own shards through a buffer of {config.data.shuffle_buffer} records")
+    reader = ShardReader(shards, seed=batching.seed, buffer_size=config.data.shuffle_buffer)
+    return batching, reader, records
 
 
 def run_preflight(config: RunConfig, backend: Backend, comm, *, tokenizer, vision, packed: bool, world_size: int,
@@ -271,6 +290,7 @@ def shared_settings(config: RunConfig, model_config, dataset: SampleDataset,
         "model.loss_chunk_tokens": config.model.loss_chunk_tokens,
         "data.fingerprint": dataset.fingerprint(),
         "data.processing": dataclasses.asdict(config.data.processing),
+        "data.streaming": [config.data.streaming, config.data.shuffle_buffer],
         "data.sources": [[s.name, s.weight, dict(s.processing)] for s in config.data.sources],
         "data.image_processor": dataclasses.asdict(dataset.vision) if dataset.vision is not None else None,
         "data.eval_fingerprint": eval_dataset.fingerprint() if eval_dataset is not None else None,
@@ -298,7 +318,8 @@ def _datasets(config: RunConfig, tokenizer, vision, *, truncate_to: int | None
         common = {"seed": config.seed + 7919 * number, "truncate_to": truncate_to, "vision": vision,
                   "cache_dir": config.output_dir}
         whole = {**common, "truncate_to": None}
-        dataset = SampleDataset(source.path, tokenizer, processing, max_samples=data.max_samples, **common)
+        dataset = SampleDataset(source.path, tokenizer, processing, max_samples=data.max_samples,
+                                streaming=data.streaming, **common)
         if data.val_ratio:  # each source's own seeded share held out
             size = len(dataset)
             held = max(1, round(size * data.val_ratio))
@@ -333,7 +354,8 @@ def _settings(config: RunConfig, batching: OdbConfig, *, world_size: int, packed
             "model": config.model.path, "lora": bool(config.model.lora),
             "gradient_checkpointing": config.model.gradient_checkpointing,
             "loss_chunk_tokens": config.model.loss_chunk_tokens, "data": config.data.path,
-            "dataset_samples": dataset_size, "epochs": config.run.epochs, "planned_samples": planned,
+            "dataset_samples": dataset_size, "streaming": config.data.streaming, "epochs": config.run.epochs,
+            "planned_samples": planned,
             "lr": config.optimization.lr, "num_workers": config.data.num_workers}
 
 

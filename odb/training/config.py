@@ -151,6 +151,13 @@ class DataSettings:
     """Hold out this share of --data for validation instead (a seeded split)."""
     eval_steps: int = 0
     """Evaluate every N optimizer steps (0: only at the end); needs --eval_data or --val_ratio."""
+    streaming: bool = False
+    """Read --data (a .jsonl file or a folder of .jsonl shards) as a stream, never indexed: each pass
+    deals the shards to the ranks in a seeded order and each rank reads its own front to back through
+    a shuffle buffer; exact-once per pass, no random access, resume by shard and byte offset
+    (docs/training.md#streaming-sources)."""
+    shuffle_buffer: int = 10000
+    """--streaming: records each rank's shuffle buffer holds (1: the shards' own order)."""
 
     @property
     def has_eval(self) -> bool:
@@ -170,6 +177,15 @@ class DataSettings:
                                                      "or --val_ratio R")
         check_int("--num_workers", self.num_workers, 0)
         check_int("--prefetch_factor", self.prefetch_factor, 1)
+        check_bool("--streaming", self.streaming)
+        check_int("--shuffle_buffer", self.shuffle_buffer, 1)
+        if self.streaming:
+            check(not self.sources, "--streaming reads one source (a .jsonl file or a folder of .jsonl shards): pass "
+                                    "--data PATH, without names or weights")
+            check(not self.val_ratio, "--streaming reads each record once per pass in order, so no share can be held "
+                                      "out: pass validation data with --eval_data instead of --val_ratio")
+            check(self.max_samples is None, "--streaming counts no records up front, so --max_samples cannot pick the "
+                                            "first N: stop the run with --max_steps, or drop --streaming")
         check(self.mix_by in MIX_BY, f"--mix_by must be one of {MIX_BY}, got {self.mix_by!r}")
         check(self.mix_epoch in MIX_EPOCH, f"--mix_epoch must be one of {MIX_EPOCH}, got {self.mix_epoch!r}")
         for name, flag_ in (("sources", "--data"), ("eval_sources", "--eval_data")):
@@ -372,6 +388,9 @@ class RunConfig:
         auto = [name for name in ("max_tokens", "max_patches") if getattr(self.batching, name) == "auto"]
         check(not auto or self.preflight.preflight == "on",
               f"{' and '.join(auto)} auto is measured by the preflight: drop --preflight off, or set a number")
+        check(not self.data.streaming or self.batching.mode == "join",
+              "--streaming runs passes over its shards (mode 'join', --epochs); a quota needs every record "
+              "reachable at any time: stop a streaming run with --max_steps instead")
 
     @property
     def seed(self) -> int:
