@@ -38,7 +38,8 @@ from odb.data.sources import RawRecord, parse_line
 
 __all__ = ["ShardReader", "StreamShards"]
 
-_EDGE = 1 << 16  # bytes of each end of a shard that the fingerprint hashes
+_EDGE = 1 << 16  # bytes of each end of a shard that the fingerprint hashes, and of each window the estimate reads
+_WINDOWS = 16  # windows a shard's estimate of records reads
 _MASK = (1 << 64) - 1
 
 
@@ -66,6 +67,8 @@ class StreamShards:
                              "reads JSONL only: move them out, or point --data at the shards' own folder")
         self.files = files
         self.sizes = [p.stat().st_size for p in files]
+        if not any(self.sizes):
+            raise ValueError(f"the streaming data {path} holds no records: its {len(files)} .jsonl shard(s) are empty")
         self.stride = max(self.sizes) + 1
         self._handles: dict[int, Any] = {}
         self._pid = 0
@@ -87,17 +90,21 @@ class StreamShards:
 
     def estimate_records(self) -> int:
         """Records in one pass, as the learning-rate schedule plans them (the same on every rank):
-        exact for a shard of at most 128 KiB (it is read whole), else its size times the density of
-        non-blank lines in its first and last 64 KiB."""
+        exact for a shard of at most 1 MiB (it is read whole), else its size times the density of
+        non-blank lines in 16 windows of 64 KiB spread evenly over it (whole lines only)."""
         total = 0.0
         for shard, size in enumerate(self.sizes):
-            if size <= 2 * _EDGE:
+            if size <= _WINDOWS * _EDGE:
                 total += _count_lines(self.read_bytes(shard, 0, size))
                 continue
-            head, tail = self.read_bytes(shard, 0, _EDGE), self.read_bytes(shard, size - _EDGE, _EDGE)
-            head, tail = head[:head.rfind(b"\n") + 1], tail[tail.find(b"\n") + 1:]  # whole lines only
-            sampled = len(head) + len(tail)
-            total += size * (_count_lines(head) + _count_lines(tail)) / sampled if sampled else 1
+            lines = sampled = 0
+            for number in range(_WINDOWS):
+                at = number * (size - _EDGE) // (_WINDOWS - 1)
+                window = self.read_bytes(shard, at, _EDGE)
+                first = window.find(b"\n") + 1 if at else 0  # from a line's start to a line's end
+                window = window[first:window.rfind(b"\n") + 1]
+                lines, sampled = lines + _count_lines(window), sampled + len(window)
+            total += size * lines / sampled if sampled else 1
         return max(1, round(total))
 
     def pass_order(self, seed: int, pass_index: int) -> list[int]:

@@ -173,7 +173,7 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
         prefetch_factor=config.data.prefetch_factor)
     mixture, reader, records = None, None, len(dataset)
     if config.data.streaming:
-        batching, reader, records = _streaming(config, batching, dataset, log)
+        batching, reader, records = _streaming(config, batching, dataset, world_size, log)
     if config.data.is_weighted:
         mixture = Mixture(dataset.sizes, [s.weight for s in config.data.sources], mix_by=config.data.mix_by,
                           epoch_rule=config.data.mix_epoch, seed=batching.seed, quota=batching.mode == "quota")
@@ -198,8 +198,8 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
                       evaluator=evaluator)
 
 
-def _streaming(config: RunConfig, batching: OdbConfig, dataset: SampleDataset, log: Callable[[str], None]
-               ) -> tuple[OdbConfig, ShardReader, int]:
+def _streaming(config: RunConfig, batching: OdbConfig, dataset: SampleDataset, world_size: int,
+               log: Callable[[str], None]) -> tuple[OdbConfig, ShardReader, int]:
     """A streaming source's batching (static shards: each rank reads its own), this rank's reader,
     and the records of one pass as the schedule plans them (an estimate, the same on every rank)."""
     shards = dataset.source
@@ -207,8 +207,12 @@ def _streaming(config: RunConfig, batching: OdbConfig, dataset: SampleDataset, l
         batching = dataclasses.replace(batching, sharding="static")
     records = shards.estimate_records()
     log(f"odb: streaming {len(shards.files)} shard(s) of {config.data.path}, about {records} records a pass "
-        f"(estimated from each shard's size and first and last 64 KiB: the learning-rate schedule's length); "
+        f"(estimated from samples of each shard: the learning-rate schedule's length); "
         f"each rank reads its own shards through a buffer of {config.data.shuffle_buffer} records")
+    idle = world_size - len(shards.files)
+    if idle > 0:
+        log(f"odb: WARNING: {len(shards.files)} shard(s) for {world_size} ranks: {idle} rank(s) read "
+            "nothing each pass and only join the others' steps; split the data into at least as many shards as ranks")
     reader = ShardReader(shards, seed=batching.seed, buffer_size=config.data.shuffle_buffer)
     return batching, reader, records
 

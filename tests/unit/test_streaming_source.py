@@ -1,0 +1,148 @@
+"""A streaming source's data layer (odb/data/streaming.py) against the files themselves: records
+read at their byte offsets equal Python's own split and json.loads, a processed sample equals the
+indexed dataset's sample of the same record, the reader's state continues exactly, the estimate of
+records, and the settings a stream cannot honour are refused with the fix."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import pickle
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import bundled_tokenizer, train_defaults
+from odb.batching.config import OdbConfig
+from odb.data.mixture import parse_source
+from odb.data.processing import SampleDataset
+from odb.data.streaming import ShardReader, StreamShards
+from odb.training.cli import parse_config
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULTS = train_defaults()
+
+
+def lines_of(file: Path) -> list[tuple[int, bytes]]:
+    """(byte offset, line) of every non-blank line, as Python splits the file: the oracle."""
+    out, offset = [], 0
+    for line in file.read_bytes().splitlines(keepends=True):
+        if line.strip():
+            out.append((offset, line.rstrip(b"\r\n")))
+        offset += len(line)
+    return out
+
+
+def read_all(shards: StreamShards, **kwargs) -> list[int]:
+    reader = ShardReader(shards, seed=1, **kwargs)
+    reader.start_pass(0, 0, 1)
+    return reader.read(10**9)
+
+
+def test_records_at_their_offsets_equal_the_files_split_by_python(tmp_path):
+    rng = random.Random(0)
+    for number in range(3):  # a long line (past the 64 KiB first read), blank and bad lines, no final newline
+        rows = [json.dumps({"n": number, "i": i, "text": "w" * rng.choice([3, 90, 70_000])}) for i in range(40)]
+        rows[5], rows[9] = "  ", "{not json"
+        (tmp_path / f"s{number}.jsonl").write_text("\n".join(rows) + ("\n" if number else ""))
+    shards = StreamShards(tmp_path)
+    expected = {(shard, offset): line for shard, file in enumerate(shards.files) for offset, line in lines_of(file)}
+    for chunk_bytes in (64, 1 << 22):
+        uids = read_all(shards, buffer_size=7, chunk_bytes=chunk_bytes)
+        assert sorted(shards.locate(u) for u in uids) == sorted(expected)
+    for (shard, offset), line in expected.items():
+        record = shards.get(shard * shards.stride + offset)
+        if line == b"{not json":
+            assert record.value is None and record.error == "not_json"
+            assert record.where == f"{shards.files[shard]}:byte {offset}"
+        else:
+            assert record.value == json.loads(line)
+
+
+def test_a_pickled_copy_and_a_forked_process_read_through_handles_of_their_own(tmp_path):
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"i": i}) + "\n" for i in range(20)))
+    shards = StreamShards(tmp_path)
+    offset = lines_of(shards.files[0])[7][0]
+    assert shards.get(offset).value == {"i": 7}  # opens this process's handle
+    copy = pickle.loads(pickle.dumps(shards))
+    assert copy._handles == {} and copy.get(offset).value == {"i": 7}
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        assert pool.apply(shards.get, (offset,)).value == {"i": 7}
+
+
+def test_the_reader_state_continues_exactly(tmp_path):
+    for number in range(4):
+        (tmp_path / f"s{number}.jsonl").write_text("".join(json.dumps({"i": i}) + "\n" for i in range(30 + number)))
+    shards = StreamShards(tmp_path)
+    whole = read_all(shards, buffer_size=5, chunk_bytes=50)
+    reader = ShardReader(shards, seed=1, buffer_size=5, chunk_bytes=50)
+    reader.start_pass(0, 0, 1)
+    head = reader.read(41)
+    state = json.loads(json.dumps(reader.state_dict()))
+    assert state["segments"][0][1] > 0  # stopped inside a shard
+    again = ShardReader(shards, seed=1, buffer_size=5, chunk_bytes=50)
+    again.load_state_dict(state)
+    assert head + again.read(10**9) == whole and again.is_done
+
+
+def test_the_estimate_of_records(tmp_path):
+    rng = random.Random(3)
+    small = ["{}"] * 12 + [""] * 3
+    big = [json.dumps({"t": "x" * rng.randint(10, 600)}) for _ in range(40_000)]
+    (tmp_path / "small.jsonl").write_text("\n".join(small) + "\n")
+    (tmp_path / "big.jsonl").write_text("\n".join(big) + "\n")
+    estimate = StreamShards(tmp_path).estimate_records()
+    print(f"estimated {estimate} records of {12 + len(big)}")
+    assert abs(estimate - (12 + len(big))) <= 0.03 * len(big)
+    assert StreamShards(tmp_path / "small.jsonl").estimate_records() == 12  # up to 1 MiB, read whole: exact
+
+
+def test_a_streamed_sample_equals_the_indexed_datasets_sample_of_the_same_record(tmp_path):
+    tokenizer = bundled_tokenizer()
+    data = ROOT / "data" / "chat.jsonl"
+    indexed = SampleDataset(data, tokenizer, truncate_to=256)
+    streamed = SampleDataset(data, tokenizer, truncate_to=256, streaming=True)
+    offsets = [offset for offset, _ in lines_of(data)]
+    for record in (0, 3, len(offsets) - 1):
+        for epoch in (0, 1):  # augmentation-free here, but the uid carries the pass either way
+            mine = streamed[epoch * len(streamed) + offsets[record]]
+            theirs = indexed[epoch * len(indexed) + record]
+            assert torch.equal(mine["input_ids"], theirs["input_ids"]) and torch.equal(mine["labels"], theirs["labels"])
+    with pytest.raises(ValueError, match="no indices or max_samples"):
+        SampleDataset(data, tokenizer, streaming=True, max_samples=3)
+
+
+def test_what_a_stream_cannot_do_is_refused_with_the_fix(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = ["--output_dir", str(tmp_path / "o")]
+    config = parse_config(["--data", "data/chat.jsonl", "--streaming", "--shuffle_buffer", "64", *out],
+                          defaults=DEFAULTS)
+    assert config.data.streaming and config.data.shuffle_buffer == 64
+    for args, match in [(["--val_ratio", "0.1"], "--eval_data instead of --val_ratio"),
+                        (["--max_samples", "5"], "stop the run with --max_steps"),
+                        (["--shuffle_buffer", "0"], "shuffle_buffer")]:
+        with pytest.raises(ValueError, match=match):
+            parse_config(["--data", "data/chat.jsonl", "--streaming", *args, *out], defaults=DEFAULTS)
+    with pytest.raises(ValueError, match="without names or weights"):
+        parse_config(["--data", "a=data/chat.jsonl", "b=data/chat.jsonl", "--streaming", *out], defaults=DEFAULTS)
+    odb = tmp_path / "odb.json"
+    odb.write_text(json.dumps({**OdbConfig(max_tokens=512).to_dict(), "mode": "quota", "quota": 10}))
+    with pytest.raises(ValueError, match="mode 'join'"):
+        parse_config(["--data", "data/chat.jsonl", "--streaming", "--odb_config", str(odb), *out], defaults=DEFAULTS)
+    with pytest.raises(ValueError, match="streaming reads one source"):
+        parse_source('{"name": "a", "path": "p", "streaming": true}')
+    (tmp_path / "rows.parquet").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="drop --streaming"):
+        StreamShards(tmp_path / "rows.parquet")
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.jsonl").write_text("{}\n")
+    (tmp_path / "mixed" / "b.parquet").write_bytes(b"")
+    with pytest.raises(ValueError, match="beside its .jsonl shards"):
+        StreamShards(tmp_path / "mixed")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.jsonl").write_text("")
+    with pytest.raises(ValueError, match="holds no records"):
+        StreamShards(tmp_path / "empty")
