@@ -23,6 +23,12 @@ converted once into its cache, then memory-mapped; the same before and after) ag
 alternative not chosen, reading row groups with pyarrow and keeping the last two decoded (timed
 over at most 1000 gets: each miss decodes a whole row group).
 
+A streaming source (``--streaming``, :mod:`odb.data.streaming`; reader ``streaming``) indexes
+nothing: a fresh process opens the same file as one shard, takes the fingerprint and the records
+estimate, reads every record through a :class:`odb.data.streaming.ShardReader` (a buffer of
+10,000) as a rank does over a pass, then forks the workers, which each time ``--gets`` gets of
+records in the order the reader handed them out (what a DataLoader worker reads).
+
 When the largest file would not fit comfortably on the disk (3x its size, for the file and the
 caches), the tool measures 1M and 3M records instead and extrapolates linearly, saying so.
 """
@@ -213,6 +219,53 @@ def _rank(reader: str, path: str, gets: int, workers: int, results) -> None:
     results.put(out)
 
 
+def _stream(path: str, gets: int, workers: int, results) -> None:
+    """One rank of a streaming source: open, fingerprint, estimate, a whole pass, then workers
+    reading records in the reader's order."""
+    from odb.data.streaming import ShardReader, StreamShards
+
+    out = {"before": memory()}
+    start = time.perf_counter()
+    shards = StreamShards(path)
+    out["open_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    shards.fingerprint()
+    out["fingerprint_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    out["estimate"] = shards.estimate_records()
+    out["estimate_s"] = time.perf_counter() - start
+    reader = ShardReader(shards, seed=0, buffer_size=10_000)
+    reader.start_pass(0, 0, 1)
+    start, read, order = time.perf_counter(), 0, []
+    while not reader.is_done:
+        uids = reader.read(100_000)
+        read += len(uids)
+        if len(order) < gets * workers:
+            order.extend(uids[:gets * workers - len(order)])
+    out["scan_s"], out["read"] = time.perf_counter() - start, read
+    gc.collect()
+    out["rank"] = memory()
+    fork = multiprocessing.get_context("fork")
+    queue = fork.Queue()
+    processes = [fork.Process(target=_stream_worker, args=(shards, order[w::workers], queue)) for w in range(workers)]
+    for process in processes:
+        process.start()
+    out["workers"] = [queue.get() for _ in processes]
+    for process in processes:
+        process.join()
+    results.put(out)
+
+
+def _stream_worker(shards, uids: list[int], results) -> None:
+    times = np.empty(len(uids))
+    for k, uid in enumerate(uids):
+        start = time.perf_counter_ns()
+        shards.get(uid)
+        times[k] = (time.perf_counter_ns() - start) / 1000
+    results.put({"get_mean_us": float(times.mean()), "get_p99_us": float(np.percentile(times, 99)),
+                 "after_gets": memory()})
+
+
 def _parquet(reader: str, path: str, gets: int, results) -> None:
     start = time.perf_counter()
     if reader == "datasets":
@@ -245,14 +298,17 @@ def in_fresh_process(target, *args):
     return out
 
 
-def bench_jsonl(folder: Path, count: int, gets: int, workers: int) -> dict:
+def bench_jsonl(folder: Path, count: int, gets: int, workers: int, readers=("old", "new", "streaming")) -> dict:
     path = folder / f"chat_{count}.jsonl"
     start = time.perf_counter()
     write_jsonl(path, count)
     result = {"records": count, "file_mb": path.stat().st_size / 2**20, "write_s": time.perf_counter() - start}
-    for reader in ("old", "new"):
+    for reader in readers:
         print(f"  {count:,} records: {reader} reader", file=sys.stderr, flush=True)
-        result[reader] = in_fresh_process(_rank, reader, str(path), gets, workers)
+        if reader == "streaming":
+            result[reader] = in_fresh_process(_stream, str(path), gets, workers)
+        else:
+            result[reader] = in_fresh_process(_rank, reader, str(path), gets, workers)
     for leftover in folder.glob(path.name + "*"):
         leftover.unlink()
     return result
@@ -294,9 +350,11 @@ def table(report: dict) -> str:
     rows = ["| records | reader | index, first (s) | index, reused (s) | fingerprint (s) | rank: anon growth (MB) "
             "| worker: anon after gets / after all (MB) | worker: file after all (MB) | get mean / p99 (us) |",
             "|---|---|---|---|---|---|---|---|---|"]
+    if not any("old" in result or "new" in result for result in report["jsonl"]):
+        rows = []
     for result in report["jsonl"]:
         note = " (extrapolated)" if "extrapolated_from" in result else ""
-        for reader in ("old", "new"):
+        for reader in [r for r in ("old", "new") if r in result]:
             r, workers = result[reader], result[reader]["workers"]
             reuse = "rebuilt" if r["index_reuse_s"] is None else f"{r['index_reuse_s']:.3f}"
             anon = None if r["rank"]["pss_anon"] is None else r["rank"]["pss_anon"] - r["before"]["pss_anon"]
@@ -305,6 +363,20 @@ def table(report: dict) -> str:
             rows.append(f"| {result['records']:,}{note} | {reader} | {r['index_first_s']:.2f} | {reuse} "
                         f"| {r['fingerprint_s']:.3f} | {mb(anon)} | {mb(gets)} / {mb(everything)} "
                         f"| {mb(_worst(workers, 'after_touching_all', 'pss_file'))} "
+                        f"| {mean_us:.0f} / {max(w['get_p99_us'] for w in workers):.0f} |")
+    streamed = [result for result in report["jsonl"] if "streaming" in result]
+    if streamed:
+        rows += ["", "| records | streaming: open (s) | fingerprint (s) | estimate (s) | estimated records "
+                 "| a pass read (s) | records/s | rank: anon growth (MB) | worker: anon after gets (MB) "
+                 "| get mean / p99 (us) |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for result in streamed:
+            r, workers = result["streaming"], result["streaming"]["workers"]
+            anon = None if r["rank"]["pss_anon"] is None else r["rank"]["pss_anon"] - r["before"]["pss_anon"]
+            mean_us = sum(w["get_mean_us"] for w in workers) / len(workers)
+            worker = _worst(workers, "after_gets", "pss_anon")
+            rows.append(f"| {result['records']:,} | {r['open_s']:.3f} | {r['fingerprint_s']:.3f} "
+                        f"| {r['estimate_s']:.3f} | {r['estimate']:,.0f} | {r['scan_s']:.1f} "
+                        f"| {r['read'] / r['scan_s']:,.0f} | {mb(anon)} | {mb(worker)} "
                         f"| {mean_us:.0f} / {max(w['get_p99_us'] for w in workers):.0f} |")
     if report.get("parquet"):
         p = report["parquet"]
@@ -330,6 +402,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parquet_rows", type=int, default=1_000_000, help="0 leaves Parquet out")
     parser.add_argument("--gets", type=int, default=10_000, help="random gets per worker")
     parser.add_argument("--workers", type=int, default=2, help="forked workers per rank")
+    parser.add_argument("--readers", default="old,new,streaming",
+                        help="JSONL readers, comma-separated: old, new (the index), streaming")
     parser.add_argument("--dir", help="where to write the data (default: a temporary folder)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args(argv)
@@ -345,7 +419,8 @@ def main(argv: list[str] | None = None) -> None:
     report: dict = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "gets": args.gets,
                     "workers": args.workers, "jsonl": [], "notes": notes}
     try:
-        done = {count: bench_jsonl(folder, count, args.gets, args.workers) for count in measured}
+        readers = tuple(args.readers.split(","))
+        done = {count: bench_jsonl(folder, count, args.gets, args.workers, readers) for count in measured}
         for count in counts:
             report["jsonl"].append(done.get(count) or extrapolate(done[1_000_000], done[3_000_000], count))
         if args.parquet_rows:
