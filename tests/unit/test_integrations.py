@@ -63,6 +63,9 @@ def test_odbs_gas_is_the_hosts_gradient_accumulation_steps():
                            batching=SETTINGS.batching)
     with pytest.raises(ValueError, match="weighted mixture"):
         host_config(weighted, gas=1, **common)
+    streaming = OdbSettings(data=DataSettings(path="data/chat.jsonl", streaming=True), batching=SETTINGS.batching)
+    with pytest.raises(ValueError, match="streaming source"):
+        host_config(streaming, gas=1, **common)
     fsdp = host_config(SETTINGS, gas=1, backend="fsdp2", **common)
     assert fsdp.optimization.fsdp2 is not None and not fsdp.optimization.deepspeed
 
