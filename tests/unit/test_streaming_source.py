@@ -19,6 +19,8 @@ from odb.batching.config import OdbConfig
 from odb.data.mixture import parse_source
 from odb.data.processing import SampleDataset
 from odb.data.streaming import ShardReader, StreamShards
+from odb.recipe import load_recipe
+from odb.training.build import _datasets
 from odb.training.cli import parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,6 +123,13 @@ def test_what_a_stream_cannot_do_is_refused_with_the_fix(tmp_path, monkeypatch):
     config = parse_config(["--data", "data/chat.jsonl", "--streaming", "--shuffle_buffer", "64", *out],
                           defaults=DEFAULTS)
     assert config.data.streaming and config.data.shuffle_buffer == 64
+    recipe = tmp_path / "stream.yaml"
+    recipe.write_text(json.dumps({"data": "data/chat.jsonl", "streaming": True, "shuffle_buffer": 32,
+                                  "output_dir": str(tmp_path / "o")}))
+    from_recipe = parse_config([], defaults=DEFAULTS, recipe=load_recipe(recipe))
+    assert from_recipe.data.streaming and from_recipe.data.shuffle_buffer == 32
+    train, held = _datasets(from_recipe, bundled_tokenizer(), None, truncate_to=None)
+    assert isinstance(train.source, StreamShards) and held is None
     for args, match in [(["--val_ratio", "0.1"], "--eval_data instead of --val_ratio"),
                         (["--max_samples", "5"], "stop the run with --max_steps"),
                         (["--shuffle_buffer", "0"], "shuffle_buffer")]:
