@@ -139,6 +139,9 @@ class OnlineBatcher:
                                 shards=shards, mixture=mixture, reader=reader)
         self.cost_model = CostModel.from_config(config)
         self.packer = make_packer(config, self.cost_model)
+        if reader is not None and self.packer.is_offline:
+            raise ValueError(f"policy {config.policy!r} sorts a rank's whole shard before it forms a micro-batch, and "
+                             "a streaming source has no shard to hold whole: use policy 'odb' (or 'fixed')")
         self.fit = (CostFit(rank=self.rank, attn_coef=config.attn_coef, patch_coef=config.patch_coef)
                     if config.cost_model == "fit" else None)
         self.is_warm = False  # this process has trained a step: the first's times are not the run's pace

@@ -21,14 +21,17 @@ What odb guarantees for a streaming source, and what it does not:
 * Resume by shard and offset: the batcher's state holds each rank's shards still to read, the
   byte offset its current shard is read to, and its buffer; a resume on another number of ranks
   deals those partly read shards and buffers to the new ranks whole.
-* The shards are fixed at start: their names, sizes and a digest of their first and last 64 KiB
+* The shards are fixed at start: their names, sizes and a digest of their first and last 4 KiB
   are the data's fingerprint, which a resume checks. A file added later is not read.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import os
+from collections import OrderedDict
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +41,9 @@ from odb.data.sources import RawRecord, parse_line
 
 __all__ = ["ShardReader", "StreamShards"]
 
-_EDGE = 1 << 16  # bytes of each end of a shard that the fingerprint hashes, and of each window the estimate reads
-_WINDOWS = 16  # windows a shard's estimate of records reads
+_EDGE = 1 << 16  # bytes of each window the estimate of records reads
+_FINGERPRINT = 1 << 12  # bytes of each end of a shard the fingerprint hashes
+_HANDLES = 64  # shard files a process keeps open at most (the least recently read is closed)
 _MASK = (1 << 64) - 1
 
 
@@ -70,42 +74,43 @@ class StreamShards:
         if not any(self.sizes):
             raise ValueError(f"the streaming data {path} holds no records: its {len(files)} .jsonl shard(s) are empty")
         self.stride = max(self.sizes) + 1
-        self._handles: dict[int, Any] = {}
+        self._handles: OrderedDict[int, Any] = OrderedDict()
         self._pid = 0
 
     def __len__(self) -> int:
         return len(self.files) * self.stride
 
     def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__, _handles={}, _pid=0)  # a worker opens its own
+        return dict(self.__dict__, _handles=OrderedDict(), _pid=0)  # a worker opens its own
 
     def fingerprint(self) -> str:
-        """A short hash of the shards: each one's name, size and first and last 64 KiB."""
+        """A short hash of the shards: each one's name, size and first and last 4 KiB."""
         digest = hashlib.sha256()
-        for file, size in zip(self.files, self.sizes):
+        for shard, (file, size) in enumerate(zip(self.files, self.sizes)):
             digest.update(f"{file.name}:{size};".encode())
-            digest.update(self.read_bytes(self.files.index(file), 0, _EDGE))
-            digest.update(self.read_bytes(self.files.index(file), max(0, size - _EDGE), _EDGE))
+            digest.update(self.read_bytes(shard, 0, _FINGERPRINT))
+            digest.update(self.read_bytes(shard, max(0, size - _FINGERPRINT), _FINGERPRINT))
         return digest.hexdigest()[:16]
 
-    def estimate_records(self) -> int:
+    def estimate_records(self, *, exact_bytes: int = 1 << 24, windows: int = 512) -> int:
         """Records in one pass, as the learning-rate schedule plans them (the same on every rank):
-        exact for a shard of at most 1 MiB (it is read whole), else its size times the density of
-        non-blank lines in 16 windows of 64 KiB spread evenly over it (whole lines only)."""
-        total = 0.0
-        for shard, size in enumerate(self.sizes):
-            if size <= _WINDOWS * _EDGE:
-                total += _count_lines(self.read_bytes(shard, 0, size))
-                continue
-            lines = sampled = 0
-            for number in range(_WINDOWS):
-                at = number * (size - _EDGE) // (_WINDOWS - 1)
-                window = self.read_bytes(shard, at, _EDGE)
-                first = window.find(b"\n") + 1 if at else 0  # from a line's start to a line's end
-                window = window[first:window.rfind(b"\n") + 1]
-                lines, sampled = lines + _count_lines(window), sampled + len(window)
-            total += size * lines / sampled if sampled else 1
-        return max(1, round(total))
+        every line counted when the shards hold at most ``exact_bytes`` in all; else the total size
+        times the records a byte in ``windows`` windows of 64 KiB spread evenly over all the shards'
+        bytes (line ends a byte, less the blank lines seen whole: right for lines of any length)."""
+        total = sum(self.sizes)
+        if total <= exact_bytes:
+            return max(1, sum(_records_in(self.read_bytes(shard, 0, size), starts=True, ends=True)
+                              for shard, size in enumerate(self.sizes)))
+        starts = list(accumulate(self.sizes, initial=0))
+        records = sampled = 0
+        for number in range(windows):
+            at = number * (total - 1) // max(1, windows - 1)
+            shard = bisect.bisect_right(starts, at) - 1
+            offset = at - starts[shard]
+            window = self.read_bytes(shard, offset, _EDGE)
+            records += _records_in(window, starts=offset == 0, ends=offset + len(window) == self.sizes[shard])
+            sampled += len(window)
+        return max(1, round(total * records / sampled))
 
     def pass_order(self, seed: int, pass_index: int) -> list[int]:
         """The shards of one pass in their seeded order (the same on every rank)."""
@@ -136,11 +141,14 @@ class StreamShards:
         return parse_line(line, f"{self.files[shard]}:byte {offset}")
 
     def _fileno(self, shard: int) -> int:
-        if self._pid != os.getpid():  # a forked worker: handles of its own
-            self._handles, self._pid = {}, os.getpid()
+        if self._pid != os.getpid():  # a forked worker: handles of its own (the parent's stay the parent's)
+            self._handles, self._pid = OrderedDict(), os.getpid()
         handle = self._handles.get(shard)
         if handle is None:
+            if len(self._handles) >= _HANDLES:
+                self._handles.popitem(last=False)[1].close()
             handle = self._handles[shard] = open(self.files[shard], "rb", buffering=0)
+        self._handles.move_to_end(shard)
         return handle.fileno()
 
 
@@ -240,9 +248,15 @@ class ShardReader:
         self._chunk, self._chunk_at = b"", (-1, 0)
 
 
-def _count_lines(data: bytes) -> int:
-    """Non-blank lines in ``data``."""
-    return sum(1 for line in data.split(b"\n") if line.strip())
+def _records_in(data: bytes, *, starts: bool, ends: bool) -> int:
+    """The records of ``data``, read from a shard: a record a line end, less the blank lines seen
+    whole (the first line too when ``data`` ``starts`` at a shard's start), plus the last line
+    when ``data`` ``ends`` at the shard's end and that line has no line end."""
+    lines = data.split(b"\n")
+    whole = lines[:-1] if starts else lines[1:-1]  # lines seen from their start to their end
+    blank = sum(1 for line in whole if not line.strip())
+    last = 1 if ends and lines[-1].strip() else 0
+    return data.count(b"\n") - blank + last
 
 
 def _mix(*values: int) -> int:

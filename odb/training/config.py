@@ -388,6 +388,9 @@ class RunConfig:
         auto = [name for name in ("max_tokens", "max_patches") if getattr(self.batching, name) == "auto"]
         check(not auto or self.preflight.preflight == "on",
               f"{' and '.join(auto)} auto is measured by the preflight: drop --preflight off, or set a number")
+        check(not self.data.streaming or self.batching.policy not in ("gmt", "bmt"),
+              f"policy {self.batching.policy!r} sorts a rank's whole shard before it forms a micro-batch, and "
+              "--streaming has no shard to hold whole: use policy 'odb' (or 'fixed')")
         check(not self.data.streaming or self.batching.mode == "join",
               "--streaming runs passes over its shards (mode 'join', --epochs); a quota needs every record "
               "reachable at any time: stop a streaming run with --max_steps instead")

@@ -81,9 +81,9 @@ def trained(steps, shards):
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_every_line_trains_exactly_once_per_pass(shards, world):
-    cfg = config()
+@pytest.mark.parametrize("world,policy", [(1, "odb"), (2, "odb"), (3, "odb"), (4, "odb"), (3, "fixed")])
+def test_every_line_trains_exactly_once_per_pass(shards, world, policy):
+    cfg = config(policy=policy, batch_size=4)
     steps = run_ranks(world, lambda comm: list(batcher(comm, shards, cfg, num_epochs=2)))
     check_aligned(steps)
     expected = Counter((p, s, line) for p in range(2) for s, line in records(shards))
@@ -155,3 +155,5 @@ def test_a_streaming_state_needs_a_streaming_run(shards):
                                                 feed=SimulatedFeed(Lengths(shards))).load_state_dict(states[0]))
     with pytest.raises(ValueError, match="sharding 'static' in mode 'join'"):
         run_ranks(1, lambda comm: batcher(comm, shards, config(sharding="dynamic")))
+    with pytest.raises(ValueError, match="use policy 'odb'"):
+        run_ranks(1, lambda comm: batcher(comm, shards, config(policy="gmt")))

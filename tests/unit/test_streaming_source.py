@@ -89,16 +89,43 @@ def test_the_reader_state_continues_exactly(tmp_path):
     assert head + again.read(10**9) == whole and again.is_done
 
 
-def test_the_estimate_of_records(tmp_path):
+def write_shards(folder: Path, shards: list[list[str]]) -> int:
+    folder.mkdir()
+    for number, lines in enumerate(shards):
+        (folder / f"s{number}.jsonl").write_text("".join(line + "\n" for line in lines))
+    return sum(1 for lines in shards for line in lines if line.strip())
+
+
+@pytest.mark.parametrize("case", ["uniform", "long lines", "mixed lengths", "blank lines"])
+def test_the_estimate_of_records(tmp_path, case):
+    """Sampled (64 KiB windows over 19 MB, 4 MB, 8 MB and 10 MB) within 1%, whatever the lines'
+    lengths: records longer than a window, lengths 200x apart, a third of the lines blank."""
     rng = random.Random(3)
-    small = ["{}"] * 12 + [""] * 3
-    big = [json.dumps({"t": "x" * rng.randint(10, 600)}) for _ in range(40_000)]
-    (tmp_path / "small.jsonl").write_text("\n".join(small) + "\n")
-    (tmp_path / "big.jsonl").write_text("\n".join(big) + "\n")
-    estimate = StreamShards(tmp_path).estimate_records()
-    print(f"estimated {estimate} records of {12 + len(big)}")
-    assert abs(estimate - (12 + len(big))) <= 0.03 * len(big)
-    assert StreamShards(tmp_path / "small.jsonl").estimate_records() == 12  # up to 1 MiB, read whole: exact
+    text = {"uniform": lambda i: "x" * rng.randint(10, 600), "long lines": lambda i: "x" * 100_000,
+            "mixed lengths": lambda i: "x" * (200 if i % 2 else 40_000),
+            "blank lines": lambda i: "x" * rng.randint(10, 600) if i % 3 else None}[case]
+    count = {"uniform": 20_000, "long lines": 40, "mixed lengths": 400, "blank lines": 30_000}[case]
+    shards = [[json.dumps({"t": t}) if (t := text(i)) is not None else "  " for i in range(count)]
+              for _ in range(3 if case == "uniform" else 1)]
+    records = write_shards(tmp_path / "data", shards)
+    estimate = StreamShards(tmp_path / "data").estimate_records(exact_bytes=0)
+    print(f"{case}: estimated {estimate} records of {records}")
+    assert abs(estimate - records) <= max(1, 0.01 * records)
+
+
+def test_small_data_is_counted_exactly(tmp_path):
+    records = write_shards(tmp_path / "data", [["{}"] * 12 + ["", " "] + ["{}"], ['{"a": 1}'], []])
+    (tmp_path / "data" / "s1.jsonl").write_text('{"a": 1}')  # no final newline
+    assert StreamShards(tmp_path / "data").estimate_records() == records == 14
+
+
+def test_a_process_keeps_a_bounded_number_of_shards_open(tmp_path):
+    write_shards(tmp_path / "data", [[json.dumps({"s": s})] for s in range(150)])
+    shards = StreamShards(tmp_path / "data")
+    shards.fingerprint()
+    assert len(shards._handles) <= 64
+    uids = read_all(shards, buffer_size=10)
+    assert sorted(shards.get(u).value["s"] for u in uids) == list(range(150)) and len(shards._handles) <= 64
 
 
 def test_a_streamed_sample_equals_the_indexed_datasets_sample_of_the_same_record(tmp_path):
@@ -140,6 +167,9 @@ def test_what_a_stream_cannot_do_is_refused_with_the_fix(tmp_path, monkeypatch):
     odb = tmp_path / "odb.json"
     odb.write_text(json.dumps({**OdbConfig(max_tokens=512).to_dict(), "mode": "quota", "quota": 10}))
     with pytest.raises(ValueError, match="mode 'join'"):
+        parse_config(["--data", "data/chat.jsonl", "--streaming", "--odb_config", str(odb), *out], defaults=DEFAULTS)
+    odb.write_text(json.dumps({**OdbConfig(max_tokens=512).to_dict(), "policy": "gmt", "sharding": "static"}))
+    with pytest.raises(ValueError, match="use policy 'odb'"):
         parse_config(["--data", "data/chat.jsonl", "--streaming", "--odb_config", str(odb), *out], defaults=DEFAULTS)
     with pytest.raises(ValueError, match="streaming reads one source"):
         parse_source('{"name": "a", "path": "p", "streaming": true}')
