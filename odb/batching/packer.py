@@ -272,13 +272,11 @@ class FixedPacker(Packer):
         super().__init__(cost_model)
         self.batch_size = batch_size
 
-    def add(self, samples: list[SampleCost]) -> None:
-        self.unpacked.extend(samples)
+    def pack(self, window: int, is_exhausted: bool, min_bins: int = 1) -> int:
+        # (samples restored unpacked, e.g. re-dealt from another world size, are batched here too)
         size, full = self.batch_size, len(self.unpacked) // self.batch_size * self.batch_size
         self.bins += [Bin.of(self.unpacked[i:i + size], self.cost_model, padded=True) for i in range(0, full, size)]
         del self.unpacked[:full]
-
-    def pack(self, window: int, is_exhausted: bool, min_bins: int = 1) -> int:
         if is_exhausted and self.unpacked:
             self.bins.append(Bin.of(self.unpacked, self.cost_model, padded=True))
             self.unpacked = []

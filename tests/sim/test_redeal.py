@@ -101,3 +101,15 @@ def test_stops_inside_a_round_and_inside_the_last_round_of_the_run(old_world, ne
         assert uids(head) + uids(tail) == Counter(range(2 * len(samples)))
         check_aligned(tail)
         assert tail[0] and tail[0][0].step == k
+
+
+@pytest.mark.parametrize("old_world,new_world", [(2, 1), (2, 3)])
+def test_the_fixed_baseline_resumes_on_another_number_of_ranks(old_world, new_world):
+    """Held samples come back unpacked, as many as a window: the fixed packer batches them without
+    waiting for more (it used to wait for an add that a full window never makes, for ever)."""
+    config = OdbConfig(max_tokens=1024, window=8, lookahead=4, gas=2, policy="fixed", batch_size=2,
+                       sharding="static", cost_model="manual")
+    samples = [(20 + (i * 53) % 580, 0) for i in range(69)]
+    head, tail = stop_and_redeal(config, samples, old_world, new_world, 1, epochs=1)
+    assert uids(head) + uids(tail) == Counter(range(len(samples)))
+    check_aligned(tail)
