@@ -294,3 +294,21 @@ def check_caps(steps: list[list[StepPlan]], max_tokens: int, max_patches: int | 
 
 def roundtrip(state: dict) -> dict:
     return json.loads(json.dumps(state))
+
+
+def run_to_state(make_batcher: Callable, world: int, stop_after: int) -> tuple[list[list], list[dict]]:
+    """Simulated ranks, each with ``make_batcher(comm)``, stopped after ``stop_after`` steps (a
+    checkpoint): the steps each trained, and each one's batcher state as a resume reads it."""
+    from odb.batching.simulate import run_ranks
+
+    def rank_main(comm):
+        batcher = make_batcher(comm)
+        steps = []
+        for step in batcher:
+            steps.append(step)
+            if len(steps) == stop_after:
+                break
+        return steps, roundtrip(batcher.state_dict())
+
+    out = run_ranks(world, rank_main)
+    return [steps for steps, _ in out], [state for _, state in out]

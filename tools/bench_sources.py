@@ -193,30 +193,37 @@ def _rank(reader: str, path: str, gets: int, workers: int, results) -> None:
                 entry[0]
     else:
         Path(str(path) + SUFFIX).unlink(missing_ok=True)
-        start = time.perf_counter()
-        Source(path)
-        out["index_first_s"] = time.perf_counter() - start
-        start = time.perf_counter()
-        source = Source(path)
-        out["index_reuse_s"] = time.perf_counter() - start
-        start = time.perf_counter()
-        source.fingerprint()
-        out["fingerprint_s"] = time.perf_counter() - start
+        _, out["index_first_s"] = timed(Source, path)
+        source, out["index_reuse_s"] = timed(Source, path)
+        _, out["fingerprint_s"] = timed(source.fingerprint)
 
         def touch():
             int(source.parts[0][1].index.offsets.sum())
     gc.collect()
     out["rank"] = memory()
+    out["workers"] = forked(_worker, [(source.get, touch, len(source), gets, seed) for seed in range(workers)])
+    results.put(out)
+
+
+def timed(fn, *args):
+    """``fn(*args)`` and the seconds it took."""
+    start = time.perf_counter()
+    value = fn(*args)
+    return value, time.perf_counter() - start
+
+
+def forked(target, jobs: list[tuple]) -> list:
+    """What ``target(*job, queue)`` puts on the queue, each job in a process forked from this one
+    (as DataLoader workers are forked from their rank)."""
     fork = multiprocessing.get_context("fork")
     queue = fork.Queue()
-    processes = [fork.Process(target=_worker, args=(source.get, touch, len(source), gets, seed, queue))
-                 for seed in range(workers)]
+    processes = [fork.Process(target=target, args=(*job, queue)) for job in jobs]
     for process in processes:
         process.start()
-    out["workers"] = [queue.get() for _ in processes]
+    out = [queue.get() for _ in processes]
     for process in processes:
         process.join()
-    results.put(out)
+    return out
 
 
 def _stream(path: str, gets: int, workers: int, results) -> None:
@@ -225,15 +232,9 @@ def _stream(path: str, gets: int, workers: int, results) -> None:
     from odb.data.streaming import ShardReader, StreamShards
 
     out = {"before": memory()}
-    start = time.perf_counter()
-    shards = StreamShards(path)
-    out["open_s"] = time.perf_counter() - start
-    start = time.perf_counter()
-    shards.fingerprint()
-    out["fingerprint_s"] = time.perf_counter() - start
-    start = time.perf_counter()
-    out["estimate"] = shards.estimate_records()
-    out["estimate_s"] = time.perf_counter() - start
+    shards, out["open_s"] = timed(StreamShards, path)
+    _, out["fingerprint_s"] = timed(shards.fingerprint)
+    out["estimate"], out["estimate_s"] = timed(shards.estimate_records)
     reader = ShardReader(shards, seed=0, buffer_size=10_000)
     reader.start_pass(0, 0, 1)
     start, read, order = time.perf_counter(), 0, []
@@ -245,14 +246,7 @@ def _stream(path: str, gets: int, workers: int, results) -> None:
     out["scan_s"], out["read"] = time.perf_counter() - start, read
     gc.collect()
     out["rank"] = memory()
-    fork = multiprocessing.get_context("fork")
-    queue = fork.Queue()
-    processes = [fork.Process(target=_stream_worker, args=(shards, order[w::workers], queue)) for w in range(workers)]
-    for process in processes:
-        process.start()
-    out["workers"] = [queue.get() for _ in processes]
-    for process in processes:
-        process.join()
+    out["workers"] = forked(_stream_worker, [(shards, order[w::workers]) for w in range(workers)])
     results.put(out)
 
 

@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from conftest import check_aligned, roundtrip
+from conftest import check_aligned, run_to_state
 from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import OdbConfig
 from odb.batching.mixture import Mixture
@@ -158,22 +158,6 @@ def test_quota_mode_holds_the_shares_of_what_it_trains():
     assert abs(units[1] - 0.6 * sum(units)) <= MAX_TOKENS, units
 
 
-def run_to_state(lengths, sizes, weights, world, stop_after, config):
-    """Each rank's batcher state after ``stop_after`` steps (a checkpoint), and the steps before."""
-    def rank_main(comm):
-        batcher = OnlineBatcher(config, comm, dataset_size=len(lengths), feed=SimulatedFeed(lengths),
-                                mixture=Mixture(sizes, weights, seed=config.seed))
-        steps = []
-        for step in batcher:
-            steps.append(step)
-            if len(steps) == stop_after:
-                break
-        return steps, roundtrip(batcher.state_dict())
-
-    out = run_ranks(world, rank_main)
-    return [steps for steps, _ in out], [state for _, state in out]
-
-
 def resume(lengths, sizes, weights, states, config):
     def rank_main(comm):
         batcher = OnlineBatcher(config, comm, dataset_size=len(lengths), feed=SimulatedFeed(lengths),
@@ -190,7 +174,9 @@ def test_resume_mid_epoch_keeps_the_shares_and_exact_once(world_after):
     lengths = make_sources(sizes, [(20, 60), (600, 1800)], seed=4, skip_every=29)
     config = OdbConfig(max_tokens=MAX_TOKENS, window=64, cost_model="manual", seed=4)
     whole = simulate(config, lengths, 2, mixture=lambda: Mixture(sizes, weights, seed=4))
-    before, states = run_to_state(lengths, sizes, weights, 2, stop_after=6, config=config)
+    before, states = run_to_state(lambda comm: OnlineBatcher(
+        config, comm, dataset_size=len(lengths), feed=SimulatedFeed(lengths),
+        mixture=Mixture(sizes, weights, seed=config.seed)), 2, stop_after=6)
     if world_after != 2:
         states = redeal_states(states, world_after)
     after = resume(lengths, sizes, weights, states, config)

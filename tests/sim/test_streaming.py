@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import check_aligned, roundtrip
+from conftest import check_aligned, run_to_state
 from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import OdbConfig
 from odb.batching.redeal import redeal_states
@@ -109,25 +109,11 @@ def test_the_buffer_mixes_within_its_size_and_is_seeded(shards):
     assert shards.pass_order(5, 1) != shards.pass_order(5, 0)
 
 
-def run_to_state(shards, cfg, world, stop_after):
-    def rank_main(comm):
-        b = batcher(comm, shards, cfg, num_epochs=2)
-        steps = []
-        for step in b:
-            steps.append(step)
-            if len(steps) == stop_after:
-                break
-        return steps, roundtrip(b.state_dict())
-
-    out = run_ranks(world, rank_main)
-    return [steps for steps, _ in out], [state for _, state in out]
-
-
 @pytest.mark.parametrize("world_after", [2, 3, 1])
 def test_resume_mid_pass_by_shard_and_offset(shards, world_after):
     cfg = config()
     whole = run_ranks(2, lambda comm: list(batcher(comm, shards, cfg, num_epochs=2)))
-    before, states = run_to_state(shards, cfg, 2, stop_after=5)
+    before, states = run_to_state(lambda comm: batcher(comm, shards, cfg, num_epochs=2), 2, stop_after=5)
     assert any(segment[1] > 0 for s in states for segment in s["reader"]["segments"]), "stopped between shards"
     if world_after != 2:
         states = redeal_states(states, world_after)
@@ -149,7 +135,7 @@ def test_resume_mid_pass_by_shard_and_offset(shards, world_after):
 
 def test_a_streaming_state_needs_a_streaming_run(shards):
     cfg = config()
-    _, states = run_to_state(shards, cfg, 1, stop_after=2)
+    _, states = run_to_state(lambda comm: batcher(comm, shards, cfg, num_epochs=2), 1, stop_after=2)
     with pytest.raises(ValueError, match="streaming source"):
         run_ranks(1, lambda comm: OnlineBatcher(cfg, comm, dataset_size=len(shards),
                                                 feed=SimulatedFeed(Lengths(shards))).load_state_dict(states[0]))
