@@ -130,8 +130,8 @@ class StreamShards:
         shard, offset = self.locate(index)
         if not (0 <= shard < len(self.files) and 0 <= offset < self.sizes[shard]):
             raise IndexError(f"record {index} is outside the {len(self.files)} shards")
-        line, size = b"", 1 << 16
-        while True:  # read until the line's end (lines may be long: a record with a large payload)
+        line, size = b"", 1 << 13
+        while True:  # read until the line's end, twice as much each time (a record may be long)
             chunk = self.read_bytes(shard, offset + len(line), size)
             end = chunk.find(b"\n")
             line += chunk if end < 0 else chunk[:end]

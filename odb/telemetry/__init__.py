@@ -88,16 +88,16 @@ class Telemetry:
         output_dir: where rank 0 writes ``metrics.jsonl``.
         sink: rank 0's extra consumer of each metrics dict (e.g. W&B's ``log``), or None.
         flops: the model's FLOPs per token and the device's peak, for each row's ``mfu``.
-        epoch_from_plan: an epoch's length is not the dataset's records (a weighted mixture's, a
-            streaming source's): a step's epoch is its plan's, and rows carry no ``epochs_done``.
+        mixture: the data is a weighted mixture: a step's epoch is its plan's, and rows carry no
+            ``epochs_done`` (an epoch's length is the mixture's, not the records').
     """
 
     def __init__(self, *, rank: int, max_steps_per_round: int, max_tokens: int, dataset_size: int,
-                 output_dir: Path, sink=None, flops: FlopsModel | None = None, epoch_from_plan: bool = False) -> None:
+                 output_dir: Path, sink=None, flops: FlopsModel | None = None, mixture: bool = False) -> None:
         self.rank, self.max_tokens, self.dataset_size, self.flops = rank, max_tokens, dataset_size, flops
-        self.epoch_from_plan = epoch_from_plan  # (a weighted mixture: a uid's pass is its source's, not the epoch)
+        self.mixture = mixture  # a weighted mixture: a uid's pass is its source's, not the epoch
         self.on_row: Callable[[dict[str, Any]], None] | None = None  # rank 0: told of each step's row once written
-        self.steps = StepReports(max_steps=max_steps_per_round, dataset_size=0 if epoch_from_plan else dataset_size)
+        self.steps = StepReports(max_steps=max_steps_per_round, dataset_size=0 if mixture else dataset_size)
         self.sources = SourceIntervals(("data",), every=1, max_steps=max_steps_per_round)
         self.layout = self.steps.layout
         self.totals = RunTotals(rank=rank, dataset_size=dataset_size)
@@ -221,7 +221,7 @@ class Telemetry:
             planned = (costs.mean(axis=1).sum(), costs.max(axis=1).sum()) if costs.size else (0.0, 0.0)
             self._balance += (per_rank["forward_us"].mean(), per_rank["forward_us"].max(), *planned)
             rows.append(step_row(step, per_rank, samples_done=self._rows_samples_done,
-                                 dataset_size=0 if self.epoch_from_plan else self.dataset_size,
+                                 dataset_size=0 if self.mixture else self.dataset_size,
                                  max_tokens=self.max_tokens, skipped=self.skipped, truncated=self.truncated,
                                  flops=self.flops, sources=by_source.get(step.plan.step)))
             if step.plan.num_label_tokens:

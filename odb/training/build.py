@@ -191,7 +191,7 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
     telemetry = Telemetry(rank=rank, max_steps_per_round=batcher.capacity // batching.gas + 1,
                           max_tokens=batching.max_tokens, dataset_size=0 if reader else len(dataset),
                           output_dir=config.output_dir, sink=trackers.log if trackers else None, flops=flops,
-                          epoch_from_plan=mixture is not None or reader is not None)
+                          mixture=mixture is not None)  # (a stream's 0 records: epochs from the plans as well)
     return Components(rank=rank, world_size=world_size, config=config, batching=batching, tokenizer=tokenizer,
                       engine=engine, dataset=dataset, feed=feed, comm=comm, batcher=batcher, schedule=schedule,
                       telemetry=telemetry, settings=settings, preflight=measured, trackers=trackers,
@@ -203,8 +203,7 @@ def _streaming(config: RunConfig, batching: OdbConfig, dataset: SampleDataset, w
     """A streaming source's batching (static shards: each rank reads its own), this rank's reader,
     and the records of one pass as the schedule plans them (an estimate, the same on every rank)."""
     shards = dataset.source
-    if batching.sharding != "static":
-        batching = dataclasses.replace(batching, sharding="static")
+    batching = dataclasses.replace(batching, sharding="static")
     records = shards.estimate_records()
     log(f"odb: streaming {len(shards.files)} shard(s) of {config.data.path}, about {records} records a pass "
         f"(estimated from samples of each shard: the learning-rate schedule's length); "
