@@ -18,6 +18,13 @@ Protocol (what callers must do):
 Two communicators implement the protocol: :class:`SimulatedGroup` (N ranks as threads of one
 process, for tests and benchmarks) and :class:`TorchCommunicator` (torch.distributed on a
 dedicated gloo CPU group, so that it never touches the NCCL stream of the model).
+
+Sequence parallelism (:class:`SequenceGroups`): ``group_size`` consecutive processes hold one
+packed row together, so to the protocol they are one rank. Each of them runs the same batcher on
+the same uids (the group's index is its rank); every round still gathers every process's vector,
+and the aligner folds it to one row per group (the group's first process's), after it has read
+every process's ``is_fatal`` and checked that the group's processes proposed the same bins (a
+group whose processes plan differently would feed its ranks different rows: it stops the run).
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ import numpy as np
 from odb.batching.plan import Decision, decide
 from odb.batching.wire import Layout, Proposal
 
-__all__ = ["Aligner", "Communicator", "PeerStopped", "SettingsMismatch", "SimulatedGroup", "TorchCommunicator"]
+__all__ = ["Aligner", "Communicator", "PeerStopped", "SequenceGroups", "SettingsMismatch", "SimulatedGroup",
+           "TorchCommunicator"]
 
 
 T = TypeVar("T")
@@ -57,7 +65,8 @@ class Communicator(Protocol):
     num_collectives: int
 
     def all_gather(self, values: np.ndarray) -> np.ndarray:
-        """Returns ``[world_size, len(values)]``; row r is rank r's ``values``."""
+        """Returns ``[world_size, len(values)]``; row r is rank r's ``values`` (a
+        :class:`SequenceGroups`: ``[world_size * group_size, len]``, every process's)."""
         ...
 
 
@@ -191,6 +200,25 @@ class TorchCommunicator:
         return torch.stack(parts).numpy()
 
 
+class SequenceGroups:
+    """``comm``'s processes as ranks of ``group_size`` consecutive processes each (sequence
+    parallelism: the module docstring). ``rank`` is the group's index, ``world_size`` the number of
+    groups; :meth:`all_gather` returns every process's row, for :class:`Aligner` to fold."""
+
+    def __init__(self, comm: Communicator, group_size: int) -> None:
+        if group_size < 1 or comm.world_size % group_size:
+            raise ValueError(f"sequence_parallel_size {group_size} must divide the {comm.world_size} ranks")
+        self.comm, self.group_size = comm, group_size
+        self.rank, self.world_size = comm.rank // group_size, comm.world_size // group_size
+
+    @property
+    def num_collectives(self) -> int:
+        return self.comm.num_collectives
+
+    def all_gather(self, values: np.ndarray) -> np.ndarray:
+        return self.comm.all_gather(values)
+
+
 def _fingerprint(value: Any) -> int:
     digest = hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).digest()
     return int.from_bytes(digest[:8], "little", signed=True)
@@ -201,6 +229,7 @@ class Aligner:
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
+        self.group_size = getattr(comm, "group_size", 1)  # processes per rank (SequenceGroups)
         self.collective_s = 0.0  # time spent inside collectives (waiting for the other ranks)
         self.reports = np.zeros((comm.world_size, 0), dtype=np.int64)  # the last round's telemetry
         self.extra: dict[str, np.ndarray] = {}  # the last round's extra fields, every rank's
@@ -236,8 +265,9 @@ class Aligner:
                 + "); start every rank with the same config files, flags, data, model and odb version")
 
     def gather_reports(self, values: np.ndarray) -> np.ndarray:
-        """Every rank's run report ``[world, len]``: the one collective after the last round."""
-        return self.comm.all_gather(np.asarray(values, dtype=np.int64))
+        """Every rank's run report ``[world, len]``: the one collective after the last round (a
+        sequence-parallel group's: its first process's, which holds the group's figures)."""
+        return self.comm.all_gather(np.asarray(values, dtype=np.int64))[::self.group_size]
 
     def round(self, proposal: Proposal, *, max_bins: int, max_samples: int, report: np.ndarray | None = None,
               extra: tuple[Layout, dict[str, Any]] | None = None, **decide_args: Any) -> Decision:
@@ -259,9 +289,29 @@ class Aligner:
         gathered = self.comm.all_gather(payload)
         self.collective_s += time.perf_counter() - start
         fields = layout.decode(gathered)
+        if self.group_size > 1:
+            fields = self._fold(fields, proposal.layout(max_bins, max_samples).names)
         self.reports = fields.pop("report")
         self.extra = {name: fields.pop(name) for name in (extra[0].names if extra is not None else ())}
         failed = np.flatnonzero(fields["is_fatal"]).tolist()
         if failed:
             raise PeerStopped(f"rank(s) {failed} stopped the run; their error names the cause")
         return decide(fields, **decide_args)
+
+    def _fold(self, fields: dict[str, np.ndarray], proposed: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """Every process's fields -> one row per sequence-parallel group (its first process's), with
+        ``is_fatal`` set where any process of the group set it. The group's processes must have
+        proposed the same (their timings, in ``extra`` and ``report``, may differ)."""
+        size = self.group_size
+        for name in proposed:
+            if name == "is_fatal":
+                continue
+            values = fields[name].reshape(-1, size, *fields[name].shape[1:])
+            if not (values == values[:, :1]).all():
+                groups = np.flatnonzero((values != values[:, :1]).reshape(len(values), -1).any(axis=1)).tolist()
+                raise RuntimeError(f"the ranks of sequence-parallel group(s) {groups} proposed different {name}: "
+                                   "they fetched different samples or sizes, and would train different rows; "
+                                   "their data processing must be deterministic (same data, seed and settings)")
+        folded = {name: value[::size] for name, value in fields.items()}
+        folded["is_fatal"] = fields["is_fatal"].reshape(-1, size).max(axis=1)
+        return folded

@@ -63,6 +63,7 @@ __all__ = [
     "cu_seqlens_from_position_ids",
     "has_flash_attn",
     "register",
+    "route_through",
     "varlen_attention",
 ]
 
@@ -83,6 +84,7 @@ calls: Counter[str] = Counter()
 # A group's padded attention area may exceed its real area (sum of L^2) by this factor.
 _GROUP_SLACK = 1.3
 _plan_cache: list = [None, None]
+_around: list = [None]  # sequence parallelism's call around varlen_attention (route_through)
 
 
 @dataclass(frozen=True)
@@ -417,6 +419,21 @@ def _check_kernel(device: torch.device, dtype: torch.dtype, window: int | None) 
         return float((out.float() - torch.cat(expected)).abs().max())
 
 
+def route_through(around) -> None:
+    """Makes ``"odb_varlen"`` call ``around(module, query, key, value, attention_mask, **kwargs)``
+    instead of :func:`varlen_attention` (which ``around`` calls in turn): sequence parallelism's
+    all-to-all (:mod:`odb.training.sequence_parallel`); None routes calls straight again."""
+    _around[0] = around
+
+
+def _entry(module, query, key, value, attention_mask, **kwargs):
+    """What transformers calls for ``"odb_varlen"``: :func:`varlen_attention`, or the route around it."""
+    around = _around[0]
+    if around is None:
+        return varlen_attention(module, query, key, value, attention_mask, **kwargs)
+    return around(module, query, key, value, attention_mask, **kwargs)
+
+
 def _mask(*args, attention_mask=None, **kwargs):
     """No mask for packed rows (attention follows cu_seqlens); SDPA's mask for padded ones."""
     if attention_mask is None:
@@ -431,6 +448,6 @@ def register() -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(ATTN_IMPLEMENTATION, varlen_attention)
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _entry)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _mask)
     return ATTN_IMPLEMENTATION

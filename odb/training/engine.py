@@ -29,6 +29,11 @@ several sources splits its token losses at the samples' bounds into per-source s
 forward, no second loss. A step reports them with each source's label tokens and samples
 (:class:`StepResult`); the metrics add them up over ranks and steps (:mod:`odb.telemetry.sources`).
 
+Sequence parallelism (:mod:`odb.training.sequence_parallel`): the S ranks of a group run the same
+plan, each on its slice of every packed row, its labels shifted before the cut; the formula above
+holds as it is (W: all ranks; N_s counts each label token once per group; each rank's ``sum_t``
+runs over its slice). What a step reports is summed over the group once per step.
+
 Gradients are reduced across ranks only in the last backward of a step (``backend.backward(loss,
 sync=m == last)``), then one ``backend.step()``. docs/design.md (loss math) records why for DeepSpeed 0.19.8:
 uneven micro-batch counts deadlock at every stage, and ``managed_gradient_accumulation: false``
@@ -63,6 +68,7 @@ from odb.training.loss import (
 from odb.training.model import hf_model
 from odb.training.moe import router_loss
 from odb.training.mrope import packed_position_ids
+from odb.training.sequence_parallel import SequenceParallel
 
 __all__ = ["OdbEngine", "StepResult", "StepTally", "sample_source", "token_loss_sum", "BLANK_IMAGE_TOKENS"]
 
@@ -173,8 +179,12 @@ class StepTally:
         return loss
 
     def result(self, lr: float) -> StepResult:
-        """What the step reports, once every micro-batch's :meth:`loss` has run."""
+        """What the step reports, once every micro-batch's :meth:`loss` has run (a sequence-parallel
+        group's ranks: the group's sums, one collective)."""
         seconds = self.clock.seconds()
+        if self.engine.sp is not None:
+            self.loss_sum, self.aux_sum, self.by_source.loss = self.engine.group_sums(
+                self.loss_sum, self.aux_sum, self.by_source.loss)
         loss, tokens, samples = self.by_source.read()
         sources = {"source_loss": tuple(loss), "source_label_tokens": tuple(tokens), "source_samples": tuple(samples)}
         if not self.router:
@@ -192,10 +202,19 @@ def sample_source(sample: dict[str, Any]) -> int:
     return int(sample.get("source", 0))
 
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, split: SourceSplit | None = None) -> torch.Tensor:
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, split: SourceSplit | None = None, *,
+                   shifted: bool = False) -> torch.Tensor:
     """Summed next-token cross entropy of a row batch ``logits [B, T, V]``, ``labels [B, T]``
-    (-100 ignored; the shift happens here: logits at t predict labels at t + 1); ``split``
-    receives each source's sum of the same token losses (or None)."""
+    (-100 ignored; the shift happens here: logits at t predict labels at t + 1, unless ``shifted``:
+    labels already each position's target); ``split`` receives each source's sum of the same
+    token losses (or None)."""
+    if shifted:
+        losses_n = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
+                                   reduction="none" if split is not None else "sum")
+        if split is None:
+            return losses_n
+        split.add(split.predicted().flatten(), losses_n)
+        return losses_n.sum()
     if split is None:
         return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                                ignore_index=-100, reduction="sum")
@@ -219,15 +238,21 @@ class OdbEngine:
             alike); None: the model's full logits (:func:`token_loss_sum`).
         fused_loss: with chunks, use Liger's fused linear cross entropy where it can serve
             (:func:`odb.training.loss.liger_loss`: importable, CUDA, no ZeRO-3, plain head).
+        sequence_parallel: this rank's sequence-parallel group (``max_tokens``: the group's budget,
+            S x a rank's), or None.
     """
 
     def __init__(self, backend: Backend, *, world_size: int, max_tokens: int, pad_token_id: int, packed: bool = True,
-                 loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS, fused_loss: bool = True) -> None:
+                 loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS, fused_loss: bool = True,
+                 sequence_parallel: SequenceParallel | None = None) -> None:
         self.backend = backend
         self.world_size = world_size
         self.max_tokens = max_tokens
         self.pad_token_id = pad_token_id
         self.packed = packed
+        self.sp = sequence_parallel
+        if self.sp is not None and not packed:
+            raise ValueError("sequence parallelism splits packed rows; this model trains padded rows")
         self.device = backend.device
         self.model = hf_model(backend.module)
         self.vision = getattr(getattr(self.model, "model", None), "visual", None)
@@ -236,7 +261,8 @@ class OdbEngine:
         self._attention_seen = False  # the first model call went through odb's attention (_loss)
         self.head_loss = None if loss_chunk_tokens is None else HeadLoss(
             self.model.get_output_embeddings(), softcap=final_logit_softcap(self.model.config),
-            num_chunks=num_loss_chunks(max_tokens, loss_chunk_tokens), fused=fused_loss)
+            num_chunks=num_loss_chunks(-(-max_tokens // self.sp.size) if self.sp else max_tokens, loss_chunk_tokens),
+            fused=fused_loss)
 
     def _forward_loss(self, samples: Sequence[dict[str, Any]], padded: bool, *, router: bool = False,
                       truncate: bool = True, by_source: SourceSums | None = None
@@ -254,8 +280,24 @@ class OdbEngine:
             batch = collate_padded(samples, pad_token_id=self.pad_token_id, max_tokens=cap, sources=split_rows)
         else:
             batch = collate_packed(samples, max_tokens=cap, sources=split_rows)
+        if self.sp is not None:
+            summed, aux, split = self._sharded_call(batch, present if split_rows else None, router=router)
+        else:
+            summed, aux, split = self._row_call(batch, present if split_rows else None, router=router,
+                                                is_dummy=is_dummy, blank=blank)
+        if split is not None:
+            by_source.add_split(split)
+        elif by_source is not None and present:
+            by_source.add_total(present[0], summed)
+        return summed, aux
+
+    def _row_call(self, batch: dict[str, Any], present: list[int] | None, *, router: bool, is_dummy: bool,
+                  blank: bool) -> tuple[torch.Tensor, torch.Tensor | None, SourceSplit | None]:
+        """:meth:`_forward_loss`'s model call on a collated ``batch`` (``present``: split the token
+        losses over these sources; the blank image, labels all -100, counts as source 0 and adds
+        nothing): the summed loss, the router loss (or None) and the split (or None)."""
         split = None
-        if split_rows:  # (the blank image, labels all -100, counts as source 0 and adds nothing)
+        if present is not None:
             split = SourceSplit(token_sources(batch).to(self.device), present)
             del batch["sources"]  # not the model's
         batch = _to_device(batch, self.device)
@@ -269,30 +311,55 @@ class OdbEngine:
         # a dummy (the blank image alone) has no real token: its router loss over every token, weighed 0
         real = None if is_dummy else _real_tokens(batch, blank=blank)
         summed, aux = self._call(batch, labels, router=router, real_tokens=real, split=split)
-        if split is not None:
-            by_source.add_split(split)
-        elif by_source is not None and present:
-            by_source.add_total(present[0], summed)
-        return summed, aux
+        return summed, aux, split
+
+    def _sharded_call(self, batch: dict[str, Any], present: list[int] | None, *, router: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, SourceSplit | None]:
+        """:meth:`_row_call` under sequence parallelism: the model call on this rank's slice of the
+        row (:meth:`SequenceParallel.shard`), its labels shifted before the cut. The router loss is
+        the slice's, times the slice's share of the row's tokens: the step weighs a micro-batch's
+        router loss by the row's tokens, so the group's ranks together weigh each slice's by its own."""
+        sources = token_sources(batch) if present is not None else None
+        labels = batch.pop("labels")
+        inputs, labels, sources, real = self.sp.shard(batch, labels, pad_token_id=self.pad_token_id, sources=sources)
+        inputs = _to_device(inputs, self.device)
+        labels, real = labels.to(self.device), real.to(self.device)
+        split = None if sources is None else SourceSplit(sources.to(self.device), present, shifted=True)
+        summed, aux = self._call(inputs, labels, router=router, real_tokens=real, split=split, shifted=True)
+        if aux is not None:
+            aux = aux * (real.sum() / batch["input_ids"].shape[1])
+        return summed, aux, split
+
+    def group_sums(self, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each of ``values`` summed over this rank's sequence-parallel group (one collective; every
+        rank of the group calls it, in step): a step's or an evaluation's figures."""
+        flat = torch.cat([v.reshape(-1).double() for v in values])
+        summed = self.sp.group_sum(flat)
+        out, at = [], 0
+        for value in values:
+            out.append(summed[at:at + value.numel()].reshape(value.shape).to(value.dtype))
+            at += value.numel()
+        return tuple(out)
 
     def _call(self, batch: dict[str, Any], labels: torch.Tensor, *, router: bool,
-              real_tokens: torch.Tensor | None = None, split: SourceSplit | None = None
+              real_tokens: torch.Tensor | None = None, split: SourceSplit | None = None, shifted: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One model call: the summed token loss (``split``: also by source) and, with ``router``,
-        the router loss over ``real_tokens`` (None: every token)."""
+        """One model call: the summed token loss (``split``: also by source; ``shifted``: labels
+        already each position's target) and, with ``router``, the router loss over ``real_tokens``
+        (None: every token)."""
         if not router:
-            return self._loss(batch, labels, split=split), None
+            return self._loss(batch, labels, split=split, shifted=shifted), None
         output: dict[str, Any] = {}
 
         def forward():
             output["out"] = self.backend(**batch, use_cache=False, **self.router_loss.call_kwargs)
             return output["out"]
 
-        summed = self._loss(batch, labels, forward, split=split)
+        summed = self._loss(batch, labels, forward, split=split, shifted=shifted)
         return summed, self.router_loss(output["out"], real_tokens, batch.get("attention_mask"))
 
     def _loss(self, batch: dict[str, Any], labels: torch.Tensor, forward=None, *,
-              split: SourceSplit | None = None) -> torch.Tensor:
+              split: SourceSplit | None = None, shifted: bool = False) -> torch.Tensor:
         """The summed token loss of one model call (through the backend either way; ``forward``:
         the call, when it is not the plain one). The first call checks that the model's attention
         went through odb's (a model that computes attention its own way would attend across the
@@ -300,9 +367,9 @@ class OdbEngine:
         forward = forward or (lambda: self.backend(**batch, use_cache=False))
         before = None if self._attention_seen else sum(attention_calls.values())
         if self.head_loss is None:
-            summed = token_loss_sum(forward().logits, labels, split)
+            summed = token_loss_sum(forward().logits, labels, split, shifted=shifted)
         else:
-            summed = self.head_loss.forward_loss(forward, labels, split)
+            summed = self.head_loss.forward_loss(forward, labels, split, shifted=shifted)
         if before is not None:
             if sum(attention_calls.values()) == before:
                 raise ValueError(f"{type(self.model).__name__} never called odb's attention in its forward: it "
@@ -394,25 +461,33 @@ class OdbEngine:
         ``by_source``: gets the same figures per source (loss, label tokens, samples).
 
         Returns:
-            ``(loss_sum, label_tokens)`` of this rank's real micro-batches: the summed next-token
+            ``(loss_sum, label_tokens)`` of this rank's real micro-batches (a sequence-parallel
+            group's ranks: the group's, one collective): the summed next-token
             cross entropy (micro-batch sums added in float64) and the label tokens it sums over,
             counted from the labels scored (truncated to ``max_tokens`` as the collate does; the
             first label of each sample never counts).
         """
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # one host sync per step
         label_tokens = 0
+        mine = by_source if by_source is None or self.sp is None else SourceSums(self.device)  # (this step's)
         for micro, micro_samples in zip(plan.micro_batches, samples, strict=True):
             if micro.is_dummy:
                 self._dummy_loss()
                 continue
             loss_sum += self._forward_loss(micro_samples, micro.padded, truncate=truncate,
-                                           by_source=by_source)[0].double()
+                                           by_source=mine)[0].double()
             cap = self.max_tokens if truncate else None
             for sample in micro_samples:
                 tokens = int((torch.as_tensor(sample["labels"])[1:cap] != -100).sum())
                 label_tokens += tokens
-                if by_source is not None:
-                    by_source.count(sample_source(sample), tokens)
+                if mine is not None:
+                    mine.count(sample_source(sample), tokens)
+        if self.sp is not None:
+            if mine is None:
+                loss_sum, = self.group_sums(loss_sum)
+            else:
+                loss_sum, mine.loss = self.group_sums(loss_sum, mine.loss)
+                by_source.add_sums(mine)
         return float(loss_sum), label_tokens
 
 

@@ -124,19 +124,24 @@ class SourceSplit:
         sources_bt: ``[B, T]``, the source of every token (:func:`odb.data.collate.token_sources`),
             on the device of the labels.
         present: the sources of the call's samples (host ints; the sums are as long as the largest + 1).
+        shifted: ``sources_bt`` is already the source of the label each position predicts (the
+            labels are shifted too: sequence parallelism's slices, :mod:`odb.training.sequence_parallel`).
 
     Attributes:
         sums: ``[max(present) + 1]`` fp64, detached: each source's summed token loss, once the loss
             has run (0 for a source absent from the call).
     """
 
-    def __init__(self, sources_bt: torch.Tensor, present: Sequence[int]) -> None:
+    def __init__(self, sources_bt: torch.Tensor, present: Sequence[int], *, shifted: bool = False) -> None:
         self.sources_bt = sources_bt
+        self.shifted = shifted
         self.present = tuple(sorted(set(present)))
         self.sums = torch.zeros(max(self.present) + 1, dtype=torch.float64, device=sources_bt.device)
 
     def predicted(self) -> torch.Tensor:
         """``[B, T]``: the source of the label each position predicts (``t + 1``; 0 at the last)."""
+        if self.shifted:
+            return self.sources_bt
         out = torch.zeros_like(self.sources_bt)
         out[:, :-1] = self.sources_bt[:, 1:]
         return out
@@ -180,6 +185,15 @@ class SourceSums:
         self.samples[source] += 1
         self.label_tokens[source] += label_tokens
 
+    def add_sums(self, other: SourceSums) -> None:
+        """Adds ``other``'s sums and counts into these."""
+        self._grow(len(other.samples))
+        other._grow(len(other.samples))
+        self.loss[:other.loss.numel()] += other.loss
+        for source, (tokens, samples) in enumerate(zip(other.label_tokens, other.samples, strict=True)):
+            self.label_tokens[source] += tokens
+            self.samples[source] += samples
+
     def read(self) -> tuple[list[float], list[int], list[int]]:
         """``(loss, label_tokens, samples)`` per source, as long as the largest source seen + 1
         (one host sync)."""
@@ -187,14 +201,17 @@ class SourceSums:
         return self.loss.tolist(), list(self.label_tokens), list(self.samples)
 
 
-def _scored(hidden: torch.Tensor, labels: torch.Tensor, *, min_rows: int = 0, split: SourceSplit | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _scored(hidden: torch.Tensor, labels: torch.Tensor, *, min_rows: int = 0, split: SourceSplit | None = None,
+            shifted: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`scored_tokens`, and with ``split`` the source of each scored row ``[N]`` (0 for the
     rows added up to ``min_rows``)."""
     if hidden.shape[:2] != labels.shape:
         raise ValueError(f"hidden states {tuple(hidden.shape)} do not match labels {tuple(labels.shape)}")
-    shifted_bt = torch.full_like(labels, -100)
-    shifted_bt[:, :-1] = labels[:, 1:]
+    if shifted:  # already what each position predicts (sequence parallelism's slices)
+        shifted_bt = labels
+    else:
+        shifted_bt = torch.full_like(labels, -100)
+        shifted_bt[:, :-1] = labels[:, 1:]
     keep_n = (shifted_bt.flatten() != -100).nonzero().squeeze(1)
     hidden_nh, labels_n = hidden.flatten(0, 1).index_select(0, keep_n), shifted_bt.flatten().index_select(0, keep_n)
     sources_n = None if split is None else split.predicted().flatten().index_select(0, keep_n)
@@ -208,10 +225,10 @@ def _scored(hidden: torch.Tensor, labels: torch.Tensor, *, min_rows: int = 0, sp
 
 
 def scored_tokens(hidden: torch.Tensor, labels: torch.Tensor, *,
-                  min_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  min_rows: int = 0, shifted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows of ``hidden [B, T, H]`` whose next label counts, and those labels: ``[N, H]``, ``[N]``
     (the shift inside each row; one host sync for N); then zero rows labelled -100 up to ``min_rows``."""
-    hidden_nh, labels_n, _ = _scored(hidden, labels, min_rows=min_rows)
+    hidden_nh, labels_n, _ = _scored(hidden, labels, min_rows=min_rows, shifted=shifted)
     return hidden_nh, labels_n
 
 
@@ -232,7 +249,7 @@ def call_as_forward(module: torch.nn.Module, function: Callable[..., Any], *args
 
 def chunked_token_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
                            *, num_chunks: int, softcap: float | None = None,
-                           split: SourceSplit | None = None) -> torch.Tensor:
+                           split: SourceSplit | None = None, shifted: bool = False) -> torch.Tensor:
     """Summed next-token cross entropy, the head applied chunk by chunk (the module docstring's math).
 
     Args:
@@ -243,12 +260,13 @@ def chunked_token_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: Cal
         num_chunks: chunks of the scored tokens; the head's forward runs exactly this many times.
         softcap: the model's final logit soft-capping, applied after the head (None: none).
         split: receives each source's summed token loss (the module docstring), or None.
+        shifted: ``labels`` are already what each position predicts (no shift here).
 
     Returns:
         The fp32 sum; with gradients enabled each chunk's logits are recomputed in the backward.
     """
     # every chunk non-empty: the same calls and autograd graph on every rank
-    hidden_nh, labels_n, sources_n = _scored(hidden, labels, min_rows=num_chunks, split=split)
+    hidden_nh, labels_n, sources_n = _scored(hidden, labels, min_rows=num_chunks, split=split, shifted=shifted)
     chunks = partial(_sum_of_chunks, head.forward if isinstance(head, torch.nn.Module) else head,
                      num_chunks=num_chunks, softcap=softcap, split=split, sources_n=sources_n)
     if isinstance(head, torch.nn.Module):
@@ -327,11 +345,11 @@ class HeadLoss:
         self.fused = liger_loss(head, softcap) if fused else None
         self._checked = False
 
-    def forward_loss(self, forward: Callable[[], Any], labels: torch.Tensor, split: SourceSplit | None = None
-                     ) -> torch.Tensor:
+    def forward_loss(self, forward: Callable[[], Any], labels: torch.Tensor, split: SourceSplit | None = None,
+                     *, shifted: bool = False) -> torch.Tensor:
         """Runs ``forward()`` (the model call, returning an output with ``.logits``) and returns the
-        fp32 sum of its next-token cross entropy over ``labels [B, T]``; ``split`` receives each
-        source's sum (or None)."""
+        fp32 sum of its next-token cross entropy over ``labels [B, T]`` (``shifted``: labels already
+        shifted, each position's own target); ``split`` receives each source's sum (or None)."""
         seen: dict[str, torch.Tensor] = {}
 
         def keep_input(module, args):
@@ -356,16 +374,17 @@ class HeadLoss:
             self._check(seen["raw"], logits)
         if self.fused is not None:
             if split is None:
-                return self.fused(*scored_tokens(seen["hidden"], labels, min_rows=1))
-            return self._fused_by_source(seen["hidden"], labels, split)
+                return self.fused(*scored_tokens(seen["hidden"], labels, min_rows=1, shifted=shifted))
+            return self._fused_by_source(seen["hidden"], labels, split, shifted=shifted)
         return chunked_token_loss_sum(seen["hidden"], labels, self.head, num_chunks=self.num_chunks,
-                                      softcap=self.softcap, split=split)
+                                      softcap=self.softcap, split=split, shifted=shifted)
 
-    def _fused_by_source(self, hidden: torch.Tensor, labels: torch.Tensor, split: SourceSplit) -> torch.Tensor:
+    def _fused_by_source(self, hidden: torch.Tensor, labels: torch.Tensor, split: SourceSplit, *,
+                         shifted: bool = False) -> torch.Tensor:
         """Liger's loss once per source present, on that source's scored rows: their sum is the
         call's (the sum splits over any partition of the tokens), each part a source's."""
         assert self.fused is not None
-        hidden_nh, labels_n, sources_n = _scored(hidden, labels, min_rows=1, split=split)
+        hidden_nh, labels_n, sources_n = _scored(hidden, labels, min_rows=1, split=split, shifted=shifted)
         assert sources_n is not None
         total = None
         for source in split.present:
