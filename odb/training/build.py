@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from odb.batching.align import TorchCommunicator
+from odb.batching.align import SequenceGroups, TorchCommunicator
 from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import AUTO, OdbConfig
 from odb.batching.mixture import Mixture
@@ -48,6 +48,8 @@ from odb.training.preflight import (
     worst_images,
 )
 from odb.training.schedule import ProgressSchedule
+from odb.training.sequence_parallel import SequenceParallel
+from odb.training.sequence_parallel import setup as setup_sequence_parallel
 from odb.training.startup import announced_wait, probed_attention
 
 __all__ = ["MAX_AUTO_TOKENS", "Components", "build_backend", "build_components", "init_distributed", "run_preflight"]
@@ -84,6 +86,24 @@ class Components:
     trackers: Trackers
     """Rank 0's trackers (``--report_to``; none on the other ranks), opened by the run once it
     knows its first step (:meth:`odb.telemetry.trackers.Trackers.start`)."""
+    sequence_parallel: SequenceParallel | None = None
+    """This rank's sequence-parallel group (``--sequence_parallel_size`` > 1), or None."""
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's data-parallel rank: its sequence-parallel group's index (its rank without)."""
+        return self.rank // self.sequence_parallel.size if self.sequence_parallel else self.rank
+
+    @property
+    def data_world(self) -> int:
+        """The data-parallel ranks: the sequence-parallel groups (the ranks without)."""
+        return self.world_size // self.sequence_parallel.size if self.sequence_parallel else self.world_size
+
+    @property
+    def writes_data_files(self) -> bool:
+        """Whether this rank writes its data-parallel rank's files (batcher state, audit lines): one
+        rank of each sequence-parallel group, whose ranks run the same plans."""
+        return self.sequence_parallel is None or self.sequence_parallel.member == 0
 
 
 def init_distributed(config: RunConfig) -> tuple[int, int]:
@@ -129,6 +149,7 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
             built here from ``config``.
     """
     tokenizer = load_tokenizer(config.model.tokenizer)
+    host_backend = backend is not None
     if backend is None:
         backend = build_backend(config, rank=rank, vocab_size=len(tokenizer), load=load)
     model = hf_model(backend.module)
@@ -136,17 +157,32 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
     comm = TorchCommunicator(timeout_s=collective_timeout_s(config.run.dist_timeout_s))
     watched = comm if watchdog is None else WatchedCommunicator(comm, watchdog)
     packed = supports_packing(model)
+    sp, size = None, config.model.sequence_parallel_size
+    if size > 1:
+        if host_backend:
+            raise ValueError("--sequence_parallel_size: odb's sequence parallelism runs in odb's own loop (launch/"
+                             "train.py); a host's loop (HF Trainer, TRL, Accelerate) has its own (e.g. TRL's sp_size)")
+        if not packed:
+            raise ValueError(f"--sequence_parallel_size splits packed rows, and odb cannot pack "
+                             f"{model.config.model_type}: train it with sequence_parallel_size 1")
+        sp = setup_sequence_parallel(model, size, rank=rank, world_size=world_size)
+    batcher_comm = watched if sp is None else SequenceGroups(watched, size)
     measured = None
     if config.preflight.preflight == "on":
         if watchdog is not None:
             watchdog.progress("preflight: the worst-case step")
         measured = run_preflight(config, backend, watched, tokenizer=tokenizer, vision=vision, packed=packed,
-                                 world_size=world_size, log=log)
+                                 world_size=world_size, log=log, sequence_parallel=sp)
         budgets = {"max_tokens": measured.max_tokens}
         if config.batching.max_patches == AUTO:
             budgets["max_patches"] = measured.max_patches
         config = dataclasses.replace(config, batching=dataclasses.replace(config.batching, **budgets))
     batching = config.batching
+    if sp is not None:  # the batcher plans a group's micro-batches: S ranks' budgets
+        batching = dataclasses.replace(batching, max_tokens=batching.max_tokens * size)
+        log(f"odb: sequence parallelism: {world_size // size} group(s) of {size} ranks; a micro-batch holds up to "
+            f"{size} x {config.batching.max_tokens} = {batching.max_tokens} tokens, each rank 1/{size} of every row "
+            "(DeepSpeed Ulysses attention)")
     if vision is not None:
         # a micro-batch without images carries a 3-token blank image (odb/training/engine.py): keep room
         batching = dataclasses.replace(batching, max_tokens=batching.max_tokens - BLANK_IMAGE_TOKENS)
@@ -165,11 +201,11 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
             batching = dataclasses.replace(batching, pad_rows=True)
     engine = OdbEngine(backend, world_size=world_size,
                        max_tokens=batching.max_tokens, pad_token_id=tokenizer.pad_token_id, packed=packed,
-                       loss_chunk_tokens=config.model.loss_chunk_tokens)
+                       loss_chunk_tokens=config.model.loss_chunk_tokens, sequence_parallel=sp)
     feed = SampleFeed(dataset, sample_sizes, num_workers=config.data.num_workers,
                       prefetch_factor=config.data.prefetch_factor)
     evaluator = None if eval_dataset is None else Evaluator(
-        engine, eval_dataset, batching, watched, num_workers=config.data.num_workers,
+        engine, eval_dataset, batching, batcher_comm, num_workers=config.data.num_workers,
         prefetch_factor=config.data.prefetch_factor)
     mixture, reader, records = None, None, len(dataset)
     if config.data.streaming:
@@ -177,7 +213,7 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
     if config.data.is_weighted:
         mixture = Mixture(dataset.sizes, [s.weight for s in config.data.sources], mix_by=config.data.mix_by,
                           epoch_rule=config.data.mix_epoch, seed=batching.seed, quota=batching.mode == "quota")
-    batcher = OnlineBatcher(batching, watched, dataset_size=len(dataset), feed=feed, num_epochs=config.run.epochs,
+    batcher = OnlineBatcher(batching, batcher_comm, dataset_size=len(dataset), feed=feed, num_epochs=config.run.epochs,
                             report=report, on_reports=on_reports, mixture=mixture, reader=reader,
                             settings=shared_settings(config, model.config, dataset, eval_dataset))
     planned = batching.quota if batching.mode == "quota" else config.run.epochs * records
@@ -188,6 +224,8 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
     trackers = Trackers(config.logging.report_to if rank == 0 else (), _run_info(config, settings, batching))
     flops = flops_model(backend.module, backend.device, backends.get(config.optimization.backend).compute_dtype(
         config.optimization))
+    if sp is not None and flops is not None and flops.peak_flops:  # a telemetry rank is a group: S devices
+        flops = dataclasses.replace(flops, peak_flops=flops.peak_flops * size)
     telemetry = Telemetry(rank=rank, max_steps_per_round=batcher.capacity // batching.gas + 1,
                           max_tokens=batching.max_tokens, dataset_size=0 if reader else len(dataset),
                           output_dir=config.output_dir, sink=trackers.log if trackers else None, flops=flops,
@@ -195,7 +233,7 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
     return Components(rank=rank, world_size=world_size, config=config, batching=batching, tokenizer=tokenizer,
                       engine=engine, dataset=dataset, feed=feed, comm=comm, batcher=batcher, schedule=schedule,
                       telemetry=telemetry, settings=settings, preflight=measured, trackers=trackers,
-                      evaluator=evaluator)
+                      evaluator=evaluator, sequence_parallel=sp)
 
 
 def _streaming(config: RunConfig, batching: OdbConfig, dataset: SampleDataset, world_size: int,
@@ -217,10 +255,12 @@ def _streaming(config: RunConfig, batching: OdbConfig, dataset: SampleDataset, w
 
 
 def run_preflight(config: RunConfig, backend: Backend, comm, *, tokenizer, vision, packed: bool, world_size: int,
-                  log: Callable[[str], None]) -> PreflightReport:
+                  log: Callable[[str], None], sequence_parallel: SequenceParallel | None = None) -> PreflightReport:
     """The worst-case step at the run's budget, or the search for one (``max_tokens`` 'auto'), on
     the run's own engine (collective; :mod:`odb.training.preflight`). The optimizer's state and the
-    random generators are left as they were."""
+    random generators are left as they were. Under sequence parallelism a budget is a rank's: the
+    step's row holds S times it, split over the group."""
+    group = sequence_parallel.size if sequence_parallel is not None else 1
     model, batching = hf_model(backend.module), config.batching
     engines: dict[int, OdbEngine] = {}
     vocab_size = min(len(tokenizer), model.get_input_embeddings().num_embeddings)
@@ -234,7 +274,8 @@ def run_preflight(config: RunConfig, backend: Backend, comm, *, tokenizer, visio
         if budget not in engines:  # (its loss chunks are those of a run at this budget)
             engines[budget] = OdbEngine(backend, world_size=world_size, max_tokens=budget,
                                         pad_token_id=tokenizer.pad_token_id, packed=packed,
-                                        loss_chunk_tokens=config.model.loss_chunk_tokens)
+                                        loss_chunk_tokens=config.model.loss_chunk_tokens,
+                                        sequence_parallel=sequence_parallel)
         engines[budget].probe_step(samples, earlier=earlier)
 
     images = None
@@ -243,7 +284,7 @@ def run_preflight(config: RunConfig, backend: Backend, comm, *, tokenizer, visio
         cap = None if batching.max_patches in (None, AUTO) else batching.max_patches
         images = lambda budget: worst_images(model.config, budget, largest_image=largest, max_patches=cap)  # noqa: E731
     text = getattr(model.config, "text_config", None) or model.config
-    upper = min(MAX_AUTO_TOKENS, getattr(text, "max_position_embeddings", None) or MAX_AUTO_TOKENS)
+    upper = min(MAX_AUTO_TOKENS, getattr(text, "max_position_embeddings", None) or MAX_AUTO_TOKENS) // group
     settings = config.preflight
     cap_mb = memory_cap_mb(backend.device, fraction=settings.memory_fraction, limit_mb=settings.memory_limit_mb,
                            local_ranks=local_ranks())
@@ -251,7 +292,7 @@ def run_preflight(config: RunConfig, backend: Backend, comm, *, tokenizer, visio
     with backend.pristine():
         report = preflight(step, budget=batching.max_tokens, upper=upper, gather=comm.all_gather,
                            device=backend.device, cap_mb=cap_mb, world_size=world_size, vocab_size=vocab_size,
-                           avoid=avoid, images=images, log=log)
+                           avoid=avoid, images=images, log=log, group=group)
     if backend.device.type == "cuda":  # the run's own peak (summary.json) starts here
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(backend.device)
@@ -291,6 +332,7 @@ def shared_settings(config: RunConfig, model_config, dataset: SampleDataset,
         "model.lora": config.model.lora,
         "model.gradient_checkpointing": config.model.gradient_checkpointing,
         "model.loss_chunk_tokens": config.model.loss_chunk_tokens,
+        "model.sequence_parallel_size": config.model.sequence_parallel_size,
         "data.fingerprint": dataset.fingerprint(),
         "data.processing": dataclasses.asdict(config.data.processing),
         "data.streaming": [config.data.streaming, config.data.shuffle_buffer],
@@ -356,7 +398,8 @@ def _settings(config: RunConfig, batching: OdbConfig, *, world_size: int, packed
             "gas": batching.gas, "mode": batching.mode, "policy": batching.policy, **backend, "attention": attention,
             "model": config.model.path, "lora": bool(config.model.lora),
             "gradient_checkpointing": config.model.gradient_checkpointing,
-            "loss_chunk_tokens": config.model.loss_chunk_tokens, "data": config.data.path,
+            "loss_chunk_tokens": config.model.loss_chunk_tokens,
+            "sequence_parallel_size": config.model.sequence_parallel_size, "data": config.data.path,
             "dataset_samples": dataset_size, "streaming": config.data.streaming, "epochs": config.run.epochs,
             "planned_samples": planned,
             "lr": config.optimization.lr, "num_workers": config.data.num_workers}

@@ -70,10 +70,13 @@ def save_checkpoint(parts: Components, config: RunConfig, tag: str) -> None:
 
 
 def write_states(parts: Components, folder: Path) -> None:
-    """This rank's odb files of a checkpoint into ``folder``: its batcher state and its run state."""
+    """This rank's odb files of a checkpoint into ``folder``: its batcher state and its run state,
+    named by its data-parallel rank (a sequence-parallel group's ranks hold the same: one writes)."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"odb_state.rank{parts.rank}.json").write_text(json.dumps(parts.batcher.state_dict()))
-    (folder / f"run_state.rank{parts.rank}.json").write_text(
+    if not parts.writes_data_files:
+        return
+    (folder / f"odb_state.rank{parts.data_rank}.json").write_text(json.dumps(parts.batcher.state_dict()))
+    (folder / f"run_state.rank{parts.data_rank}.json").write_text(
         json.dumps(parts.telemetry.state_dict(parts.feed.skipped, parts.feed.truncated)))
 
 
@@ -197,7 +200,7 @@ def load_checkpoint(parts: Components, config: RunConfig, tag: str, plan: Checkp
             truncated or not odb's; DeepSpeed could not load it.
     """
     folder = _folder(config)
-    state, run_state, saved_world = checkpoint_states(folder / tag, rank=parts.rank, world_size=parts.world_size)
+    state, run_state, saved_world = checkpoint_states(folder / tag, rank=parts.data_rank, world_size=parts.data_world)
     state, epochs = upgrade_state(state), config.run.epochs
     is_join = state["config"]["mode"] == "join"
     # Finished: every step planned AND trained. A checkpoint from inside the last round (its steps
@@ -220,8 +223,8 @@ def load_checkpoint(parts: Components, config: RunConfig, tag: str, plan: Checkp
     restore_states(parts, state, run_state)
     extended = f" (extended to --epochs {epochs})" if is_join and state["is_planned"] and state["epoch"] < epochs \
         else ""
-    moved = f", saved by {saved_world} ranks, its untrained samples dealt to {parts.world_size}" \
-        if saved_world != parts.world_size else ""
+    moved = f", saved by {saved_world} data-parallel ranks, its untrained samples dealt to {parts.data_world}" \
+        if saved_world != parts.data_world else ""
     ending = "; every step is trained: finishing the run (evaluation, checkpoint, export, summary)" \
         if trained_all else ""
     log(f"resumed from {folder / tag}: {parts.telemetry.samples_done} samples done{extended}{moved}{ending}")

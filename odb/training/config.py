@@ -79,6 +79,11 @@ class ModelSettings:
     """Apply the LM head and the loss to this many tokens at a time (recomputed in the backward),
     never materializing the whole micro-batch's fp32 logits; 0 on the command line (None): the
     model's full logits."""
+    sequence_parallel_size: int = 1
+    """Ranks that train one packed row together (DeepSpeed's Ulysses attention): each holds 1/S of
+    every row, and a micro-batch holds up to S x max_tokens tokens, so samples up to that long train
+    whole. S divides the number of ranks and the model's attention heads; groups are consecutive
+    ranks (keep them on one node). Packed text models only."""
 
     def __post_init__(self) -> None:
         check_str("--model", self.path)
@@ -89,6 +94,7 @@ class ModelSettings:
         chunk = self.loss_chunk_tokens  # (the command line's 0 is None here)
         check(chunk is None or isinstance(chunk, int) and not isinstance(chunk, bool) and 1 <= chunk < 2**63,
                f"--loss_chunk_tokens must be an integer >= 0 (0: the model's full logits), got {chunk!r}")
+        check_int("--sequence_parallel_size", self.sequence_parallel_size, 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -391,6 +397,9 @@ class RunConfig:
         check(not self.data.streaming or self.batching.policy not in ("gmt", "bmt"),
               f"policy {self.batching.policy!r} sorts a rank's whole shard before it forms a micro-batch, and "
               "--streaming has no shard to hold whole: use policy 'odb' (or 'fixed')")
+        check(self.model.sequence_parallel_size == 1 or self.batching.policy == "odb",
+              f"--sequence_parallel_size splits packed rows; policy {self.batching.policy!r} trains padded ones: "
+              "use policy 'odb'")
         check(not self.data.streaming or self.batching.mode == "join",
               "--streaming runs passes over its shards (mode 'join', --epochs); a quota needs every record "
               "reachable at any time: stop a streaming run with --max_steps instead")

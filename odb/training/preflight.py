@@ -230,7 +230,7 @@ def _rng_kept() -> Iterator[None]:
 def preflight(step: Callable[[list[dict[str, Any]], int], None], *, budget: int | str, upper: int,
               gather: Callable[[np.ndarray], np.ndarray], device: torch.device, cap_mb: float, world_size: int,
               vocab_size: int, avoid: set[int], images: Callable[[int], dict[str, Any]] | None = None,
-              log: Callable[[str], None] = print, max_trials: int = 16) -> PreflightReport:
+              log: Callable[[str], None] = print, max_trials: int = 16, group: int = 1) -> PreflightReport:
     """Measures the worst-case step at ``budget`` (an int), or searches for the largest that fits
     (``"auto"``, up to ``upper``), on every rank in lockstep (collective: one ``gather`` for the cap
     and one per trial).
@@ -242,6 +242,8 @@ def preflight(step: Callable[[list[dict[str, Any]], int], None], *, budget: int 
         cap_mb: this rank's cap (:func:`memory_cap_mb`); the smallest over the ranks holds.
         images: a vision model's ``images(budget)``: the worst-case image sample at a budget
             (:func:`worst_images`).
+        group: sequence parallelism's S: a budget is a rank's, and ``step`` gets rows of S times it
+            (and that as its budget), which the S ranks of a group split.
 
     Raises:
         PreflightError: a fixed budget over the cap (naming the largest under it), no budget fits,
@@ -258,9 +260,9 @@ def preflight(step: Callable[[list[dict[str, Any]], int], None], *, budget: int 
         image = images(tokens) if images is not None else None
         patches[tokens] = int(image["patches"]) if image is not None else None
         peak = seconds = 0.0
-        for batch in worst_case_batches(tokens, vocab_size=vocab_size, avoid=avoid, image=image):
+        for batch in worst_case_batches(tokens * group, vocab_size=vocab_size, avoid=avoid, image=image):
             try:
-                used, took = measure(lambda b=batch: step(b, tokens), device)
+                used, took = measure(lambda b=batch: step(b, tokens * group), device)
             except torch.OutOfMemoryError as err:
                 best = max(fits) if fits else None
                 fix = (f"the largest budget measured to fit is {best}: set max_tokens {best} or lower" if best else

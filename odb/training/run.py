@@ -119,8 +119,8 @@ class Trainer:
         batcher, telemetry, watchdog, stop = parts.batcher, parts.telemetry, self._watched(), self.stop
         assert stop is not None, "call init() first"
         preempted: str | None = None
-        if config.logging.audit_ids:
-            self.audit = open(config.output_dir / f"emitted_ids.rank{self.rank}.jsonl", "a")
+        if config.logging.audit_ids and parts.writes_data_files:  # (by data-parallel rank: one per SP group)
+            self.audit = open(config.output_dir / f"emitted_ids.rank{parts.data_rank}.jsonl", "a")
         progress = self._progress_bar()
         shown = progress is not None and not progress.disable
         self.progress_lines = self.rank == 0 and bool(config.logging.log_steps) and not shown
@@ -339,12 +339,13 @@ class Trainer:
         totals = self._gather_totals()
         if parts.feed.examples:
             print(f"rank {self.rank} skipped records, e.g.: " + "; ".join(parts.feed.examples), flush=True)
-        summary = telemetry.summary(totals, world_size=self.world_size,
+        summary = telemetry.summary(totals, world_size=parts.data_world,  # (the totals' rows: data-parallel ranks)
                                     epochs=config.run.epochs if parts.batching.mode == "join" else None,
                                     rounds=batcher.stats.rounds,
                                     collectives=parts.comm.num_collectives - (parts.preflight.collectives
                                                                               if parts.preflight else 0),
                                     policy=parts.batching.policy)
+        summary["world_size"], summary["sequence_parallel_size"] = self.world_size, self.world_size // parts.data_world
         summary["this_process"]["peak_memory_mb"] = _peak_memory_mb()
         summary["preflight"] = parts.preflight.to_dict() if parts.preflight is not None else None
         fitted = batcher.cost_fit  # (cost_model "fit": None until the first fit)

@@ -11,12 +11,14 @@ group reports, in all and per source, to 1e-6.
 from __future__ import annotations
 
 import json
+import math
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from launch import deepspeed
+from launch import ROOT, audit, deepspeed, ds_config, odb_config
 
 WORKER = Path(__file__).resolve().parent / "sequence_parallel_worker.py"
 
@@ -45,3 +47,45 @@ def test_sequence_parallel_loss_and_gradients_equal_one_process_on_each_sample_a
                   f"(abs {worst['abs']:.1e}, {worst['worst']}), norm {result['grad_norm']:.3e}")
             assert worst["rel"] <= 1e-5, (name, mode, worst)
         assert result["grad_norm"] > 0
+
+
+def test_a_run_on_groups_of_four_then_of_two_trains_every_sample_once_and_whole_up_to_the_group_budget(tmp_path):
+    """launch/train.py (ZeRO-2, the tiny model, the bundled data's first 120 records): 4 ranks as one
+    group of 4 at 64 tokens a rank (a micro-batch of up to 256: samples 4x a rank's budget train
+    whole), stopped after 2 steps; resumed as 2 groups of 2 at 128 a rank (the same 256). The
+    oracle is the data's own token lengths: every record trains exactly once over the two runs,
+    the groups stay aligned, and exactly the records over 256 tokens are cut."""
+    from odb.data.processing import DataConfig, SampleDataset, sample_sizes
+    from odb.training.model import load_tokenizer
+
+    dataset = SampleDataset(str(ROOT / "data" / "chat.jsonl"), load_tokenizer(str(ROOT / "data" / "tokenizer")),
+                            DataConfig(), seed=0, max_samples=120)
+    lengths = [sample_sizes(dataset[i])[0] for i in range(len(dataset))]
+    out = tmp_path / "run"
+    common = ["--deepspeed_config", str(ds_config(tmp_path, 2)), "--data", str(ROOT / "data" / "chat.jsonl"),
+              "--max_samples", "120", "--output_dir", str(out), "--audit_ids", "--num_workers", "1"]
+
+    def args(size: int, rank_tokens: int) -> list[str]:
+        config = odb_config(tmp_path, max_tokens=rank_tokens, window=8, lookahead=4, gas=2)
+        return [*common, "--odb_config", str(config), "--sequence_parallel_size", str(size)]
+
+    first = deepspeed([*args(4, 64), "--max_steps", "2", "--save_steps", "2", "--no_final_checkpoint"], nproc=4,
+                      timeout=600)
+    assert "1 group(s) of 4 ranks; a micro-batch holds up to 4 x 64 = 256 tokens" in first.stdout
+    before = audit(out, 1)
+    (out / "emitted_ids.rank0.jsonl").rename(out / "first.rank0.jsonl")
+    resumed = deepspeed([*args(2, 128), "--resume"], nproc=4, timeout=600)
+    assert "2 group(s) of 2 ranks; a micro-batch holds up to 2 x 128 = 256 tokens" in resumed.stdout
+    assert "saved by 1 data-parallel ranks, its untrained samples dealt to 2" in resumed.stdout
+    after = audit(out, 2)
+    assert len({tuple((r["step"], r["micro"]) for r in rank) for rank in after}) == 1  # the groups aligned
+    trained = Counter(i for rank in before + after for row in rank for i in row["ids"])
+    assert trained == Counter(range(120))
+    whole = [n for n in lengths if 64 < n <= 256]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["truncated_samples"] == sum(n > 256 for n in lengths) > 0
+    assert summary["world_size"] == 4 and summary["sequence_parallel_size"] == 2
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
+    print(f"{len(before[0])} + {len(after[0])} audit rows; {len(whole)} of 120 samples over a rank's 64 tokens "
+          f"trained whole in groups, {summary['truncated_samples']} over 256 cut")
