@@ -23,7 +23,7 @@ Sequence parallelism (:class:`SequenceGroups`): ``group_size`` consecutive proce
 packed row together, so to the protocol they are one rank. Each of them runs the same batcher on
 the same uids (the group's index is its rank); every round still gathers every process's vector,
 and the aligner folds it to one row per group (the group's first process's), after it has read
-every process's ``is_fatal`` and checked that the group's processes proposed the same bins (a
+every process's ``is_fatal`` (a process that must stop stops every process) and checked that the group's processes proposed the same bins (a
 group whose processes plan differently would feed its ranks different rows: it stops the run).
 """
 
@@ -289,29 +289,25 @@ class Aligner:
         gathered = self.comm.all_gather(payload)
         self.collective_s += time.perf_counter() - start
         fields = layout.decode(gathered)
+        failed = np.flatnonzero(fields["is_fatal"]).tolist()  # (sequence parallelism: every process's)
+        if failed:
+            raise PeerStopped(f"rank(s) {failed} stopped the run; their error names the cause")
         if self.group_size > 1:
             fields = self._fold(fields, proposal.layout(max_bins, max_samples).names)
         self.reports = fields.pop("report")
         self.extra = {name: fields.pop(name) for name in (extra[0].names if extra is not None else ())}
-        failed = np.flatnonzero(fields["is_fatal"]).tolist()
-        if failed:
-            raise PeerStopped(f"rank(s) {failed} stopped the run; their error names the cause")
         return decide(fields, **decide_args)
 
     def _fold(self, fields: dict[str, np.ndarray], proposed: tuple[str, ...]) -> dict[str, np.ndarray]:
-        """Every process's fields -> one row per sequence-parallel group (its first process's), with
-        ``is_fatal`` set where any process of the group set it. The group's processes must have
-        proposed the same (their timings, in ``extra`` and ``report``, may differ)."""
+        """Every process's fields -> one row per sequence-parallel group (its first process's). The
+        group's processes must have proposed the same (their timings, in ``extra`` and ``report``,
+        may differ)."""
         size = self.group_size
         for name in proposed:
-            if name == "is_fatal":
-                continue
             values = fields[name].reshape(-1, size, *fields[name].shape[1:])
             if not (values == values[:, :1]).all():
                 groups = np.flatnonzero((values != values[:, :1]).reshape(len(values), -1).any(axis=1)).tolist()
                 raise RuntimeError(f"the ranks of sequence-parallel group(s) {groups} proposed different {name}: "
                                    "they fetched different samples or sizes, and would train different rows; "
                                    "their data processing must be deterministic (same data, seed and settings)")
-        folded = {name: value[::size] for name, value in fields.items()}
-        folded["is_fatal"] = fields["is_fatal"].reshape(-1, size).max(axis=1)
-        return folded
+        return {name: value[::size] for name, value in fields.items()}
