@@ -21,10 +21,11 @@ dedicated gloo CPU group, so that it never touches the NCCL stream of the model)
 
 Sequence parallelism (:class:`SequenceGroups`): ``group_size`` consecutive processes hold one
 packed row together, so to the protocol they are one rank. Each of them runs the same batcher on
-the same uids (the group's index is its rank); every round still gathers every process's vector,
-and the aligner folds it to one row per group (the group's first process's), after it has read
-every process's ``is_fatal`` (a process that must stop stops every process) and checked that the group's processes proposed the same bins (a
-group whose processes plan differently would feed its ranks different rows: it stops the run).
+the same uids (the group's index is its rank); every round still gathers every process's vector.
+The aligner reads every process's ``is_fatal`` (a process that must stop stops every process),
+checks that the processes of each group proposed the same bins (a group whose processes plan
+differently would feed its ranks different rows: it stops the run), and folds the vectors to one
+row per group, the group's first process's.
 """
 
 from __future__ import annotations

@@ -123,24 +123,15 @@ def check_model(model, size: int) -> None:
 
 def setup(model, size: int, *, rank: int, world_size: int) -> SequenceParallel:
     """Forms the groups of ``size`` consecutive ranks (collective: every rank, once) and routes
-    odb's attention through DeepSpeed's Ulysses all-to-all over this rank's group."""
-    import deepspeed.comm
-    import torch.distributed as dist
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    odb's attention through DeepSpeed's Ulysses all-to-all over this rank's group
+    (:mod:`odb.training.backends.ulysses`)."""
+    from odb.training.backends.ulysses import ulysses_attention
 
     if world_size % size:
         raise ValueError(f"sequence_parallel_size {size} must divide the {world_size} ranks")
     check_model(model, size)
-    if not deepspeed.comm.is_initialized():  # (FSDP2) DeepSpeed's collectives over torch's process group
-        deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
-    groups = [dist.new_group(list(range(start, start + size))) for start in range(0, world_size, size)]
-    group = groups[rank // size]
-    text = model.config.get_text_config()
-    ulysses = UlyssesSPAttentionHF(
-        attention.varlen_attention, batch_size=1, attn_head_count=text.num_attention_heads,
-        attn_head_size=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
-        kv_head_count=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-        num_hidden_layers=text.num_hidden_layers, process_group=group, seq_length_is_variable=True)
+    ulysses, group = ulysses_attention(attention.varlen_attention, model.config.get_text_config(), size, rank=rank,
+                                       world_size=world_size)
 
     def around(module, query, key, value, attention_mask, **kwargs):
         if attention_mask is not None:
@@ -152,4 +143,3 @@ def setup(model, size: int, *, rank: int, world_size: int) -> SequenceParallel:
 
     attention.route_through(around)
     return SequenceParallel(size=size, member=rank % size, group=group)
-

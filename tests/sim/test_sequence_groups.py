@@ -60,7 +60,7 @@ class OtherSizes(SimulatedFeed):
     that processes differently)."""
 
     def fetch(self, uids):
-        return [(t + 1, l + 1, p) for t, l, p in super().fetch(uids)]
+        return [(tokens + 1, labels + 1, patches) for tokens, labels, patches in super().fetch(uids)]
 
 
 def test_a_process_that_fetches_other_sizes_than_its_group_stops_every_process():

@@ -3,6 +3,7 @@
     deepspeed.py   DeepSpeed ZeRO 0-3 (``deepspeed launch/train.py``, the default)
     universal.py   DeepSpeed's universal checkpoints: a resume on another number of ranks
     fsdp2.py       PyTorch FSDP2 (``torchrun launch/train.py --backend fsdp2``)
+    ulysses.py     DeepSpeed's Ulysses attention for sequence parallelism, under either backend
 
 Whatever differs between backends lives in the backend's module, behind the functions
 :class:`~odb.training.backends.base.BackendModule` lists: reading its settings file, joining the
