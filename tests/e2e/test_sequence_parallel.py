@@ -1,11 +1,14 @@
-"""Sequence parallelism on 2 and 4 CPU ranks under ZeRO-3 (tests/e2e/sequence_parallel_worker.py).
+"""Sequence parallelism (odb/training/sequence_parallel.py) on CPU ranks over gloo.
 
-Each group of S ranks trains its micro-batches together, each rank on its slice of every packed
-row (packed rows of several samples, a sample longer than a rank's budget, a dummy), through
-DeepSpeed's Ulysses all-to-all around odb's attention. The oracle is one plain process, the model's
-own eager attention and loss on each sample alone: the step's gradient (full-logits and chunked
-loss) must agree with it to 1e-5 relative to each parameter's largest entry, and the loss each
-group reports, in all and per source, to 1e-6.
+One step on 2 and 4 ranks under ZeRO-3 (tests/e2e/sequence_parallel_worker.py): each group of S
+ranks trains its micro-batches together, each rank on its slice of every packed row (packed rows
+of several samples, a sample longer than a rank's budget, a dummy), through DeepSpeed's Ulysses
+all-to-all around odb's attention. The oracle is one plain process, the model's own eager
+attention and loss on each sample alone: the step's gradient (full-logits and chunked loss) must
+agree with it to 1e-5 relative to each parameter's largest entry, and the loss each group
+reports, in all and per source, to 1e-6. Then whole runs of launch/train.py: stopped and resumed
+on other groups (the data's own lengths as the oracle), under FSDP2 and with a mixture-of-experts
+model (one process without sequence parallelism as the oracle).
 """
 
 from __future__ import annotations
