@@ -131,8 +131,9 @@ def _launch(python: str, script: Path, script_args: list[str], args: argparse.Na
                            + "\n".join(log.read_text().splitlines()[-30:]))
 
 
-def run_project(system: str, args: argparse.Namespace, shared: dict, work: Path) -> Path:
-    """fixed, fixed8, gmt, bmt or odb through launch/train.py; returns the run's folder."""
+def run_project(system: str, args: argparse.Namespace, shared: dict, work: Path, extra: list[str] = ()) -> Path:
+    """fixed, fixed8, gmt, bmt or odb (any other name) through launch/train.py, with ``extra`` flags;
+    returns the run's folder."""
     config = json.loads((ROOT / "configs" / "odb.json").read_text())
     config.update(max_tokens=args.max_tokens, window=args.window)
     if system.startswith("fixed"):
@@ -147,7 +148,7 @@ def run_project(system: str, args: argparse.Namespace, shared: dict, work: Path)
         "--odb_config", str(work / f"{system}.json"), "--deepspeed_config", str(BASE_DS_CONFIG),
         "--model", str(shared["model"]), "--data", str(shared["data"]), "--max_samples", str(args.samples),
         "--output_dir", str(out), "--no_final_checkpoint", "--audit_ids", "--num_workers", str(args.num_workers),
-        "--seed", str(args.seed), "--lr", str(args.lr)], args, work / f"{system}.log")
+        "--seed", str(args.seed), "--lr", str(args.lr), *extra], args, work / f"{system}.log")
     return out
 
 
