@@ -85,6 +85,7 @@ def test_a_run_on_groups_of_four_then_of_two_trains_every_sample_once_and_whole_
     trained = Counter(i for rank in before + after for row in rank for i in row["ids"])
     assert trained == Counter(range(120))
     whole = [n for n in lengths if 64 < n <= 256]
+    assert any(n > 192 for n in whole), "no sample 3-4x a rank's budget among the 120"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["truncated_samples"] == sum(n > 256 for n in lengths) > 0
     assert summary["world_size"] == 4 and summary["sequence_parallel_size"] == 2
@@ -94,25 +95,32 @@ def test_a_run_on_groups_of_four_then_of_two_trains_every_sample_once_and_whole_
           f"trained whole in groups, {summary['truncated_samples']} over 256 cut")
 
 
-def test_fsdp2_groups_of_two_train_as_one_process_does(tmp_path):
-    """launch/train.py under FSDP2 (fp32, AdamW at the demo's learning rate, 48 records): 2 ranks as
-    one group of 2 at 128 tokens a rank against one process at 256, the same plans. The oracle is
-    the one process, without sequence parallelism: every step's loss (after the steps before it
-    changed the weights) agrees to 1e-5."""
-    common = ["--backend", "fsdp2", "--data", str(ROOT / "data" / "chat.jsonl"), "--max_samples", "48",
-              "--log_steps", "1", "--num_workers", "1"]
+def test_fsdp2_groups_of_two_train_and_evaluate_as_one_process_does(tmp_path):
+    """launch/train.py under FSDP2 (fp32, AdamW at the demo's learning rate, 60 records, a fifth held
+    out and evaluated every 4 steps): 2 ranks as one group of 2 at 128 tokens a rank against one
+    process at 256, the same plans. The oracle is the one process, without sequence parallelism:
+    every step's loss (after the steps before it changed the weights) and every validation loss
+    (validation samples over 256 tokens scored whole) agree to 1e-5."""
+    common = ["--backend", "fsdp2", "--data", str(ROOT / "data" / "chat.jsonl"), "--max_samples", "60",
+              "--val_ratio", "0.2", "--eval_steps", "4", "--log_steps", "1", "--num_workers", "1"]
     runs = {}
     for name, size, tokens in (("groups", 2, 128), ("one", 1, 256)):
         config = odb_config(tmp_path, max_tokens=tokens, window=8, lookahead=4, gas=2)
         fsdp2([*common, "--odb_config", str(config), "--sequence_parallel_size", str(size),
                "--output_dir", str(tmp_path / name)], nproc=2 if size == 2 else 1)
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        runs[name] = [(r["samples"], r["loss"]) for r in rows if "loss" in r]
+        runs[name] = ([(r["samples"], r["loss"]) for r in rows if "loss" in r],
+                      [(r["eval_samples"], r["eval_over_cap"], r["eval_loss"]) for r in rows if "eval_loss" in r])
+    (steps, evals), (own_steps, own_evals) = runs["groups"], runs["one"]
     print("per-step loss, groups of 2 / one process:", [(round(a[1], 6), round(b[1], 6))
-                                                       for a, b in zip(runs["groups"], runs["one"])])
-    assert len(runs["groups"]) == len(runs["one"]) >= 8
-    for (samples, loss), (own_samples, own) in zip(runs["groups"], runs["one"], strict=True):
+                                                       for a, b in zip(steps, own_steps)])
+    print("validation (samples, over the cap, loss), groups of 2 / one process:", evals, own_evals)
+    assert len(steps) == len(own_steps) >= 8 and len(evals) == len(own_evals) >= 2
+    for (samples, loss), (own_samples, own) in zip(steps, own_steps, strict=True):
         assert samples == own_samples and abs(loss - own) <= 1e-5 * own
+    for (samples, over, loss), (own_samples, own_over, own) in zip(evals, own_evals, strict=True):
+        assert (samples, over) == (own_samples, own_over) and abs(loss - own) <= 1e-5 * own
+    assert own_evals[0][1] > 0, "no validation sample over the cap: the whole-sample path went untested"
 
 
 def test_a_mixture_of_experts_model_trains_in_groups_with_its_router_loss(tmp_path):
