@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_train import prepare, run_project  # noqa: E402
+from bench_train import parse_run_arguments, prepare, run_project  # noqa: E402
 from simulate_long_context import long_tail  # noqa: E402
 
 SYSTEMS = {"truncate": 1, "sp2": 2, "sp4": 4}
@@ -81,17 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     parser.add_argument("--world_size", type=int, default=4, choices=(4, 8))
     parser.add_argument("--window", type=int, default=64)
-    parser.add_argument("--num_workers", type=int, default=1, help="DataLoader workers per rank")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--keep", type=Path, help="keep every run's folder and log here")
-    parser.add_argument("--timeout_s", type=int, default=3600, help="per run")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON on the last line")
-    args = parser.parse_args(argv)
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = sorted(set(args.systems) - set(SYSTEMS))
-    if unknown or not args.systems:
-        parser.error(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
+    args = parse_run_arguments(parser, argv, SYSTEMS)
     if not 0 <= args.long_share <= 1 or args.samples < 1 or args.max_tokens < 16:
         parser.error("need 0 <= --long_share <= 1, --samples >= 1 and --max_tokens >= 16")
     return args

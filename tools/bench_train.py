@@ -254,6 +254,23 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def parse_run_arguments(parser: argparse.ArgumentParser, argv: list[str] | None, systems) -> argparse.Namespace:
+    """``parser``'s arguments and the runs' own (workers, learning rate, seed, folders, timeout,
+    JSON), parsed; ``--systems`` (a comma-separated string) checked against ``systems``, as a list."""
+    parser.add_argument("--num_workers", type=int, default=1, help="DataLoader workers per rank")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep", type=Path, help="keep every run's folder and log here")
+    parser.add_argument("--timeout_s", type=int, default=3600, help="per run")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON on the last line")
+    args = parser.parse_args(argv)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = sorted(set(args.systems) - set(systems))
+    if unknown or not args.systems:
+        parser.error(f"--systems: unknown {unknown}; choose from {', '.join(systems)}")
+    return args
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group()
@@ -265,17 +282,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     parser.add_argument("--world_size", type=int, default=1, choices=(1, 2, 4, 8))
     parser.add_argument("--window", type=int, default=256, help="odb's window = the paper package's buffer")
-    parser.add_argument("--num_workers", type=int, default=1, help="DataLoader workers per rank")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--keep", type=Path, help="keep every run's folder and log here")
-    parser.add_argument("--timeout_s", type=int, default=3600, help="per run")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON on the last line")
-    args = parser.parse_args(argv)
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = sorted(set(args.systems) - set(SYSTEMS))
-    if unknown or not args.systems:
-        parser.error(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
+    args = parse_run_arguments(parser, argv, SYSTEMS)
     if args.trace is None and args.data is None:
         args.data = ROOT / "data" / "chat.jsonl"
     for flag in ("samples", "max_tokens", "length_scale", "window", "num_workers"):

@@ -121,17 +121,24 @@ def worst_difference(grads: dict[str, torch.Tensor], expected: dict[str, torch.T
     return {"rel": rel, "abs": diff, "worst": name}
 
 
-def run(name: str, rank: int, world: int) -> dict:
-    engine = deepspeed_engine(build(name), world)
+def reading_grads(engine) -> list[dict[str, torch.Tensor]]:
+    """Each later optimizer step's trained gradients, gathered whole just before the step
+    (collective: every rank, the same parameters in order)."""
     grads: list[dict[str, torch.Tensor]] = []
     step = engine.step
 
-    def step_reading_grads(*args, **kwargs):  # collective: every rank, the same parameters in order
+    def step_reading_grads(*args, **kwargs):
         grads.append({n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()
                       if p.requires_grad})
         return step(*args, **kwargs)
 
     engine.step = step_reading_grads
+    return grads
+
+
+def run(name: str, rank: int, world: int) -> dict:
+    engine = deepspeed_engine(build(name), world)
+    grads = reading_grads(engine)
     plan, samples = plan_and_samples(rank)
     losses = {}
     for mode, chunk in (("full", None), ("chunked", CHUNK_TOKENS)):

@@ -34,7 +34,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's odb, installed or not
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from loss_zero3_worker import build, deepspeed_engine, own_loss_sum, worst_difference  # noqa: E402
+from loss_zero3_worker import (  # noqa: E402
+    build,
+    deepspeed_engine,
+    own_loss_sum,
+    reading_grads,
+    worst_difference,
+)
 
 from odb.batching.cost import SampleCost, count_label_tokens  # noqa: E402
 from odb.batching.plan import MicroBatch, StepPlan  # noqa: E402
@@ -94,17 +100,7 @@ def run(name: str, size: int, rank: int, world: int) -> dict:
     model = build(name)
     engine = deepspeed_engine(model, world)
     sp = setup(engine.module, size, rank=rank, world_size=world)
-    grads: list[dict[str, torch.Tensor]] = []
-    step = engine.step
-
-    def step_reading_grads(*args, **kwargs):  # collective: every rank, the same parameters in order
-        from deepspeed.utils import safe_get_full_grad
-
-        grads.append({n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()
-                      if p.requires_grad})
-        return step(*args, **kwargs)
-
-    engine.step = step_reading_grads
+    grads = reading_grads(engine)
     data = layout(world // size)
     total = sum(len(s["input_ids"]) - 1 for micros in data for micro in micros for s in micro)
     group = rank // size
