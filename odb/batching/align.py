@@ -290,21 +290,22 @@ class Aligner:
         gathered = self.comm.all_gather(payload)
         self.collective_s += time.perf_counter() - start
         fields = layout.decode(gathered)
-        failed = np.flatnonzero(fields["is_fatal"]).tolist()  # (sequence parallelism: every process's)
+        size = self.group_size  # (sequence parallelism: a group's first process's rows)
+        self.reports = fields.pop("report")[::size]  # (also for a failed round: its steps still get written)
+        self.extra = {name: fields.pop(name)[::size] for name in (extra[0].names if extra is not None else ())}
+        failed = np.flatnonzero(fields["is_fatal"]).tolist()  # (every process's)
         if failed:
             raise PeerStopped(f"rank(s) {failed} stopped the run; their error names the cause")
-        if self.group_size > 1:
-            fields = self._fold(fields, proposal.layout(max_bins, max_samples).names)
-        self.reports = fields.pop("report")
-        self.extra = {name: fields.pop(name) for name in (extra[0].names if extra is not None else ())}
+        if size > 1:
+            fields = self._fold(fields)
         return decide(fields, **decide_args)
 
-    def _fold(self, fields: dict[str, np.ndarray], proposed: tuple[str, ...]) -> dict[str, np.ndarray]:
-        """Every process's fields -> one row per sequence-parallel group (its first process's). The
+    def _fold(self, fields: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Every process's proposal -> one row per sequence-parallel group (its first process's). The
         group's processes must have proposed the same (their timings, in ``extra`` and ``report``,
         may differ)."""
         size = self.group_size
-        for name in proposed:
+        for name in fields:
             values = fields[name].reshape(-1, size, *fields[name].shape[1:])
             if not (values == values[:, :1]).all():
                 groups = np.flatnonzero((values != values[:, :1]).reshape(len(values), -1).any(axis=1)).tolist()

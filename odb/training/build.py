@@ -209,7 +209,7 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
         prefetch_factor=config.data.prefetch_factor)
     mixture, reader, records = None, None, len(dataset)
     if config.data.streaming:
-        batching, reader, records = _streaming(config, batching, dataset, world_size, log)
+        batching, reader, records = _streaming(config, batching, dataset, world_size // size, log)
     if config.data.is_weighted:
         mixture = Mixture(dataset.sizes, [s.weight for s in config.data.sources], mix_by=config.data.mix_by,
                           epoch_rule=config.data.mix_epoch, seed=batching.seed, quota=batching.mode == "quota")
@@ -239,7 +239,8 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
 def _streaming(config: RunConfig, batching: OdbConfig, dataset: SampleDataset, world_size: int,
                log: Callable[[str], None]) -> tuple[OdbConfig, ShardReader, int]:
     """A streaming source's batching (static shards: each rank reads its own), this rank's reader,
-    and the records of one pass as the schedule plans them (an estimate, the same on every rank)."""
+    and the records of one pass as the schedule plans them (an estimate, the same on every rank).
+    ``world_size``: the data-parallel ranks (sequence-parallel groups read as one)."""
     shards = dataset.source
     batching = dataclasses.replace(batching, sharding="static")
     records = shards.estimate_records()
@@ -248,7 +249,7 @@ def _streaming(config: RunConfig, batching: OdbConfig, dataset: SampleDataset, w
         f"each rank reads its own shards through a buffer of {config.data.shuffle_buffer} records")
     idle = world_size - len(shards.files)
     if idle > 0:
-        log(f"odb: WARNING: {len(shards.files)} shard(s) for {world_size} ranks: {idle} rank(s) read "
+        log(f"odb: WARNING: {len(shards.files)} shard(s) for {world_size} data-parallel ranks: {idle} of them read "
             "nothing each pass and only join the others' steps; split the data into at least as many shards as ranks")
     reader = ShardReader(shards, seed=batching.seed, buffer_size=config.data.shuffle_buffer)
     return batching, reader, records
@@ -284,7 +285,7 @@ def run_preflight(config: RunConfig, backend: Backend, comm, *, tokenizer, visio
         cap = None if batching.max_patches in (None, AUTO) else batching.max_patches
         images = lambda budget: worst_images(model.config, budget, largest_image=largest, max_patches=cap)  # noqa: E731
     text = getattr(model.config, "text_config", None) or model.config
-    upper = min(MAX_AUTO_TOKENS, getattr(text, "max_position_embeddings", None) or MAX_AUTO_TOKENS) // group
+    upper = min(MAX_AUTO_TOKENS, (getattr(text, "max_position_embeddings", None) or MAX_AUTO_TOKENS) // group)
     settings = config.preflight
     cap_mb = memory_cap_mb(backend.device, fraction=settings.memory_fraction, limit_mb=settings.memory_limit_mb,
                            local_ranks=local_ranks())

@@ -318,17 +318,19 @@ class OdbEngine:
         """:meth:`_row_call` under sequence parallelism: the model call on this rank's slice of the
         row (:meth:`SequenceParallel.shard`), its labels shifted before the cut. The router loss is
         the slice's, times the slice's share of the row's tokens: the step weighs a micro-batch's
-        router loss by the row's tokens, so the group's ranks together weigh each slice's by its own."""
+        router loss by the row's tokens, so the group's ranks together weigh each slice's by its own. A
+        slice of padding alone (a short row cut into S) has no token of its own to route: its router
+        loss runs over every token, weighed 0 (over none it would be 0 / 0, and NaN x 0 is NaN)."""
         sources = token_sources(batch) if present is not None else None
         labels = batch.pop("labels")
         inputs, labels, sources, real = self.sp.shard(batch, labels, pad_token_id=self.pad_token_id, sources=sources)
+        share = int(real.sum()) / batch["input_ids"].shape[1]
         inputs = _to_device(inputs, self.device)
         labels, real = labels.to(self.device), real.to(self.device)
         split = None if sources is None else SourceSplit(sources.to(self.device), present, shifted=True)
-        summed, aux = self._call(inputs, labels, router=router, real_tokens=real, split=split, shifted=True)
-        if aux is not None:
-            aux = aux * (real.sum() / batch["input_ids"].shape[1])
-        return summed, aux, split
+        summed, aux = self._call(inputs, labels, router=router, real_tokens=real if share else None, split=split,
+                                 shifted=True)
+        return summed, None if aux is None else aux * share, split
 
     def group_sums(self, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each of ``values`` summed over this rank's sequence-parallel group (one collective; every

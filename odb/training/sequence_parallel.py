@@ -10,13 +10,15 @@ attention runs the model's own semantics over the whole row (each sample alone, 
 softcap, sinks), and a second all-to-all turns the result back. The position ids are gathered
 with it; odb's attention finds the samples where they restart at 0.
 
-A packed row of ``T`` tokens, ``S = 2``::
+A packed row of ``T = 7`` tokens, ``S = 2`` (padded to ``T' = 8``, a multiple of S)::
 
-    tokens          a0 a1 a2 a3 a4 | b0 b1 b2 pad          (pad: its own sample, labels -100)
-    position ids     0  1  2  3  4 |  0  1  2   0
-    labels        -100 a1 a2 a3 a4 |-100 b1 b2 -100
-    shifted labels  a1 a2 a3 a4 -100| b1 b2 -100 -100      (what position t predicts: label t + 1)
-    rank 0          a0 a1 a2 a3 a4 ... (the first T'/2)   rank 1: the rest, T' = T rounded up to S
+    tokens          a0   a1   a2   a3 | a4   b0   b1  pad     (pad: its own sample, labels -100)
+    position ids     0    1    2    3 |  4    0    1    0
+    labels        -100   a1   a2   a3 | a4 -100   b1 -100
+    shifted         a1   a2   a3   a4 |-100  b1 -100 -100     (what position t predicts: label t + 1)
+                    rank 0: the first T'/2 tokens | rank 1: the rest
+
+(a3's target, a4, lies on rank 1: the shift before the cut keeps it on rank 0.)
 
 The labels are shifted over the whole row before it is cut, so a rank's last token keeps the
 label that lies on the next rank. The loss math then holds as without sequence parallelism: each
@@ -130,8 +132,9 @@ def setup(model, size: int, *, rank: int, world_size: int) -> SequenceParallel:
     if world_size % size:
         raise ValueError(f"sequence_parallel_size {size} must divide the {world_size} ranks")
     check_model(model, size)
-    ulysses, group = ulysses_attention(attention.varlen_attention, model.config.get_text_config(), size, rank=rank,
-                                       world_size=world_size)
+    text = model.config.get_text_config()
+    ulysses, group = ulysses_attention(attention.varlen_attention, text, size, rank=rank, world_size=world_size)
+    heads = slice(rank % size * text.num_attention_heads // size, (rank % size + 1) * text.num_attention_heads // size)
 
     def around(module, query, key, value, attention_mask, **kwargs):
         if attention_mask is not None:
@@ -139,6 +142,8 @@ def setup(model, size: int, *, rank: int, world_size: int) -> SequenceParallel:
         for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
             if kwargs.get(name) is not None:  # (the whole row's bounds come from the gathered position ids)
                 raise ValueError(f"sequence parallelism derives the row's samples from position_ids, got {name}")
+        if kwargs.get("s_aux") is not None:  # gpt-oss's sinks, one per head: this rank attends with heads[member]
+            kwargs["s_aux"] = kwargs["s_aux"][heads]
         return ulysses(module, query, key, value, None, **kwargs)
 
     attention.route_through(around)

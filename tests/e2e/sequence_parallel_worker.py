@@ -14,7 +14,13 @@ gradient is read, gathered, just before the optimizer step (``safe_get_full_grad
 The oracle shares no odb code: the same model built again in this process, plain (no DeepSpeed,
 no sequence parallelism, the model's own eager attention), each sample of every group alone
 through its own ``labels=`` loss times its label count, summed and divided by the step's label
-tokens, and its gradient. Each rank writes ``rank<R>.json``: per size and model, the loss its
+tokens, and its gradient.
+
+Two mixture-of-experts models besides (their router loss is each slice's, so not the oracle's):
+gpt-oss (attention sinks, one per head: each rank attends with its share of the heads) and
+Qwen3-MoE, each evaluated (:meth:`OdbEngine.eval_step`: the token loss, against the oracle's),
+then trained one step on rows of 3 and 5 tokens, which at S = 4 leave a rank a slice of padding
+alone: every gradient must stay finite. Each rank writes ``rank<R>.json``: per size and model, the loss its
 group reports in each mode and the oracle's, per source too, and each mode's largest gradient
 difference from the oracle.
 """
@@ -30,11 +36,13 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's odb, installed or not
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from loss_zero3_worker import (  # noqa: E402
+    TEXT,
     build,
     deepspeed_engine,
     own_loss_sum,
@@ -44,7 +52,7 @@ from loss_zero3_worker import (  # noqa: E402
 
 from odb.batching.cost import SampleCost, count_label_tokens  # noqa: E402
 from odb.batching.plan import MicroBatch, StepPlan  # noqa: E402
-from odb.training.attention import route_through  # noqa: E402
+from odb.training.attention import register, route_through  # noqa: E402
 from odb.training.backends.deepspeed import DeepSpeedBackend, release  # noqa: E402
 from odb.training.engine import OdbEngine  # noqa: E402
 from odb.training.run import end_process  # noqa: E402
@@ -55,10 +63,15 @@ RANK_TOKENS, CHUNK_TOKENS = 64, 16  # a rank's budget; the group's is S times it
 # per group, its micro-batches' sample lengths ([] = a dummy): a packed row, and a sample over a rank's budget
 GROUP_MICRO_BATCHES = [[[70, 33, 9], [120]], [[25, 12, 40], []]]
 MODELS = ("qwen2_lora", "gemma2")  # (loss_zero3_worker.MODELS: Qwen2 with LoRA on attention and the head)
+MOE = {"qwen3_moe": {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                     "router_aux_loss_coef": 0.1, "tie_word_embeddings": False},
+       "gpt_oss": {"model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16,
+                   "router_aux_loss_coef": 0.1, "tie_word_embeddings": False}}
+SHORT_ROWS = [[[{"input_ids": [11, 12, 13]}], [{"input_ids": [21, 22, 23, 24, 25]}]]]  # each group's GAS 2
 
 
 def layout(groups: int) -> list[list[list[dict]]]:
-    """Every group's micro-batches: random ids (labels = ids), sources alternating 0 / 1."""
+    """Every group's micro-batches: random ids (labels = ids, the first not scored), sources alternating 0 / 1."""
     gen = torch.Generator().manual_seed(1)
     out, number = [], 0
     for micros in GROUP_MICRO_BATCHES[:groups]:
@@ -66,19 +79,22 @@ def layout(groups: int) -> list[list[list[dict]]]:
         for micro in micros:
             samples = []
             for n in micro:
-                samples.append({"input_ids": torch.randint(10, 1000, (n,), generator=gen).tolist(),
-                                "source": number % 2})
+                ids = torch.randint(10, 1000, (n,), generator=gen).tolist()
+                samples.append({"input_ids": ids, "labels": ids, "source": number % 2})
                 number += 1
             group.append(samples)
         out.append(group)
     return out
 
 
-def plan_of(samples: list[list[dict]], total: int) -> StepPlan:
+def plan_of(samples: list[list[dict]], total: int, groups: int = 1) -> StepPlan:
+    """One group's plan; every group trains micro-batches of these tokens (``rank_tokens``: the
+    router loss's weights)."""
     costs = [tuple(SampleCost(uid=i, tokens=len(s["input_ids"]), label_tokens=count_label_tokens(s["input_ids"]),
                               patches=0, cost=len(s["input_ids"])) for i, s in enumerate(micro)) for micro in samples]
+    tokens = tuple(sum(c.tokens for c in micro) for micro in costs)
     return StepPlan(epoch=0, step=0, micro_batches=tuple(MicroBatch(samples=c) for c in costs), num_label_tokens=total,
-                    num_samples=sum(map(len, costs)), rank_costs=((0, 0), (0, 0)), rank_tokens=((0, 0), (0, 0)))
+                    num_samples=sum(map(len, costs)), rank_costs=((0, 0), (0, 0)), rank_tokens=(tokens,) * groups)
 
 
 def oracle(name: str, data: list[list[list[dict]]], group: int) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -120,6 +136,37 @@ def run(name: str, size: int, rank: int, world: int) -> dict:
             "grad_norm": float(sum(g.double().pow(2).sum() for g in expected.values()) ** 0.5)}
 
 
+def build_moe(name: str, attention: str | None = None):
+    """A tiny mixture-of-experts model (loss_zero3_worker's sizes) with odb's attention (or ``attention``)."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(**{**TEXT, **MOE[name]})
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attention or register()).train()
+
+
+def run_moe(name: str, size: int, rank: int, world: int) -> dict:
+    engine = deepspeed_engine(build_moe(name), world)
+    sp = setup(engine.module, size, rank=rank, world_size=world)
+    grads = reading_grads(engine)
+    data = layout(world // size)
+    total = sum(len(s["input_ids"]) - 1 for micros in data for micro in micros for s in micro)
+    group = rank // size
+    trainer = OdbEngine(DeepSpeedBackend(engine), world_size=world, max_tokens=size * RANK_TOKENS, pad_token_id=0,
+                        loss_chunk_tokens=CHUNK_TOKENS, sequence_parallel=sp)
+    engine.eval()
+    loss, tokens = trainer.eval_step(plan_of(data[group], total), data[group])
+    engine.train()
+    short = SHORT_ROWS[0]
+    groups = world // size
+    labels = groups * sum(len(s["input_ids"]) - 1 for micro in short for s in micro)
+    result = trainer.train_step(plan_of(short, labels, groups), short, lr=0.0)
+    route_through(None)
+    model = build_moe(name, attention="eager")
+    own = sum(float(own_loss_sum(model, s["input_ids"])) for micro in data[group] for s in micro)
+    return {"eval": {"loss": loss, "label_tokens": tokens, "oracle": own},
+            "short_rows": {"loss": result.loss_sum, "aux": result.aux_sum,
+                           "finite": all(bool(torch.isfinite(g).all()) for g in grads[0].values())}}
+
+
 def main() -> None:
     out = Path(sys.argv[-1])
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -128,6 +175,7 @@ def main() -> None:
     rank = dist.get_rank()
     try:
         result = {f"S{size} {name}": run(name, size, rank, world) for size in SIZES[world] for name in MODELS}
+        result.update({f"S{size} {name}": run_moe(name, size, rank, world) for size in SIZES[world] for name in MOE})
         (out / f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()

@@ -33,7 +33,17 @@ def test_sequence_parallel_loss_and_gradients_equal_one_process_on_each_sample_a
     deepspeed([str(tmp_path)], nproc=world, timeout=600, script=WORKER)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     print(f"launch took {time.monotonic() - start:.0f} s")
-    assert set(ranks[0]) == {f"S{s} {m}" for s in ((2,) if world == 2 else (2, 4)) for m in ("qwen2_lora", "gemma2")}
+    sizes = (2,) if world == 2 else (2, 4)
+    assert set(ranks[0]) == {f"S{s} {m}" for s in sizes for m in ("qwen2_lora", "gemma2", "qwen3_moe", "gpt_oss")}
+    for name in [f"S{s} {m}" for s in sizes for m in ("qwen3_moe", "gpt_oss")]:
+        for rank, values in enumerate(ranks):
+            moe = values.pop(name)
+            evaluated, short = moe["eval"], moe["short_rows"]
+            print(f"{name} rank {rank}: evaluated group loss {evaluated['loss']:.6f}, own {evaluated['oracle']:.6f}; "
+                  f"rows of 3 and 5 tokens: loss {short['loss']:.4f}, router {short['aux']:.4f}, "
+                  f"gradients finite {short['finite']}")
+            assert abs(evaluated["loss"] - evaluated["oracle"]) <= 1e-6 * evaluated["oracle"], (name, rank)
+            assert short["finite"] and math.isfinite(short["loss"]) and math.isfinite(short["aux"]), (name, rank)
     for name, result in ranks[0].items():
         for rank, values in enumerate(ranks):
             losses, sources = values[name]["losses"], values[name]["sources"]
