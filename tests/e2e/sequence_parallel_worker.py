@@ -3,7 +3,8 @@
 Usage: torchrun --nproc_per_node W tests/e2e/sequence_parallel_worker.py OUT_FOLDER
 
 For each sequence-parallel size S in ``SIZES[W]`` and each tiny model (Qwen2 with LoRA: GQA 4:2; Gemma-2: a
-sliding window of 16, soft-capping, tied embeddings), under ZeRO-3 with every parameter
+sliding window of 16, soft-capping, tied embeddings; at the largest S also with activation
+checkpointing, which runs each layer's all-to-all again in the backward), under ZeRO-3 with every parameter
 partitioned: one step of :meth:`OdbEngine.train_step`, GAS 2, full-logits loss and chunked loss,
 on the same plan. The W / S groups each run their own micro-batches: a packed row of several
 samples whose bounds fall anywhere in the ranks' slices, one sample longer than a rank's budget
@@ -112,8 +113,12 @@ def oracle(name: str, data: list[list[list[dict]]], group: int) -> tuple[dict, d
                                                           if p.requires_grad}
 
 
-def run(name: str, size: int, rank: int, world: int) -> dict:
+def run(name: str, size: int, rank: int, world: int, *, checkpointing: bool = False) -> dict:
     model = build(name)
+    if checkpointing:  # as odb builds it (odb/training/model.py): each layer recomputed, its all-to-all too
+        from odb.training.model import _checkpoint_activations
+
+        _checkpoint_activations(model)
     engine = deepspeed_engine(model, world)
     sp = setup(engine.module, size, rank=rank, world_size=world)
     grads = reading_grads(engine)
@@ -175,6 +180,8 @@ def main() -> None:
     rank = dist.get_rank()
     try:
         result = {f"S{size} {name}": run(name, size, rank, world) for size in SIZES[world] for name in MODELS}
+        result[f"S{SIZES[world][-1]} gemma2 checkpointed"] = run("gemma2", SIZES[world][-1], rank, world,
+                                                                 checkpointing=True)
         result.update({f"S{size} {name}": run_moe(name, size, rank, world) for size in SIZES[world] for name in MOE})
         (out / f"rank{rank}.json").write_text(json.dumps(result))
     finally:

@@ -34,7 +34,8 @@ def test_sequence_parallel_loss_and_gradients_equal_one_process_on_each_sample_a
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     print(f"launch took {time.monotonic() - start:.0f} s")
     sizes = (2,) if world == 2 else (2, 4)
-    assert set(ranks[0]) == {f"S{s} {m}" for s in sizes for m in ("qwen2_lora", "gemma2", "qwen3_moe", "gpt_oss")}
+    assert set(ranks[0]) == {f"S{s} {m}" for s in sizes for m in ("qwen2_lora", "gemma2", "qwen3_moe", "gpt_oss")
+                             } | {f"S{sizes[-1]} gemma2 checkpointed"}
     for name in [f"S{s} {m}" for s in sizes for m in ("qwen3_moe", "gpt_oss")]:
         for rank, values in enumerate(ranks):
             moe = values.pop(name)
@@ -65,7 +66,8 @@ def test_sequence_parallel_loss_and_gradients_equal_one_process_on_each_sample_a
 def test_a_run_on_groups_of_four_then_of_two_trains_every_sample_once_and_whole_up_to_the_group_budget(tmp_path):
     """launch/train.py (ZeRO-2, the tiny model, the bundled data's first 120 records): 4 ranks as one
     group of 4 at 64 tokens a rank (a micro-batch of up to 256: samples 4x a rank's budget train
-    whole), stopped after 2 steps; resumed as 2 groups of 2 at 128 a rank (the same 256). The
+    whole), stopped after 2 steps; resumed as 2 groups of 2 at 128 a rank (the same 256), with
+    activation checkpointing (each layer's all-to-all runs again in the backward). The
     oracle is the data's own token lengths: every record trains exactly once over the two runs,
     the groups stay aligned, and exactly the records over 256 tokens are cut."""
     from odb.data.processing import DataConfig, SampleDataset, sample_sizes
@@ -87,7 +89,7 @@ def test_a_run_on_groups_of_four_then_of_two_trains_every_sample_once_and_whole_
     assert "1 group(s) of 4 ranks; a micro-batch holds up to 4 x 64 = 256 tokens" in first.stdout
     before = audit(out, 1)
     (out / "emitted_ids.rank0.jsonl").rename(out / "first.rank0.jsonl")
-    resumed = deepspeed([*args(2, 128), "--resume"], nproc=4, timeout=600)
+    resumed = deepspeed([*args(2, 128), "--resume", "--gradient_checkpointing"], nproc=4, timeout=600)
     assert "2 group(s) of 2 ranks; a micro-batch holds up to 2 x 128 = 256 tokens" in resumed.stdout
     assert "saved by 1 data-parallel ranks, its untrained samples dealt to 2" in resumed.stdout
     after = audit(out, 2)
