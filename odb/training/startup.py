@@ -53,8 +53,8 @@ from odb.training.config import RunConfig
 from odb.training.faults import EXIT_STALLED
 
 __all__ = ["TORCH_FLOOR", "WAIT_REPORT_ENV", "StartupError", "announced_wait", "check_packing",
-           "check_restarts", "check_startup", "check_torch", "probed_attention", "rank_device", "run_dtype",
-           "torch_version"]
+           "check_restarts", "check_sequence_parallel", "check_startup", "check_torch", "probed_attention",
+           "rank_device", "run_dtype", "torch_version"]
 
 TORCH_FLOOR = (2, 6)
 """The oldest torch odb supports (setup.py states the same, with the reasons)."""
@@ -146,14 +146,35 @@ def probed_attention(config: RunConfig) -> str:
                            f"{error}") from error
 
 
-def check_packing(config: RunConfig) -> None:
+def check_packing(config: RunConfig, model=None) -> None:
     """Raises :class:`StartupError` where odb cannot pack the run's model exactly (the reason names its
-    layers): :func:`odb.training.support.packing_refusal` on the model's skeleton."""
+    layers): :func:`odb.training.support.packing_refusal` on the model's skeleton (``model``, or
+    built here)."""
     from odb.training.support import packing_refusal, skeleton
 
-    refusal = packing_refusal(skeleton(config.model.path))
+    refusal = packing_refusal(model if model is not None else skeleton(config.model.path))
     if refusal is not None:
         raise StartupError(refusal)
+
+
+def check_sequence_parallel(config: RunConfig, model, env=os.environ) -> None:
+    """Raises :class:`StartupError` where ``--sequence_parallel_size`` cannot run: a size that does not
+    divide the launch's ranks (``WORLD_SIZE``) or the model's heads, or a vision model
+    (:func:`odb.training.sequence_parallel.check_model`, on the skeleton ``model``): before the
+    weights load, not after."""
+    from odb.training.sequence_parallel import check_model
+
+    size = config.model.sequence_parallel_size
+    if size == 1:
+        return
+    world = int(env.get("WORLD_SIZE", "1"))
+    if world % size:
+        raise StartupError(f"--sequence_parallel_size {size} must divide the {world} ranks of this launch "
+                           f"(groups of {size} consecutive ranks); launch a multiple of {size} ranks, or another size")
+    try:
+        check_model(model, size)
+    except ValueError as error:
+        raise StartupError(str(error)) from None
 
 
 def check_restarts(env=os.environ) -> None:
@@ -181,9 +202,13 @@ def check_startup(config: RunConfig) -> str:
     Raises:
         StartupError: naming the fix.
     """
+    from odb.training.support import skeleton
+
     check_torch(config.optimization.backend)
     check_restarts()
-    check_packing(config)
+    model = skeleton(config.model.path)
+    check_packing(config, model)
+    check_sequence_parallel(config, model)
     return probed_attention(config)
 
 

@@ -114,6 +114,27 @@ def test_torchrun_restarts_over_several_nodes_are_refused_naming_the_way_out():
     check_restarts({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"})  # the deepspeed launcher, srun
 
 
+def test_a_sequence_parallel_size_that_cannot_run_is_refused_before_the_weights_load(tmp_path):
+    """The tiny model has 4 attention heads and 2 KV heads; the tiny VL model is a vision model."""
+    from odb.training.startup import check_sequence_parallel
+    from odb.training.support import skeleton
+
+    def check(size: int, world: int, model: str = "tiny_model.json") -> None:
+        path = ROOT / "configs" / model
+        config = parse_config(["--model", str(path), "--sequence_parallel_size", str(size), "--output_dir",
+                               str(tmp_path / "out")], defaults=DEFAULTS)
+        check_sequence_parallel(config, skeleton(path), {"WORLD_SIZE": str(world)})
+
+    check(2, 4)
+    check(4, 8)  # 4 heads over 4 ranks, the 2 KV heads replicated
+    with pytest.raises(StartupError, match=r"--sequence_parallel_size 2 must divide the 3 ranks of this launch"):
+        check(2, 3)
+    with pytest.raises(StartupError, match=r"sequence_parallel_size 8 must divide the model's 4 attention heads"):
+        check(8, 8)
+    with pytest.raises(StartupError, match=r"is a vision model.*sequence_parallel_size 1"):
+        check(2, 2, "tiny_vl_model.json")
+
+
 def test_a_wait_is_reported_while_it_lasts_and_not_after(monkeypatch, capsys):
     monkeypatch.setenv(WAIT_REPORT_ENV, "0.2")
     monkeypatch.setenv("RANK", "3")
