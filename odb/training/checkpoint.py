@@ -223,7 +223,8 @@ def load_checkpoint(parts: Components, config: RunConfig, tag: str, plan: Checkp
     restore_states(parts, state, run_state)
     extended = f" (extended to --epochs {epochs})" if is_join and state["is_planned"] and state["epoch"] < epochs \
         else ""
-    moved = f", saved by {saved_world} data-parallel ranks, its untrained samples dealt to {parts.data_world}" \
+    ranks = "data-parallel ranks" if parts.sequence_parallel else "ranks"  # (sequence parallelism: groups)
+    moved = f", saved by {saved_world} {ranks}, its untrained samples dealt to {parts.data_world}" \
         if saved_world != parts.data_world else ""
     ending = "; every step is trained: finishing the run (evaluation, checkpoint, export, summary)" \
         if trained_all else ""
