@@ -208,19 +208,13 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, split: SourceSpli
     (-100 ignored; the shift happens here: logits at t predict labels at t + 1, unless ``shifted``:
     labels already each position's target); ``split`` receives each source's sum of the same
     token losses (or None)."""
-    if shifted:
-        losses_n = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
-                                   reduction="none" if split is not None else "sum")
-        if split is None:
-            return losses_n
-        split.add(split.predicted().flatten(), losses_n)
-        return losses_n.sum()
+    scored = slice(None) if shifted else slice(None, -1)  # the positions whose target is in ``labels``
+    targets = labels if shifted else labels[:, 1:]
+    losses_n = F.cross_entropy(logits[:, scored].flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
+                               reduction="sum" if split is None else "none")  # (none: 0 where ignored)
     if split is None:
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                               ignore_index=-100, reduction="sum")
-    losses_n = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                               ignore_index=-100, reduction="none")  # 0 where ignored
-    split.add(split.predicted()[:, :-1].flatten(), losses_n)
+        return losses_n
+    split.add(split.predicted()[:, scored].flatten(), losses_n)
     return losses_n.sum()
 
 
