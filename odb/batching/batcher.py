@@ -28,11 +28,11 @@ import numpy as np
 
 from odb.batching.align import Aligner, Communicator, PeerStopped
 from odb.batching.config import OdbConfig
-from odb.batching.cost import CostModel
+from odb.batching.cost import CostModel, sequence_parallel_degrees
 from odb.batching.fit import CostFit, Fitted, Observation
 from odb.batching.mixture import Mixture
 from odb.batching.packer import make_packer
-from odb.batching.plan import Decision, MicroBatch, StepPlan
+from odb.batching.plan import Decision, MicroBatch, Shared, StepPlan
 from odb.batching.state import Snapshot, decode_state, encode_state
 from odb.batching.stream import Reader, UidStream, epoch_order
 from odb.batching.wire import Layout, Proposal
@@ -76,6 +76,9 @@ class BatcherStats:
     truncated: int
     """Samples the cost model cut to ``max_tokens``, and the tokens it cut (``truncated_tokens``)."""
     truncated_tokens: int
+    long: int = 0
+    """Samples over ``max_tokens`` admitted whole, for a group of ranks to train together
+    (over_cap 'sequence_parallel')."""
 
     @property
     def fetched(self) -> int:
@@ -88,15 +91,21 @@ class BatcherStats:
         return self.skipped + self.dropped
 
 
-def features(micro: MicroBatch) -> tuple[int, int, int]:
+def features(micro: MicroBatch) -> tuple[int, int, int, int]:
     """What the cost fit sees of a micro-batch: tokens (padding included), the sum of its samples'
-    squared lengths (a padded one: its rows, each as long as the longest), vision patches."""
+    squared lengths (a padded one: its rows, each as long as the longest), vision patches, and the
+    tokens that go through an all-to-all. A rank's slice of a shared sample (``T`` tokens over
+    ``d`` ranks): ``T / d`` tokens, ``T**2 / d`` (its ``1 / d`` of the heads over the whole
+    sample), and its ``T / d`` tokens through the all-to-all."""
+    if micro.shared is not None:
+        tokens, degree = micro.shared.tokens, micro.shared.degree
+        return -(-tokens // degree), tokens * tokens // degree, 0, -(-tokens // degree)
     if micro.padded:
         longest = max(s.tokens for s in micro.samples)
         area = len(micro.samples) * longest * longest
     else:
         area = sum(s.tokens * s.tokens for s in micro.samples)
-    return micro.materialized, area, sum(s.patches for s in micro.samples)
+    return micro.materialized, area, sum(s.patches for s in micro.samples), 0
 
 
 class OnlineBatcher:
@@ -137,12 +146,15 @@ class OnlineBatcher:
         self.mixture = mixture
         self.stream = UidStream(config, rank=self.rank, world_size=self.world_size, dataset_size=dataset_size,
                                 shards=shards, mixture=mixture, reader=reader)
-        self.cost_model = CostModel.from_config(config)
+        self.degrees = (sequence_parallel_degrees(config.max_sp, self.world_size)
+                        if config.over_cap == "sequence_parallel" else ())  # (groups for a long sample)
+        self.cost_model = CostModel.from_config(config, self.degrees)
         self.packer = make_packer(config, self.cost_model)
         if reader is not None and self.packer.is_offline:
             raise ValueError(f"policy {config.policy!r} sorts a rank's whole shard before it forms a micro-batch, and "
                              "a streaming source has no shard to hold whole: use policy 'odb' (or 'fixed')")
-        self.fit = (CostFit(rank=self.rank, attn_coef=config.attn_coef, patch_coef=config.patch_coef)
+        self.fit = (CostFit(rank=self.rank, attn_coef=config.attn_coef, patch_coef=config.patch_coef,
+                            a2a_coef=config.a2a_coef)
                     if config.cost_model == "fit" else None)
         self.is_warm = False  # this process has trained a step: the first's times are not the run's pace
         # the observed cost figures as sent: held under what every rank's together fit in an int64
@@ -160,7 +172,7 @@ class OnlineBatcher:
         self.num_emitted = 0  # samples trained over all ranks (identical on every rank)
         self.queue: deque[StepPlan] = deque()
         self.observed_cost = self.observed_cost_sq = self.observed_samples = 0
-        self.counts = {"truncated": 0, "truncated_tokens": 0, "dropped": 0, "skipped": 0}
+        self.counts = {"truncated": 0, "truncated_tokens": 0, "dropped": 0, "skipped": 0, "long": 0}
         self.fatal: Exception | None = None
         self.is_planned = False  # every step of the run is planned (some may still be queued): no more rounds
         # Time in odb's own planning (packing, decisions, dealing), in waiting for processed
@@ -179,7 +191,7 @@ class OnlineBatcher:
         return BatcherStats(rounds=self.round_index, fetch_s=self.fetch_s, plan_s=self.plan_s,
                             collective_s=self.aligner.collective_s, observed_samples=self.observed_samples,
                             skipped=counts["skipped"], dropped=counts["dropped"], truncated=counts["truncated"],
-                            truncated_tokens=counts["truncated_tokens"])
+                            truncated_tokens=counts["truncated_tokens"], long=counts["long"])
 
     @property
     def cost_fit(self) -> Fitted | None:
@@ -198,7 +210,8 @@ class OnlineBatcher:
             return
         for micro, time_s in zip(plan.micro_batches, seconds, strict=True):
             if not micro.is_dummy:
-                self.fit.observe(Observation(*features(micro), round(time_s * 1e6)))
+                tokens, area, patches, a2a = features(micro)
+                self.fit.observe(Observation(tokens, area, patches, round(time_s * 1e6), a2a))
 
     def gather_reports(self, values) -> np.ndarray:
         """The run's final collective (:meth:`odb.batching.align.Aligner.gather_reports`): every
@@ -242,6 +255,7 @@ class OnlineBatcher:
                 seed=self.config.seed, epoch=self.epoch, round_index=self.round_index,
                 quota_left=quota_left, stream_left=self.stream.left(), inflight_target=self.stream.inflight_target,
                 stream_ready=self.stream.ready(), window=self.config.window,
+                max_tokens=self.cost_model.max_tokens, degrees=self.degrees,
                 report=self.report() if self.report else None, extra=self._extra())
         except PeerStopped:
             if self.fatal is not None:
@@ -329,7 +343,15 @@ class OnlineBatcher:
         if decision.cut is not None and decision.cut[0] == self.rank:
             _, b, keep = decision.cut
             taken[b], _ = taken[b].split(keep, self.cost_model)
-        micro = [MicroBatch(tuple(taken[b].samples), taken[b].padded) if b >= 0 else MicroBatch(()) for b in mine]
+        owners = decision.shared[self.rank].tolist() if decision.shared is not None else [-1] * len(mine)
+        micro = []
+        for p, (b, owner) in enumerate(zip(mine, owners, strict=True)):
+            shared = None
+            if owner >= 0:  # a long sample, trained by a group of ranks together
+                tokens = int(decision.slot_tokens[owner, p])
+                shared = Shared(owner, self.cost_model.degree(tokens), tokens)
+            micro.append(MicroBatch(tuple(taken[b].samples), taken[b].padded, shared) if b >= 0
+                         else MicroBatch((), shared=shared))
         costs = [tuple(c) for c in decision.slot_costs.T.tolist()]
         tokens = [tuple(t) for t in decision.slot_tokens.T.tolist()]
         for s, (n_step, n_samples) in enumerate(zip(decision.step_label_tokens, decision.step_samples)):

@@ -17,7 +17,7 @@ __all__ = ["AUTO", "OdbConfig", "load_odb_config"]
 
 _POLICIES = ("odb", "fixed", "gmt", "bmt")
 _MODES = ("join", "quota")
-_OVER_CAP = ("truncate", "drop", "error")
+_OVER_CAP = ("truncate", "drop", "error", "sequence_parallel")
 _SHARDING = ("dynamic", "static")
 _COST_MODELS = ("fit", "manual")
 AUTO = "auto"
@@ -60,7 +60,12 @@ class OdbConfig:
     quota: int | None = None
     """Samples to train in quota mode (e.g. epochs x dataset size)."""
     over_cap: str = "truncate"
-    """A sample longer than max_tokens: 'truncate' it, 'drop' it (counted) or raise an 'error'."""
+    """A sample longer than max_tokens: 'truncate' it, 'drop' it (counted), raise an 'error', or
+    train it whole on a group of ranks together, 'sequence_parallel' (up to max_sp x max_tokens;
+    a longer one is truncated to that, counted)."""
+    max_sp: int = 8
+    """over_cap 'sequence_parallel': the largest group that trains one long sample together; the
+    groups are the powers of two up to it that divide the number of ranks."""
     max_patches: int | str | None = field(default=None, metadata=flag(parse=_budget))
     """Optional cap on vision-encoder patches in one micro-batch; 'auto': those of the preflight's
     worst case at the budget (the largest images, as many as half its tokens hold)."""
@@ -72,6 +77,9 @@ class OdbConfig:
     """Cost = tokens + attn_coef * sum(sample_tokens^2) + patch_coef * patches."""
     patch_coef: float = 0.0
     """The cost of one vision-encoder patch (see attn_coef)."""
+    a2a_coef: float = 0.0
+    """over_cap 'sequence_parallel': what the all-to-all adds per token of a rank's slice of a long
+    sample, in tokens (fitted with cost_model 'fit')."""
     min_fill: float = 0.99
     """A bin at least this full (fraction of max_tokens) may be trained now; emptier ones wait."""
     max_carry: float = 0.5
@@ -97,7 +105,7 @@ class OdbConfig:
         if self.max_tokens != AUTO:
             check_int("--max_tokens", self.max_tokens, 1)  # (or 'auto')
         for name, minimum in (("window", 1), ("gas", 1), ("batch_size", 1), ("bucket_size", 1), ("lookahead", 0),
-                              ("seed", 0)):
+                              ("seed", 0), ("max_sp", 1)):
             check_int(f"--{name}", getattr(self, name), minimum)
         if self.window < self.gas:
             raise ValueError(f"--window ({self.window}) must be >= --gas ({self.gas}): a rank needs GAS "
@@ -114,7 +122,7 @@ class OdbConfig:
             raise ValueError("--quota is only used with --mode quota; drop it or set --mode quota")
         if self.max_patches not in (None, AUTO):
             check_int("--max_patches", self.max_patches, 1)  # (or null: no cap, or 'auto')
-        for name in ("attn_coef", "patch_coef"):
+        for name in ("attn_coef", "patch_coef", "a2a_coef"):
             check_number(f"--{name}", getattr(self, name), 0)
         for name in ("min_fill", "max_carry"):
             check_number(f"--{name}", getattr(self, name), 0, 1)
@@ -131,6 +139,11 @@ class OdbConfig:
             raise ValueError(f"--policy {self.policy} does not support --mode quota (it needs every length of "
                              "its shard before its first step, and quota mode streams the data over and over); "
                              "use --mode join with --epochs, or --policy odb / fixed for quota mode")
+        if self.over_cap == "sequence_parallel" and (self.policy != "odb" or self.mode != "join" or self.pad_rows):
+            raise ValueError("--over_cap sequence_parallel splits a long sample's packed row between ranks: it needs "
+                             "--policy odb, --mode join and a model odb can pack; got policy "
+                             f"{self.policy!r}, mode {self.mode!r}" + (", padded rows" if self.pad_rows else "")
+                             + " (or set --over_cap truncate)")
 
     @property
     def is_resolved(self) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["CostModel", "OverCapError", "SampleCost", "count_label_tokens"]
+__all__ = ["CostModel", "OverCapError", "SampleCost", "count_label_tokens", "sequence_parallel_degrees"]
 
 
 class OverCapError(ValueError):
@@ -34,6 +34,17 @@ class SampleCost(NamedTuple):
     cost: int
 
 
+def sequence_parallel_degrees(max_sp: int, world_size: int) -> tuple[int, ...]:
+    """The groups of ranks that may train one long sample together (over_cap
+    'sequence_parallel'): the powers of two from 2 up to ``max_sp`` that divide ``world_size``
+    (aligned blocks of consecutive ranks, each group of one size inside one of the next)."""
+    degrees, d = [], 2
+    while d <= min(max_sp, world_size) and world_size % d == 0:
+        degrees.append(d)
+        d *= 2
+    return tuple(degrees)
+
+
 def count_label_tokens(labels: list[int]) -> int:
     """Labels that reach the loss once packed: the first position of a sample never does (odb's
     collate masks it so that it cannot be predicted from the previous sample), nor does -100."""
@@ -49,34 +60,64 @@ class CostModel:
     """
 
     def __init__(self, *, max_tokens: int, max_patches: int | None = None, attn_coef: float = 0.0,
-                 patch_coef: float = 0.0, over_cap: str = "truncate") -> None:
+                 patch_coef: float = 0.0, over_cap: str = "truncate", degrees: tuple[int, ...] = (),
+                 a2a_coef: float = 0.0) -> None:
         self.max_tokens = max_tokens
         self.max_patches = max_patches
         self.attn_coef = attn_coef
         self.patch_coef = patch_coef
         self.over_cap = over_cap
+        self.degrees = tuple(sorted(degrees)) if over_cap == "sequence_parallel" else ()
+        self.a2a_coef = a2a_coef
+        self.long_cap = max_tokens * max(self.degrees, default=1)
+        """The longest sample admitted whole: ``max_tokens``, or the largest group's under
+        over_cap 'sequence_parallel'."""
 
     @classmethod
-    def from_config(cls, config) -> CostModel:
+    def from_config(cls, config, degrees: tuple[int, ...] = ()) -> CostModel:
+        """The cost model of ``config``; ``degrees``: the groups of ranks that may train one long
+        sample together (over_cap 'sequence_parallel', :func:`sequence_parallel_degrees`)."""
         if not config.is_resolved:
             raise ValueError("max_tokens / max_patches 'auto' must be resolved before batching (the trainer's "
                              "preflight measures them); pass numbers")
-        return cls(max_tokens=config.max_tokens, max_patches=config.max_patches,
-                   attn_coef=config.attn_coef, patch_coef=config.patch_coef, over_cap=config.over_cap)
+        return cls(max_tokens=config.max_tokens, max_patches=config.max_patches, attn_coef=config.attn_coef,
+                   patch_coef=config.patch_coef, over_cap=config.over_cap, degrees=degrees,
+                   a2a_coef=config.a2a_coef)
 
-    def set_coefficients(self, attn_coef: float, patch_coef: float) -> None:
+    def set_coefficients(self, attn_coef: float, patch_coef: float, a2a_coef: float | None = None) -> None:
         """New coefficients (``cost_model: "fit"``, :mod:`odb.batching.fit`): samples measured from
         now on are priced with them; those already held are the caller's to price again."""
         self.attn_coef, self.patch_coef = attn_coef, patch_coef
+        if a2a_coef is not None:
+            self.a2a_coef = a2a_coef
+
+    def degree(self, tokens: int) -> int:
+        """How many ranks train a sample of ``tokens`` together: 1 within ``max_tokens``, else the
+        smallest group that holds it at ``max_tokens`` a rank (over_cap 'sequence_parallel')."""
+        if tokens <= self.max_tokens or not self.degrees:
+            return 1
+        return next((d for d in self.degrees if tokens <= d * self.max_tokens), self.degrees[-1])
 
     def reprice(self, sample: SampleCost) -> SampleCost:
-        """``sample`` priced with the coefficients now in effect."""
+        """``sample`` priced with the coefficients now in effect; a long one that the largest group
+        no longer holds (a resume on fewer ranks) cut to ``long_cap``, as the data layer cuts it
+        when it processes the sample again."""
+        if self.over_cap == "sequence_parallel" and sample.tokens > self.long_cap:
+            sample = sample._replace(tokens=self.long_cap, label_tokens=min(sample.label_tokens, self.long_cap - 1))
         return sample._replace(cost=self.cost(sample.tokens, sample.patches))
 
     def cost(self, tokens: int, patches: int = 0) -> int:
-        if not (self.attn_coef or self.patch_coef):
+        """The cost of a sample on each rank that trains it: a long sample's (over_cap
+        'sequence_parallel') is its whole cost and the all-to-all's, ``a2a_coef * tokens``, shared
+        by its group's ``d`` ranks (each holds ``tokens / d`` and attends with ``1 / d`` of the
+        heads over the whole sample)."""
+        degree = self.degree(tokens)
+        if degree == 1 and not (self.attn_coef or self.patch_coef):
             return tokens
-        return int(round(tokens + self.attn_coef * tokens * tokens + self.patch_coef * patches))
+        whole = tokens + self.attn_coef * tokens * tokens + self.patch_coef * patches
+        if degree > 1:
+            whole = (whole + self.a2a_coef * tokens) / degree
+        return int(round(whole))
 
     def padded_cost(self, num_samples: int, longest: int) -> int:
         """Cost of a padded micro-batch: every row is as long as the longest."""
@@ -88,7 +129,7 @@ class CostModel:
         data layer skipped): the admitted samples and how many were truncated (and the tokens cut
         from them), dropped, skipped."""
         admitted: list[SampleCost] = []
-        outcomes = {"truncated": 0, "truncated_tokens": 0, "dropped": 0, "skipped": 0}
+        outcomes = {"truncated": 0, "truncated_tokens": 0, "dropped": 0, "skipped": 0, "long": 0}
         cap, cap_patches = self.max_tokens, self.max_patches
         is_linear = not (self.attn_coef or self.patch_coef)
         for uid, entry in zip(uids, raw, strict=True):
@@ -106,16 +147,18 @@ class CostModel:
             if outcome != "ok":
                 outcomes[outcome] += 1
             if outcome == "truncated":
-                outcomes["truncated_tokens"] += tokens - cap
+                outcomes["truncated_tokens"] += tokens - self.long_cap
         return admitted, outcomes
 
     def measure(self, uid: int, tokens: int, label_tokens: int, patches: int = 0
                 ) -> tuple[SampleCost | None, str]:
-        """The sample's cost record and what the over-cap policy did: 'ok', 'truncated', 'dropped'.
+        """The sample's cost record and what the over-cap policy did: 'ok', 'truncated', 'dropped',
+        or 'long' (over ``max_tokens``, trained whole by a group of ranks: over_cap
+        'sequence_parallel').
 
-        A dropped sample returns ``None``. Truncation keeps the first ``max_tokens`` tokens (the
-        collate does the same to the tensors); a sample over the patch cap cannot be truncated
-        (an image is not cut), so under 'truncate' it is dropped.
+        A dropped sample returns ``None``. Truncation keeps the first ``max_tokens`` tokens
+        (``long_cap`` under 'sequence_parallel'; the collate does the same to the tensors); a sample
+        over the patch cap cannot be truncated (an image is not cut), so under 'truncate' it is dropped.
         """
         if tokens < 1:
             raise ValueError(f"sample {uid} is empty (0 tokens); the data layer must skip it")
@@ -125,6 +168,8 @@ class CostModel:
         over_patches = self.max_patches is not None and patches > self.max_patches
         if not (over_tokens or over_patches):
             return SampleCost(uid, tokens, label_tokens, patches, self.cost(tokens, patches)), "ok"
+        if over_tokens and not over_patches and self.degrees and tokens <= self.long_cap:
+            return SampleCost(uid, tokens, label_tokens, patches, self.cost(tokens, patches)), "long"
         if self.over_cap == "error":
             what = (f"{tokens} tokens > max_tokens={self.max_tokens}" if over_tokens
                     else f"{patches} patches > max_patches={self.max_patches}")
@@ -132,6 +177,6 @@ class CostModel:
                                "'truncate' or 'drop'")
         if self.over_cap == "drop" or over_patches:
             return None, "dropped"
-        tokens = self.max_tokens
+        tokens = self.long_cap
         label_tokens = min(label_tokens, tokens - 1)
         return SampleCost(uid, tokens, label_tokens, patches, self.cost(tokens, patches)), "truncated"

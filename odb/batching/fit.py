@@ -3,27 +3,36 @@
 The cost model prices a sample as ``tokens + attn_coef * tokens**2 + patch_coef * patches``, in
 units of one token's time (:class:`odb.batching.cost.CostModel`). Tokens alone misjudge a real
 step: at equal tokens, one long sample costs more than many short ones (attention grows with
-each sample's squared length), and a vision tower's patches cost apart from the text. With
-``cost_model: "fit"`` the coefficients come from the run itself. Every rank times each real
-micro-batch's forward pass (not the backward, which ends waiting for the other ranks in the
-gradient reduction: :class:`odb.training.engine.ForwardClock`), and a least-squares fit over the
-recent micro-batches of all ranks solves
+each sample's squared length), and a vision tower's patches cost apart from the text. A sample
+longer than ``max_tokens`` (over_cap ``"sequence_parallel"``) is trained by a group of ``g``
+ranks together, each holding ``tokens / g`` of it, and an all-to-all exchange adds time in
+proportion to those tokens: such a sample costs each rank of its group
+``(tokens + attn_coef * tokens**2 + a2a_coef * tokens) / g``. With ``cost_model: "fit"`` the
+coefficients come from the run itself. Every rank times each real micro-batch's forward pass
+(not the backward, which ends waiting for the other ranks in the gradient reduction:
+:class:`odb.training.engine.ForwardClock`), and a least-squares fit over the recent micro-batches
+of all ranks solves
 
-    time_us ~ d + a * tokens + b * sum(L**2) + c * patches         a > 0,  b, c >= 0
+    time_us ~ d + a * tokens + b * sum(L**2) + c * patches + e * a2a     a > 0,  b, c, e >= 0
 
 where ``L`` runs over the micro-batch's samples (a padded micro-batch: its rows, each as long as
-the longest). Then ``attn_coef = b / a`` and ``patch_coef = c / a``; ``d``, what any micro-batch
-costs whatever it holds, does not enter the balance (every rank runs the same number of
-micro-batches). Full micro-batches all hold about ``max_tokens`` tokens, so ``d`` and ``a`` can
-only be told apart where the tokens vary (:data:`TOKEN_SPREAD`); else the fit has no ``d``. A fit
-is held to :data:`MAX_ATTENTION` and :data:`MAX_PATCH`, so that a noisy one cannot price a sample
-absurdly.
+the longest) and ``a2a`` is 0 but for a micro-batch that is a rank's slice of a sample shared by a
+group of ``g``: its tokens are the slice's, its ``sum(L**2)`` is ``L**2 / g`` of the whole sample,
+its patches 0 and its ``a2a`` the slice's tokens. Then ``attn_coef = b / a``, ``patch_coef =
+c / a`` and ``a2a_coef = e / a``; ``d``, what any micro-batch costs whatever it holds, does not
+enter the balance (every rank runs the same number of micro-batches). Full micro-batches all hold
+about ``max_tokens`` tokens, so ``d`` and ``a`` can only be told apart where the tokens vary
+(:data:`TOKEN_SPREAD`); else the fit has no ``d``. A slice's ``a2a`` equals its tokens, so ``e``
+and ``a`` can only be told apart where the window holds slices and other micro-batches both; else
+the fit has no ``e`` (``a2a_coef`` 0, the all-to-all counted as tokens' time). A fit is held to
+:data:`MAX_ATTENTION`, :data:`MAX_PATCH` and :data:`MAX_A2A`, so that a noisy one cannot price a
+sample absurdly.
 
 Agreement, with no collective of its own: a rank's new observations ride on its next round's
 vector (:func:`fit_layout`); after the gather every rank adds every rank's, in rank order, to the
 same window of the last :data:`WINDOW` (each rank's newest, at most ``WINDOW // world`` a
 round, so that many ranks do not push each other out), and rank 0 solves. Its coefficients ride
-on the round after as the bits of two float64s, and every rank takes rank 0's: the same floats
+on the round after as the bits of three float64s, and every rank takes rank 0's: the same floats
 everywhere, whatever another machine's LAPACK would have computed from the same window. The
 batcher prices its window with them after that round's decision, so they plan from its next
 proposal on (:meth:`odb.batching.batcher.OnlineBatcher.observe` feeds the times).
@@ -31,7 +40,9 @@ proposal on (:meth:`odb.batching.batcher.OnlineBatcher.observe` feeds the times)
 The timings make the plans depend on the machine: two runs of the same seed plan alike only with
 ``cost_model: "manual"``. A resume continues with the coefficients, window and unsent
 observations of its checkpoint (:meth:`CostFit.state_dict`); its plans match the uninterrupted
-run's only as far as the times do (its first step's are left out, as every process's are).
+run's only as far as the times do (its first step's are left out, as every process's are). A
+checkpoint written before the all-to-all term existed loads with ``a2a_coef`` 0 and its
+observations' ``a2a`` 0.
 """
 
 from __future__ import annotations
@@ -53,7 +64,7 @@ MIN_OBSERVATIONS = 16
 """The fit waits for this many micro-batches in its window."""
 SEND = 32
 """A rank's observations per round, at most (the most recent: the window keeps no more anyway)."""
-FIELDS = ("tokens", "area", "patches", "time_us")
+FIELDS = ("tokens", "area", "patches", "time_us", "a2a")
 TOKEN_SPREAD = 0.1
 """The fit has a per-micro-batch term ``d`` only where the tokens of its micro-batches spread this
 much (standard deviation over mean)."""
@@ -61,33 +72,40 @@ MAX_ATTENTION = 64.0
 """The attention term of the longest sample seen is at most this many times its token term."""
 MAX_PATCH = 64.0
 """A vision patch costs at most this many tokens."""
+MAX_A2A = 64.0
+"""The all-to-all adds at most this many tokens' time per token of a rank's slice of a long sample."""
 
 
 class Observation(NamedTuple):
     """One real micro-batch: its tokens (padding included), the sum of its samples' squared
-    lengths, its vision patches, and its forward time in microseconds."""
+    lengths, its vision patches, its forward time in microseconds, and the tokens that are a rank's
+    slice of a sample shared by a group of ranks (0 for an ordinary micro-batch; a slice's
+    micro-batch: tokens and ``a2a`` the slice's, area ``L**2 / g`` of the whole sample, patches 0)."""
 
     tokens: int
     area: int
     patches: int
     time_us: int
+    a2a: int = 0
 
 
 class Fitted(NamedTuple):
     """A fit: the cost model's coefficients, how well the model explains the times (R^2) and how
-    many micro-batches it saw."""
+    many micro-batches it saw (``a2a_coef`` last: a fit of a checkpoint written before it has 0)."""
 
     attn_coef: float
     patch_coef: float
     r2: float
     observations: int
+    a2a_coef: float = 0.0
 
 
 def fit_layout(send: int = SEND) -> Layout:
     """The fit's part of a round vector: ``send`` observations per field, how many are real, and
     the fit rank 0 last solved (its coefficients as float64 bits, its R^2 in millionths and its
     number of micro-batches; ``fit_ready`` 0: none yet)."""
-    return Layout(scalars=("fit_count", "fit_ready", "fit_attn_bits", "fit_patch_bits", "fit_r2_micro", "fit_n"),
+    return Layout(scalars=("fit_count", "fit_ready", "fit_attn_bits", "fit_patch_bits", "fit_a2a_bits",
+                           "fit_r2_micro", "fit_n"),
                   arrays={f"fit_{name}": send for name in FIELDS})
 
 
@@ -108,16 +126,20 @@ def fit_coefficients(observations: list[Observation]) -> Fitted | None:
     """The least-squares fit of the module docstring, or None when the times do not determine
     it: fewer than :data:`MIN_OBSERVATIONS` micro-batches, or no fit with ``a > 0``.
 
-    ``b`` and ``c`` are held at 0 where the free fit makes them negative (each subset of the
-    attention and patch terms is tried; the feasible one with the least squared error wins), and
-    a term whose feature does not vary is left out (0)."""
+    ``b``, ``c`` and ``e`` are held at 0 where the free fit makes them negative (each subset of the
+    attention, patch and all-to-all terms is tried; the feasible one with the least squared error
+    wins), and a term whose feature does not vary is left out (0): the all-to-all's, where its
+    share of the tokens does not vary (no slice, or only slices)."""
     if len(observations) < MIN_OBSERVATIONS:
         return None
     data = np.array(observations, dtype=np.float64)
-    x, y = data[:, :3], data[:, 3]
+    x, y = data[:, [0, 1, 2, 4]], data[:, 3]  # tokens, area, patches, a2a; the time
     scale = np.maximum(np.abs(x).max(axis=0), 1.0)  # columns of order 1: the solve is well conditioned
     columns = x / scale
     varying = [j for j in (1, 2) if np.ptp(columns[:, j]) > 1e-9]
+    share = x[:, 3] / np.maximum(x[:, 0], 1.0)  # (a slice's a2a is its tokens: slices alone cannot tell e from a)
+    if np.ptp(columns[:, 3]) > 1e-9 and np.ptp(share) > 1e-9:
+        varying.append(3)
     intercept = [np.ones(len(y))] if x[:, 0].std() > TOKEN_SPREAD * x[:, 0].mean() else []
     best: tuple[float, np.ndarray] | None = None
     for size in range(len(varying), -1, -1):
@@ -125,7 +147,7 @@ def fit_coefficients(observations: list[Observation]) -> Fitted | None:
             used = [0, *extra]
             design = np.column_stack([*intercept, columns[:, used]])
             solution, *_ = np.linalg.lstsq(design, y, rcond=None)
-            coef = np.zeros(3)
+            coef = np.zeros(4)
             coef[used] = solution[len(intercept):] / scale[used]
             if coef[0] <= 0 or (coef[1:] < 0).any():
                 continue
@@ -134,12 +156,14 @@ def fit_coefficients(observations: list[Observation]) -> Fitted | None:
                 best = (error, coef)
     if best is None:
         return None
-    error, (a, b, c) = best
+    error, (a, b, c, e) = best
     total = float(((y - y.mean()) ** 2).sum())
     r2 = 1.0 - error / total if total > 0 else 1.0
-    longest = float((x[:, 1] / np.maximum(x[:, 0], 1.0)).max())  # (sum L^2 / sum L <= the longest L)
+    # (sum L^2 / sum L <= the longest L; a slice's L^2 / g over L / g: its whole sample's L)
+    longest = float((x[:, 1] / np.maximum(x[:, 0], 1.0)).max())
     attn = min(b / a, MAX_ATTENTION / max(longest, 1.0))
-    return Fitted(_significant(attn), _significant(min(c / a, MAX_PATCH)), round(r2, 4), len(observations))
+    return Fitted(_significant(attn), _significant(min(c / a, MAX_PATCH)), round(r2, 4), len(observations),
+                  _significant(min(e / a, MAX_A2A)))
 
 
 class CostFit:
@@ -148,14 +172,14 @@ class CostFit:
 
     Args:
         rank: this rank (rank 0 solves).
-        attn_coef, patch_coef: the coefficients until the first fit (the config's).
+        attn_coef, patch_coef, a2a_coef: the coefficients until the first fit (the config's).
     """
 
-    def __init__(self, *, rank: int, attn_coef: float, patch_coef: float) -> None:
+    def __init__(self, *, rank: int, attn_coef: float, patch_coef: float, a2a_coef: float = 0.0) -> None:
         self.rank = rank
         self.unsent: deque[Observation] = deque(maxlen=SEND)
         self.window: deque[Observation] = deque(maxlen=WINDOW)
-        self.coefficients = (attn_coef, patch_coef)
+        self.coefficients = (attn_coef, patch_coef, a2a_coef)  # in effect: the cost model's
         self.fitted: Fitted | None = None  # the fit in effect (None: the config's coefficients)
         self.solved: Fitted | None = None  # rank 0: its latest fit, sent at the next round
         self.layout = fit_layout()
@@ -172,6 +196,7 @@ class CostFit:
         return {"fit_count": len(sent), "fit_ready": int(solved is not None),
                 "fit_attn_bits": _bits(solved.attn_coef) if solved else 0,
                 "fit_patch_bits": _bits(solved.patch_coef) if solved else 0,
+                "fit_a2a_bits": _bits(solved.a2a_coef) if solved else 0,
                 "fit_r2_micro": round(solved.r2 * 1e6) if solved else 0, "fit_n": solved.observations if solved else 0,
                 **columns}
 
@@ -182,9 +207,11 @@ class CostFit:
         changed = False
         if gathered["fit_ready"][0]:
             fitted = Fitted(_float(gathered["fit_attn_bits"][0]), _float(gathered["fit_patch_bits"][0]),
-                            int(gathered["fit_r2_micro"][0]) / 1e6, int(gathered["fit_n"][0]))
-            changed = (fitted.attn_coef, fitted.patch_coef) != self.coefficients
-            self.coefficients, self.fitted = (fitted.attn_coef, fitted.patch_coef), fitted
+                            int(gathered["fit_r2_micro"][0]) / 1e6, int(gathered["fit_n"][0]),
+                            _float(gathered["fit_a2a_bits"][0]))
+            coefficients = (fitted.attn_coef, fitted.patch_coef, fitted.a2a_coef)
+            changed = coefficients != self.coefficients
+            self.coefficients, self.fitted = coefficients, fitted
         world = len(gathered["fit_count"])
         share = max(1, WINDOW // world)  # each rank's newest: many ranks do not push each other out
         for rank in range(world):
@@ -203,7 +230,10 @@ class CostFit:
                 "window": [list(o) for o in self.window], "unsent": [list(o) for o in self.unsent]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.coefficients = tuple(state["coefficients"])
+        """A state of :meth:`state_dict`, or of the version before the all-to-all term (two
+        coefficients, fits of four values, observations of four): ``a2a_coef`` as constructed (the
+        run's setting), ``a2a`` 0."""
+        self.coefficients = (*state["coefficients"], self.coefficients[2])[:3]
         self.fitted = Fitted(*state["fitted"]) if state.get("fitted") else None
         self.solved = Fitted(*state["solved"]) if state.get("solved") else None
         self.window = deque((Observation(*o) for o in state["window"]), maxlen=WINDOW)

@@ -29,6 +29,14 @@ its bins (the ones to train first first) and sends one fixed-size int64 vector, 
    about the same. A bin cut by the quota counts with the samples it keeps (``_bin_figures``:
    quota-mode proposals carry per-sample tokens and cost steps,
    :meth:`odb.batching.packer.Bin.cost_steps`, beside the label tokens).
+   Long bins first (``_place_long``, over_cap 'sequence_parallel'): a bin of one sample over
+   ``max_tokens`` is trained by the aligned group of ``d`` consecutive ranks that holds its rank
+   (``d``: the smallest of ``degrees`` that holds it at ``max_tokens`` a rank), at one position:
+   the first where every rank of the group is free. Rank by rank, in its ranked order (a rank ranks
+   its long bins first: they are its fullest); a long bin that finds no free position this round
+   stays in the window with every bin after it. Every rank of a group then has that position
+   taken, and fills its other positions with its own bins, costliest first; the bins that no
+   longer fit stay in the window (carry). In the drain round ``T`` grows to hold them all.
 5. ``N_step`` (``_totals``): the label tokens of every step over all ranks, known before its
    first backward (I4); with them the samples of every step and the cost and tokens per slot.
 
@@ -61,25 +69,37 @@ from odb.batching.cost import SampleCost
 from odb.batching.stream import Dealer
 from odb.batching.wire import PROPOSAL_SCALARS
 
-__all__ = ["Decision", "MicroBatch", "NoSampleAdmitted", "StepPlan", "decide"]
+__all__ = ["Decision", "MicroBatch", "NoSampleAdmitted", "Shared", "StepPlan", "decide"]
 
 
 class NoSampleAdmitted(ValueError):
     """Quota mode: a full pass over the data admitted no sample, so the quota is out of reach."""
 
 
+class Shared(NamedTuple):
+    """A micro-batch that a group of ranks trains together (over_cap 'sequence_parallel'): one
+    long sample, held by ``owner``, each rank of the group training its slice."""
+
+    owner: int  # the rank that fetched the sample (it sends it to the others)
+    degree: int  # ranks in the group: ``owner // degree * degree`` and the next ``degree - 1``
+    tokens: int  # the sample's tokens, all slices together
+
+
 class MicroBatch(NamedTuple):
     """One forward/backward on one rank: samples packed in one row (or padded rows).
 
-    An empty ``samples`` is a dummy: a real, tiny forward and backward with loss weight 0.
+    An empty ``samples`` is a dummy: a real, tiny forward and backward with loss weight 0; unless
+    ``shared`` says it is this rank's slice of another rank's long sample (its owner's
+    micro-batch holds the sample, and says ``shared`` too).
     """
 
     samples: tuple[SampleCost, ...]
     padded: bool = False
+    shared: Shared | None = None
 
     @property
     def is_dummy(self) -> bool:
-        return not self.samples
+        return not self.samples and self.shared is None
 
     @property
     def uids(self) -> list[int]:
@@ -136,11 +156,16 @@ class Decision:
     new_indices: list[int]  # per rank, how many next stream indices it receives
     is_epoch_done: bool
     is_quota_done: bool
+    shared: np.ndarray | None = None
+    """``[world, T]``: at a position where a group of ranks trains a long sample, its owner's rank
+    on every rank of the group (the owner's slot is the sample's bin); -1 elsewhere. None: no long
+    sample this round."""
 
 
 def decide(fields: Mapping[str, np.ndarray], *, gas: int, seed: int, epoch: int, round_index: int,
            quota_left: int | None, stream_left: int | None, inflight_target: int,
-           stream_ready: int | None = None, window: int | None = None) -> Decision:
+           stream_ready: int | None = None, window: int | None = None, max_tokens: int = 0,
+           degrees: tuple[int, ...] = ()) -> Decision:
     """The round decision from the gathered proposals as decoded by
     :func:`odb.batching.wire.proposal_layout` (scalars ``[world]``, arrays ``[world, slots]``), in the
     five phases of the module docstring.
@@ -153,6 +178,8 @@ def decide(fields: Mapping[str, np.ndarray], *, gas: int, seed: int, epoch: int,
         stream_ready: of those, how many may be dealt now (``None``: all; a data mixture's).
         window: samples a rank's window holds (with ``stream_ready``: whether a rank can still fetch).
         inflight_target: samples each rank should hold or expect (window + lookahead).
+        max_tokens, degrees: over_cap 'sequence_parallel': a bin over ``max_tokens`` is a long
+            sample, trained by a group of ranks of the smallest of ``degrees`` that holds it.
 
     Raises:
         NoSampleAdmitted: quota mode, on every rank alike, once a full pass admitted nothing.
@@ -163,16 +190,19 @@ def decide(fields: Mapping[str, np.ndarray], *, gas: int, seed: int, epoch: int,
                     observed_samples=int(g.fields["observed_samples"].sum()), stream_ready=stream_ready)
     target, is_drain = _target(g, gas, dealer, window)  # 1
     take, target, cut, is_quota_done = _close_quota(g, target, quota_left, gas)  # 2
+    long = None
+    if degrees and (g.tokens > max_tokens).any():  # (4, first: it changes what each rank takes)
+        take, target, long = _place_long(g.tokens, take, target, gas, is_drain, max_tokens, degrees)
     new_indices = [0] * len(take) if is_drain or is_quota_done else _deal(g, dealer, take)  # 3
     figures = _bin_figures(g, cut)  # 4
-    slots = _slots(figures.costs, take, target,
-                   None if is_quota_done else np.random.default_rng([seed, epoch, round_index]))
-    totals = _totals(figures, slots, take, gas)  # 5
+    shuffle = None if is_quota_done else np.random.default_rng([seed, epoch, round_index])
+    slots, shared = _slots(figures.costs, take, target, shuffle, long)
+    totals = _totals(figures, slots, take, gas, shared)  # 5
     return Decision(slots=slots.tolist(), cut=cut, step_label_tokens=totals.step_label_tokens,
                     step_samples=totals.step_samples, slot_costs=totals.slot_costs,
                     slot_tokens=totals.slot_tokens, samples_taken=totals.samples_taken,
                     new_indices=new_indices, is_epoch_done=is_drain or is_quota_done,
-                    is_quota_done=is_quota_done)
+                    is_quota_done=is_quota_done, shared=shared)
 
 
 class _Gathered(NamedTuple):
@@ -314,18 +344,83 @@ def _bin_figures(g: _Gathered, cut: tuple[int, int, int] | None) -> _BinFigures:
     return figures
 
 
-def _slots(bin_costs: np.ndarray, take: np.ndarray, target: int,
-           shuffle: np.random.Generator | None) -> np.ndarray:
+class _Long(NamedTuple):
+    """The long bins placed this round: ``position[r, b]`` of rank r's bin b (-1: not a long bin
+    placed), and ``owner[r, p]``: the owner of the long bin a group trains at position p that
+    holds rank r, or -1."""
+
+    position: np.ndarray  # [world, B]
+    owner: np.ndarray  # [world, T]
+
+
+def _place_long(bin_tokens: np.ndarray, take: np.ndarray, target: int, gas: int, is_drain: bool,
+                max_tokens: int, degrees: tuple[int, ...]) -> tuple[np.ndarray, int, _Long]:
+    """Places each taken long bin on its group at one position (the module docstring, phase 4);
+    returns each rank's new ``take`` (its placed long bins, then as many of its other bins as its
+    free positions hold), ``T`` (grown in the drain round to hold every bin) and the placement."""
+    world, width = bin_tokens.shape
+    over = bin_tokens > max_tokens
+    degree = np.ones_like(bin_tokens)
+    for d in sorted(degrees, reverse=True):  # the smallest group that holds each long bin
+        degree[over & (bin_tokens <= d * max_tokens)] = d
+    degree[over & (bin_tokens > max(degrees) * max_tokens)] = max(degrees)  # (the cost model cut it)
+    taken = _first(take, bin_tokens)
+    longs = [(b, r) for r in range(world) for b in range(int(take[r])) if over[r, b]]
+    if any(b and not over[r, b - 1] for b, r in longs):
+        raise AssertionError("a rank ranked a long bin after an ordinary one (the packer ranks them first)")
+    limit = T = target if not is_drain else width * world + 1  # (a drain round: room for everything)
+    busy = np.zeros((world, limit), dtype=bool)
+    position = np.full((world, width), -1, dtype=np.int64)
+    owner = np.full((world, limit), -1, dtype=np.int64)
+    stopped = np.zeros(world, dtype=bool)
+    for b, r in sorted(longs):  # each rank's first long bin, then each one's second, ...
+        if stopped[r]:
+            continue
+        d = int(degree[r, b])
+        group = slice(r // d * d, r // d * d + d)
+        free = np.flatnonzero(~busy[group].any(axis=0))
+        if not len(free):
+            stopped[r] = True  # this bin and every one after it wait for the next round
+            continue
+        p = int(free[0])
+        busy[group, p] = True
+        position[r, b], owner[group, p] = p, r
+    placed = (position >= 0).sum(axis=1)
+    ordinary = (taken & ~over).sum(axis=1)
+    new_take = np.where(stopped, placed, placed + np.minimum(ordinary, limit - busy.sum(axis=1)))
+    if is_drain:
+        assert not stopped.any(), "a drain round has room for every long bin"
+        used = np.flatnonzero(busy.any(axis=0))  # (a group may wait past its ranks' own counts)
+        T = _round_up(max(int((busy.sum(axis=1) + ordinary).max()), int(used[-1]) + 1 if len(used) else 0), gas)
+    return new_take, T, _Long(position, owner[:, :T])
+
+
+def _slots(bin_costs: np.ndarray, take: np.ndarray, target: int, shuffle: np.random.Generator | None,
+           long: _Long | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """``[world, T]``: each rank's first ``take[r]`` bins by cost (descending), then dummies (-1);
-    then the positions permuted by ``shuffle`` (the same permutation on every rank)."""
+    then the positions permuted by ``shuffle`` (the same permutation on every rank). With ``long``
+    (:func:`_place_long`), its long bins at their positions first, and the groups' owners at the
+    same positions (``[world, T]``, else None)."""
     world, width = len(take), int(take.max())
     taken = _first(take, bin_costs)[:, :width]
-    order = np.argsort(np.where(taken, -bin_costs[:, :width], 1), axis=1, kind="stable")
     slots = np.full((world, target), -1, dtype=np.int64)
-    slots[:, :width] = np.where(np.take_along_axis(taken, order, 1), order, -1)
+    if long is None:
+        order = np.argsort(np.where(taken, -bin_costs[:, :width], 1), axis=1, kind="stable")
+        slots[:, :width] = np.where(np.take_along_axis(taken, order, 1), order, -1)
+        owner = None
+    else:
+        owner = long.owner
+        for r in range(world):
+            is_long = long.position[r, :width] >= 0
+            slots[r, long.position[r, :width][is_long]] = np.flatnonzero(is_long)
+            rest = [b for b in np.argsort(-bin_costs[r, :width], kind="stable") if taken[r, b] and not is_long[b]]
+            free = np.flatnonzero(owner[r] < 0)[:len(rest)]
+            slots[r, free] = rest
     if target and shuffle is not None:
-        slots = slots[:, shuffle.permutation(target)]
-    return slots
+        permutation = shuffle.permutation(target)
+        slots = slots[:, permutation]
+        owner = None if owner is None else owner[:, permutation]
+    return slots, owner
 
 
 # ---- phase 5: N_step ---------------------------------------------------------------------------
@@ -338,14 +433,20 @@ class _Totals(NamedTuple):
     samples_taken: list[int]  # per rank
 
 
-def _totals(figures: _BinFigures, slots: np.ndarray, take: np.ndarray, gas: int) -> _Totals:
-    """Each figure at the slots (0 for dummies), summed per step over ranks and GAS slots."""
+def _totals(figures: _BinFigures, slots: np.ndarray, take: np.ndarray, gas: int,
+            shared: np.ndarray | None = None) -> _Totals:
+    """Each figure at the slots (0 for dummies), summed per step over ranks and GAS slots. A long
+    sample counts once, at its owner; the other ranks of its group carry its cost (each trains a
+    slice as costly as the owner's)."""
     valid = slots >= 0
     if valid.any():
         safe = np.where(valid, slots, 0)
         costs, tokens, labels, samples = (np.where(valid, np.take_along_axis(v, safe, 1), 0) for v in figures)
     else:  # no bins at all (possibly zero columns to index)
         costs, tokens, labels, samples = (np.zeros(slots.shape, dtype=np.int64) for _ in figures)
+    if shared is not None:
+        hosted = (shared >= 0) & ~valid
+        costs[hosted] = costs[shared[hosted], np.nonzero(hosted)[1]]
     taken = (figures.samples * _first(take, figures.samples)).sum(axis=1)
     return _Totals(_per_step(labels, gas), _per_step(samples, gas), costs, tokens, [int(x) for x in taken])
 

@@ -76,9 +76,9 @@ def redeal_states(states: Sequence[dict[str, Any]], world_size: int) -> list[dic
     size = first["dataset_size"]
     held = [list(row) for s in states for row in (
         [r for b in s["bins"] for r in b] + list(s["unpacked"])
-        + [r for step in s["queue"] for _, samples in step["micro"] for r in samples])]
+        + [r for step in s["queue"] for micro in step["micro"] for r in micro[1]])]
     queued_steps = len(first["queue"])  # the same on every rank
-    queued_samples = sum(len(samples) for s in states for step in s["queue"] for _, samples in step["micro"])
+    queued_samples = sum(len(micro[1]) for s in states for step in s["queue"] for micro in step["micro"])
 
     # held samples: largest cost first, each to the new rank with the least cost that has room
     unpacked: list[list[list]] = [[] for _ in range(world_size)]

@@ -35,7 +35,7 @@ from typing import Any
 
 from odb.batching.config import OdbConfig
 from odb.batching.cost import SampleCost
-from odb.batching.plan import MicroBatch, StepPlan
+from odb.batching.plan import MicroBatch, Shared, StepPlan
 
 __all__ = ["STATE_VERSION", "Snapshot", "check_state", "decode_state", "decode_steps", "encode_state",
            "encode_steps", "is_finished", "upgrade_state"]
@@ -151,7 +151,9 @@ def _defaults() -> dict[str, Any]:
 
 
 def _micro_row(micro: MicroBatch) -> list:
-    return [int(micro.padded), [[s.uid, s.tokens, s.label_tokens, s.patches, s.cost] for s in micro.samples]]
+    """``[padded, samples]``, and ``[owner, degree, tokens]`` after them for a shared micro-batch."""
+    row = [int(micro.padded), [[s.uid, s.tokens, s.label_tokens, s.patches, s.cost] for s in micro.samples]]
+    return row if micro.shared is None else [*row, list(micro.shared)]
 
 
 def encode_steps(steps: Iterable[StepPlan]) -> list[dict[str, Any]]:
@@ -165,8 +167,9 @@ def encode_steps(steps: Iterable[StepPlan]) -> list[dict[str, Any]]:
 def decode_steps(rows: list[dict[str, Any]]) -> list[StepPlan]:
     """The inverse of :func:`encode_steps`."""
     return [StepPlan(epoch=r["epoch"], step=r["step"],
-                     micro_batches=tuple(MicroBatch(tuple(SampleCost(*s) for s in samples), bool(padded))
-                                         for padded, samples in r["micro"]),
+                     micro_batches=tuple(MicroBatch(tuple(SampleCost(*s) for s in row[1]), bool(row[0]),
+                                                    Shared(*row[2]) if len(row) > 2 else None)
+                                         for row in r["micro"]),
                      num_label_tokens=r["num_label_tokens"], num_samples=r["num_samples"],
                      rank_costs=tuple(tuple(c) for c in r["rank_costs"]),
                      rank_tokens=tuple(tuple(t) for t in r["rank_tokens"])) for r in rows]

@@ -29,7 +29,7 @@ __all__ = ["COUNTS", "RECORDS", "STEP_FIELDS", "TOTALS", "Step", "StepReports", 
 STEP_FIELDS = ("loss_sum_micro", "materialized", "wait_us", "plan_us", "collective_us", "epoch", "aux_sum_micro",
                "attn_area", "forward_us")
 COUNTS = ("micro_batches", "dummy_micro_batches", "samples", "real_tokens", "materialized_tokens",
-          "label_tokens", "steps", "wall_us")
+          "label_tokens", "steps", "wall_us", "long_samples")
 TOTALS = Layout(scalars=COUNTS + ("dropped",))
 """A rank's run totals in the final gather: its whole-run counts, and its batcher's dropped samples."""
 RECORDS = ("fetched", "lost", "truncated_samples", "truncated_tokens")

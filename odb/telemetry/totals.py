@@ -67,6 +67,7 @@ class RunTotals:
             t["micro_batches"] += not micro.is_dummy
             t["dummy_micro_batches"] += micro.is_dummy
             t["samples"] += len(micro.samples)
+            t["long_samples"] += len(micro.samples) if micro.shared is not None else 0  # (at its owner)
             t["real_tokens"] += micro.tokens
             t["materialized_tokens"] += micro.materialized
 
@@ -102,7 +103,8 @@ class RunTotals:
             "real_tokens": totals["real_tokens"], "materialized_tokens": totals["materialized_tokens"],
             "padding_ratio": round(1 - totals["real_tokens"] / max(1, totals["materialized_tokens"]), 6),
             "label_tokens": totals["label_tokens"], "truncated_samples": cut["samples"],
-            "truncated_tokens": cut["tokens"], "dropped": totals["dropped"], "skipped": records["skipped"],
+            "truncated_tokens": cut["tokens"], "long_samples": totals["long_samples"], "dropped": totals["dropped"],
+            "skipped": records["skipped"],
             "zero_label_steps": self.zero_label_steps,
             "eval_loss": self.last_eval["eval_loss"] if self.last_eval else None,
             "loss_first": round(sum(first[:3]) / max(1, len(first[:3])), 5),

@@ -22,6 +22,7 @@ import torch
 from odb.batching.align import SequenceGroups, TorchCommunicator
 from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import AUTO, OdbConfig
+from odb.batching.cost import sequence_parallel_degrees
 from odb.batching.mixture import Mixture
 from odb.data.feed import SampleFeed
 from odb.data.mixture import MixedDataset, SourceSpec
@@ -48,7 +49,8 @@ from odb.training.preflight import (
     worst_images,
 )
 from odb.training.schedule import ProgressSchedule
-from odb.training.sequence_parallel import SequenceParallel
+from odb.training.sequence_parallel import SequenceParallel, setup_groups
+from odb.training.sequence_parallel import check_model as check_sequence_parallel_model
 from odb.training.sequence_parallel import setup as setup_sequence_parallel
 from odb.training.startup import announced_wait, probed_attention
 
@@ -166,6 +168,8 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
             raise ValueError(f"--sequence_parallel_size splits packed rows, and odb cannot pack "
                              f"{model.config.model_type}: train it with sequence_parallel_size 1")
         sp = setup_sequence_parallel(model, size, rank=rank, world_size=world_size)
+    groups = _long_sample_groups(config, model, host_backend=host_backend, packed=packed, rank=rank,
+                                 world_size=world_size)
     batcher_comm = watched if sp is None else SequenceGroups(watched, size)
     measured = None
     if config.preflight.preflight == "on":
@@ -188,11 +192,25 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
         batching = dataclasses.replace(batching, max_tokens=batching.max_tokens - BLANK_IMAGE_TOKENS)
         log(f"odb: vision model: samples packed under max_tokens - {BLANK_IMAGE_TOKENS} "
             f"= {batching.max_tokens} (room for the blank image of imageless micro-batches)")
+    if batching.over_cap == "sequence_parallel":
+        degrees = tuple(groups)
+        if degrees:
+            log(f"odb: over_cap sequence_parallel: a sample over max_tokens {batching.max_tokens} trains whole on a "
+                f"group of {' or '.join(map(str, degrees))} consecutive ranks (up to {degrees[-1]} x "
+                f"{batching.max_tokens} = {degrees[-1] * batching.max_tokens} tokens; longer ones are truncated to "
+                "that), each rank 1/d of it (DeepSpeed Ulysses attention); the other ranks train their own "
+                "micro-batches meanwhile")
+        else:
+            log(f"odb: WARNING: over_cap sequence_parallel on {world_size} rank(s): no group of ranks to share a "
+                f"long sample (groups: powers of two up to max_sp {batching.max_sp} that divide the ranks); samples "
+                f"over max_tokens {batching.max_tokens} are truncated to it")
+    long_cap = batching.max_tokens * max(groups, default=1)
     what = f"the data {config.data.path} to be indexed"
     check = f"a big file on network storage takes time; if this does not move, check it answers: ls {config.data.path}"
     with announced_wait(what, check, timeout_s=config.run.dist_timeout_s):
         dataset, eval_dataset = _datasets(config, tokenizer, vision,
-                                          truncate_to=batching.max_tokens if batching.over_cap == "truncate" else None)
+                                          truncate_to=long_cap if batching.over_cap in ("truncate", "sequence_parallel")
+                                          else None)
     if not packed:
         log(f"odb: cannot pack {model.config.model_type} correctly (its rotary positions are "
             "unknown to odb): training on PADDED micro-batches instead, each within "
@@ -201,7 +219,8 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
             batching = dataclasses.replace(batching, pad_rows=True)
     engine = OdbEngine(backend, world_size=world_size,
                        max_tokens=batching.max_tokens, pad_token_id=tokenizer.pad_token_id, packed=packed,
-                       loss_chunk_tokens=config.model.loss_chunk_tokens, sequence_parallel=sp)
+                       loss_chunk_tokens=config.model.loss_chunk_tokens, sequence_parallel=sp, groups=groups,
+                       rank=rank)
     feed = SampleFeed(dataset, sample_sizes, num_workers=config.data.num_workers,
                       prefetch_factor=config.data.prefetch_factor)
     evaluator = None if eval_dataset is None else Evaluator(
@@ -234,6 +253,33 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
                       engine=engine, dataset=dataset, feed=feed, comm=comm, batcher=batcher, schedule=schedule,
                       telemetry=telemetry, settings=settings, preflight=measured, trackers=trackers,
                       evaluator=evaluator, sequence_parallel=sp)
+
+
+def _long_sample_groups(config: RunConfig, model, *, host_backend: bool, packed: bool, rank: int,
+                        world_size: int) -> dict[int, SequenceParallel]:
+    """over_cap 'sequence_parallel': this rank's group of each size that may train a long sample
+    together (collective: every rank forms every group), or none."""
+    batching = config.batching
+    if batching.over_cap != "sequence_parallel":
+        return {}
+    fix = "set --over_cap truncate"
+    if host_backend:
+        raise ValueError("--over_cap sequence_parallel runs in odb's own loop (launch/train.py); a host's loop (HF "
+                         f"Trainer, TRL, Accelerate) trains each rank's micro-batch alone: {fix}")
+    if config.model.sequence_parallel_size > 1:
+        raise ValueError("--over_cap sequence_parallel shares long samples between ranks per micro-batch, and "
+                         "--sequence_parallel_size splits every row: use one of them")
+    if not packed:
+        raise ValueError(f"--over_cap sequence_parallel splits a long sample's packed row, and odb cannot pack "
+                         f"{model.config.model_type}: {fix}")
+    degrees = sequence_parallel_degrees(batching.max_sp, world_size)
+    for d in degrees:
+        try:
+            check_sequence_parallel_model(model, d)
+        except ValueError as err:
+            raise ValueError(f"--over_cap sequence_parallel with --max_sp {batching.max_sp} forms groups of "
+                             f"{', '.join(map(str, degrees))} ranks: {err} (a lower --max_sp, or {fix})") from None
+    return setup_groups(model, degrees, rank=rank, world_size=world_size)
 
 
 def _streaming(config: RunConfig, batching: OdbConfig, dataset: SampleDataset, world_size: int,

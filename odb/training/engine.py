@@ -44,8 +44,9 @@ single-process reference to ~1e-8 at every stage. What a backend must provide is
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,8 +54,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from odb.batching.plan import StepPlan
+from odb.batching.plan import MicroBatch, Shared, StepPlan
 from odb.data.collate import collate_packed, collate_padded, token_sources
+from odb.training import attention
 from odb.training.attention import calls as attention_calls
 from odb.training.backends.base import Backend
 from odb.training.loss import (
@@ -165,14 +167,15 @@ class StepTally:
         if micro.is_dummy:
             loss = engine._dummy_loss()
         else:
-            summed, aux = engine._forward_loss(samples, micro.padded, router=self.router, by_source=self.by_source)
+            summed, aux = engine._forward_loss(samples, micro.padded, router=self.router, by_source=self.by_source,
+                                               shared=micro.shared)
             self.loss_sum += summed.detach()
             self.label_tokens += micro.label_tokens
             for sample, cost in zip(samples, micro.samples, strict=True):
                 self.by_source.count(sample_source(sample), cost.label_tokens)
             loss = summed * self.scale
             if aux is not None:  # coef * aux_{r,m} * T_{r,m} * W / T_s (odb.training.moe)
-                weighted = aux * micro.tokens
+                weighted = aux * (micro.shared.tokens if micro.shared is not None else micro.tokens)
                 self.aux_sum += weighted.detach()
                 loss = loss + engine.router_loss.coef * self.aux_scale * weighted
         self.clock.stop()
@@ -234,13 +237,22 @@ class OdbEngine:
             (:func:`odb.training.loss.liger_loss`: importable, CUDA, no ZeRO-3, plain head).
         sequence_parallel: this rank's sequence-parallel group (``max_tokens``: the group's budget,
             S x a rank's), or None.
+        groups: over_cap 'sequence_parallel': this rank's group of each size that may train a long
+            sample together (:func:`odb.training.sequence_parallel.setup_groups`), or None.
+        rank: this rank (the owner of a shared micro-batch sends its sample to its group).
     """
 
     def __init__(self, backend: Backend, *, world_size: int, max_tokens: int, pad_token_id: int, packed: bool = True,
                  loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS, fused_loss: bool = True,
-                 sequence_parallel: SequenceParallel | None = None) -> None:
+                 sequence_parallel: SequenceParallel | None = None,
+                 groups: dict[int, SequenceParallel] | None = None, rank: int = 0) -> None:
         self.backend = backend
         self.world_size = world_size
+        self.rank = rank
+        self.groups = groups or {}
+        if self.groups and (sequence_parallel is not None or not packed):
+            raise ValueError("over_cap 'sequence_parallel' splits a long sample's packed row; it needs packed rows "
+                             "and no --sequence_parallel_size")
         self.max_tokens = max_tokens
         self.pad_token_id = pad_token_id
         self.packed = packed
@@ -259,12 +271,16 @@ class OdbEngine:
             fused=fused_loss)
 
     def _forward_loss(self, samples: Sequence[dict[str, Any]], padded: bool, *, router: bool = False,
-                      truncate: bool = True, by_source: SourceSums | None = None
+                      truncate: bool = True, by_source: SourceSums | None = None, shared: Shared | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The summed token loss of ``samples`` in one model call, and with ``router`` (a model with
         a router loss) its router loss ``aux`` over the samples' own tokens (else None); each sample
         cut to ``max_tokens`` unless ``truncate`` is False. ``by_source`` gets the loss split by the
-        samples' sources (the call's whole sum where they share one)."""
+        samples' sources (the call's whole sum where they share one). ``shared``: this rank's slice
+        of a long sample that its group trains together (its owner's ``samples`` hold it, sent to the
+        others here), whole, with the attention routed through the group (:meth:`route`)."""
+        if shared is not None:
+            samples, truncate = self._receive(shared, samples), False
         is_dummy, blank = not samples, self._needs_blank(samples)
         present = sorted({sample_source(s) for s in samples})
         split_rows = by_source is not None and len(present) > 1  # several sources: split the token losses
@@ -274,8 +290,9 @@ class OdbEngine:
             batch = collate_padded(samples, pad_token_id=self.pad_token_id, max_tokens=cap, sources=split_rows)
         else:
             batch = collate_packed(samples, max_tokens=cap, sources=split_rows)
-        if self.sp is not None:
-            summed, aux, split = self._sharded_call(batch, present if split_rows else None, router=router)
+        if shared is not None or self.sp is not None:
+            sp = self.sp if shared is None else self.groups[shared.degree]
+            summed, aux, split = self._sharded_call(batch, present if split_rows else None, router=router, sp=sp)
         else:
             summed, aux, split = self._row_call(batch, present if split_rows else None, router=router,
                                                 is_dummy=is_dummy, blank=blank)
@@ -307,7 +324,7 @@ class OdbEngine:
         summed, aux = self._call(batch, labels, router=router, real_tokens=real, split=split)
         return summed, aux, split
 
-    def _sharded_call(self, batch: dict[str, Any], present: list[int] | None, *, router: bool
+    def _sharded_call(self, batch: dict[str, Any], present: list[int] | None, *, router: bool, sp: SequenceParallel
                       ) -> tuple[torch.Tensor, torch.Tensor | None, SourceSplit | None]:
         """:meth:`_row_call` under sequence parallelism: the model call on this rank's slice of the
         row (:meth:`SequenceParallel.shard`), its labels shifted before the cut. The router loss is
@@ -317,7 +334,7 @@ class OdbEngine:
         loss runs over every token, weighed 0 (over none it would be 0 / 0, and NaN x 0 is NaN)."""
         sources = token_sources(batch) if present is not None else None
         labels = batch.pop("labels")
-        inputs, labels, sources, real = self.sp.shard(batch, labels, pad_token_id=self.pad_token_id, sources=sources)
+        inputs, labels, sources, real = sp.shard(batch, labels, pad_token_id=self.pad_token_id, sources=sources)
         share = int(real.sum()) / batch["input_ids"].shape[1]
         inputs = _to_device(inputs, self.device)
         labels, real = labels.to(self.device), real.to(self.device)
@@ -325,6 +342,42 @@ class OdbEngine:
         summed, aux = self._call(inputs, labels, router=router, real_tokens=real if share else None, split=split,
                                  shifted=True)
         return summed, None if aux is None else aux * share, split
+
+    def _receive(self, shared: Shared, samples: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The long sample of a shared micro-batch on every rank of its group: its owner sends the
+        ids, labels and source it holds (``samples``: the sample there, empty elsewhere); the
+        lengths are the plan's. One broadcast inside the group, on the model's device."""
+        import torch.distributed as dist
+
+        tokens = shared.tokens
+        if self.rank == shared.owner:
+            (sample,) = samples
+            ids = torch.as_tensor(sample["input_ids"], dtype=torch.long).reshape(-1)
+            labels = sample.get("labels")
+            labels = ids if labels is None else torch.as_tensor(labels, dtype=torch.long).reshape(-1)
+            if len(ids) != tokens or len(labels) != tokens:
+                raise RuntimeError(f"rank {self.rank} holds a long sample of {len(ids)} tokens, {len(labels)} labels; "
+                                   f"its plan says {tokens}: the data and the plan disagree")
+            row = torch.cat([ids, labels, torch.tensor([sample_source(sample)])]).to(self.device)
+        else:
+            row = torch.empty(2 * tokens + 1, dtype=torch.long, device=self.device)
+        dist.broadcast(row, src=shared.owner, group=self.groups[shared.degree].group)
+        row = row.cpu()
+        return [{"input_ids": row[:tokens], "labels": row[tokens:2 * tokens], "source": int(row[-1])}]
+
+    @contextlib.contextmanager
+    def route(self, micro: MicroBatch) -> Iterator[None]:
+        """While a shared micro-batch runs (its forward and its backward, which may run the
+        forward again: activation checkpointing), attention goes through its group's Ulysses
+        all-to-all; straight again after it."""
+        if micro.shared is None:
+            yield
+            return
+        attention.route_through(self.groups[micro.shared.degree].around)
+        try:
+            yield
+        finally:
+            attention.route_through(None)
 
     def group_sums(self, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each of ``values`` summed over this rank's sequence-parallel group (one collective; every
@@ -426,7 +479,8 @@ class OdbEngine:
         tally = StepTally(self, plan)
         last = len(plan.micro_batches) - 1
         for m, (micro, micro_samples) in enumerate(zip(plan.micro_batches, samples, strict=True)):
-            self.backend.backward(tally.loss(micro, micro_samples), sync=m == last)
+            with self.route(micro):
+                self.backend.backward(tally.loss(micro, micro_samples), sync=m == last)
         self.backend.step()
         return tally.result(lr)
 

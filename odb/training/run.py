@@ -350,7 +350,7 @@ class Trainer:
         summary["preflight"] = parts.preflight.to_dict() if parts.preflight is not None else None
         fitted = batcher.cost_fit  # (cost_model "fit": None until the first fit)
         summary["cost_model"] = {"mode": parts.batching.cost_model, "attn_coef": batcher.cost_model.attn_coef,
-                                 "patch_coef": batcher.cost_model.patch_coef,
+                                 "patch_coef": batcher.cost_model.patch_coef, "a2a_coef": batcher.cost_model.a2a_coef,
                                  "fit_r2": fitted.r2 if fitted else None,
                                  "fit_micro_batches": fitted.observations if fitted else None}
         summary["config"] = config.to_dict()

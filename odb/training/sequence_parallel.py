@@ -44,7 +44,7 @@ import torch
 
 from odb.training import attention
 
-__all__ = ["SequenceParallel", "check_model", "setup"]
+__all__ = ["SequenceParallel", "check_model", "setup", "setup_groups"]
 
 
 @dataclass(frozen=True)
@@ -55,11 +55,16 @@ class SequenceParallel:
         size: ranks per group (S).
         member: this rank's index in its group (0 .. S - 1): which slice of each row it holds.
         group: the torch process group of the group's ranks (the model's device backend).
+        around: the attention call through the group's Ulysses all-to-all
+            (:func:`odb.training.attention.route_through`).
+        first: the group's first rank (the ranks are ``first`` .. ``first + size - 1``).
     """
 
     size: int
     member: int
     group: Any
+    around: Any = None
+    first: int = 0
 
     def shard(self, batch: dict[str, Any], labels: torch.Tensor, *, pad_token_id: int,
               sources: torch.Tensor | None = None) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor | None,
@@ -127,10 +132,24 @@ def setup(model, size: int, *, rank: int, world_size: int) -> SequenceParallel:
     """Forms the groups of ``size`` consecutive ranks (collective: every rank, once) and routes
     odb's attention through DeepSpeed's Ulysses all-to-all over this rank's group
     (:mod:`odb.training.backends.ulysses`)."""
-    from odb.training.backends.ulysses import ulysses_attention
-
     if world_size % size:
         raise ValueError(f"sequence_parallel_size {size} must divide the {world_size} ranks")
+    group = _group(model, size, rank=rank, world_size=world_size)
+    attention.route_through(group.around)
+    return group
+
+
+def setup_groups(model, degrees: tuple[int, ...], *, rank: int, world_size: int) -> dict[int, SequenceParallel]:
+    """over_cap 'sequence_parallel': for each group size ``d`` of ``degrees``, the groups of ``d``
+    consecutive ranks (collective: every rank, once, in the same order), each with its own Ulysses
+    attention. Attention routes through one only while a micro-batch of that size runs
+    (:meth:`odb.training.engine.OdbEngine.train_step`)."""
+    return {d: _group(model, d, rank=rank, world_size=world_size) for d in degrees}
+
+
+def _group(model, size: int, *, rank: int, world_size: int) -> SequenceParallel:
+    from odb.training.backends.ulysses import ulysses_attention
+
     check_model(model, size)
     text = model.config.get_text_config()
     ulysses, group = ulysses_attention(attention.varlen_attention, text, size, rank=rank, world_size=world_size)
@@ -146,5 +165,5 @@ def setup(model, size: int, *, rank: int, world_size: int) -> SequenceParallel:
             kwargs["s_aux"] = kwargs["s_aux"][heads]
         return ulysses(module, query, key, value, None, **kwargs)
 
-    attention.route_through(around)
-    return SequenceParallel(size=size, member=rank % size, group=group)
+    return SequenceParallel(size=size, member=rank % size, group=group, around=around,
+                            first=rank // size * size)

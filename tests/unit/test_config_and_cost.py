@@ -3,7 +3,7 @@ import json
 import pytest
 
 from odb.batching.config import OdbConfig, load_odb_config
-from odb.batching.cost import CostModel, OverCapError, count_label_tokens
+from odb.batching.cost import CostModel, OverCapError, count_label_tokens, sequence_parallel_degrees
 
 
 @pytest.mark.parametrize("field,value,needle", [
@@ -62,21 +62,55 @@ def test_over_cap_policies():
 
 @pytest.mark.parametrize("coefs", [{}, {"attn_coef": 0.25}, {"patch_coef": 0.5}],
                          ids=["linear-fast-path", "attention-term", "patch-term"])
-@pytest.mark.parametrize("over_cap", ["truncate", "drop"])
+@pytest.mark.parametrize("over_cap", ["truncate", "drop", "sequence_parallel"])
 def test_measure_many_matches_measure(coefs, over_cap):
     # Without cost coefficients measure_many takes a fast path for samples within the caps: it
     # must agree with measure() on those (patches, label tokens, costs) and on every edge around
     # them (at the cap, over it, over the patch cap, no labels, skipped records).
-    model = CostModel(max_tokens=8, max_patches=6, over_cap=over_cap, **coefs)
-    raw = [(3, 2, 0), (9, 8, 0), (8, 0, 0), None, (1, 0, 6), (5, 5, 7), (8, 7, 2), (2, 1, 3)]
+    model = CostModel(max_tokens=8, max_patches=6, over_cap=over_cap, degrees=(2,), **coefs)
+    raw = [(3, 2, 0), (9, 8, 0), (8, 0, 0), None, (1, 0, 6), (5, 5, 7), (8, 7, 2), (2, 1, 3), (17, 16, 0)]
     admitted, outcomes = model.measure_many(list(range(len(raw))), raw)
     measured = [model.measure(i, *r) for i, r in enumerate(raw) if r is not None]
     assert admitted == [sample for sample, _ in measured if sample is not None]
     assert outcomes == {"truncated": sum(o == "truncated" for _, o in measured),
-                        "truncated_tokens": sum(r[0] - 8 for r, (_, o) in zip([r for r in raw if r], measured)
-                                                if o == "truncated"),
-                        "dropped": sum(o == "dropped" for _, o in measured), "skipped": 1}
-    assert outcomes["truncated" if over_cap == "truncate" else "dropped"] >= 1
+                        "truncated_tokens": sum(r[0] - model.long_cap for r, (_, o) in
+                                                zip([r for r in raw if r], measured) if o == "truncated"),
+                        "dropped": sum(o == "dropped" for _, o in measured), "skipped": 1,
+                        "long": sum(o == "long" for _, o in measured)}
+    assert outcomes["truncated" if over_cap != "drop" else "dropped"] >= 1
+    assert outcomes["long"] == (over_cap == "sequence_parallel")  # (9 tokens: a group of 2 holds it whole)
+
+
+def test_a_long_sample_costs_each_rank_of_its_group_its_share_and_the_all_to_all():
+    """over_cap 'sequence_parallel' at max_tokens 100 with groups of 2 and 4: the smallest group that
+    holds a sample at 100 a rank; its cost, the whole sample's with the all-to-all term, over the
+    group's ranks; over the largest group's 400 it is cut to 400, counted."""
+    model = CostModel(max_tokens=100, over_cap="sequence_parallel", degrees=(4, 2), attn_coef=0.01, a2a_coef=0.5)
+    assert [model.degree(n) for n in (100, 101, 200, 201, 400, 401)] == [1, 2, 2, 4, 4, 4]
+    assert model.cost(100) == round(100 + 0.01 * 100 ** 2)
+    assert model.cost(300) == round((300 + 0.01 * 300 ** 2 + 0.5 * 300) / 4)
+    sample, outcome = model.measure(7, 300, 250)
+    assert (sample.tokens, sample.label_tokens, sample.cost, outcome) == (300, 250, model.cost(300), "long")
+    sample, outcome = model.measure(7, 450, 449)
+    assert (sample.tokens, sample.label_tokens, outcome) == (400, 399, "truncated")
+    # a resume on fewer ranks (groups of 2 at most): a held sample of 300 is cut to 200
+    fewer = CostModel(max_tokens=100, over_cap="sequence_parallel", degrees=(2,))
+    again = fewer.reprice(model.measure(7, 300, 250)[0])
+    assert (again.tokens, again.label_tokens, again.cost) == (200, 199, fewer.cost(200))
+    # without groups (one rank) over_cap 'sequence_parallel' truncates at max_tokens
+    assert CostModel(max_tokens=100, over_cap="sequence_parallel").measure(1, 150, 149)[0].tokens == 100
+
+
+@pytest.mark.parametrize(("max_sp", "world", "degrees"), [(8, 1, ()), (8, 2, (2,)), (8, 4, (2, 4)), (2, 8, (2,)),
+                                                          (8, 6, (2,)), (8, 16, (2, 4, 8)), (1, 4, ())])
+def test_groups_for_long_samples_are_the_powers_of_two_up_to_max_sp_that_divide_the_ranks(max_sp, world, degrees):
+    assert sequence_parallel_degrees(max_sp, world) == degrees
+
+
+@pytest.mark.parametrize("bad", [{"policy": "fixed"}, {"mode": "quota", "quota": 5}, {"pad_rows": True}])
+def test_over_cap_sequence_parallel_refuses_what_cannot_split_a_packed_row(bad):
+    with pytest.raises(ValueError, match="--over_cap sequence_parallel splits a long sample's packed row"):
+        OdbConfig(over_cap="sequence_parallel", **bad)
 
 
 def test_label_tokens_skip_first_position_and_ignored():

@@ -1,0 +1,159 @@
+"""over_cap 'sequence_parallel' under the real batcher: simulated ranks on a long-tail trace, 5% of
+its samples 2-8x a rank's budget. The oracle is the trace itself: every sample trains exactly once,
+whole where the largest group holds it (and cut to that group's reach, counted, where not); each
+long sample is trained at one position by the smallest aligned group of consecutive ranks that
+holds it at ``max_tokens`` a rank, every rank of which has it there and nothing else; the ranks stay
+aligned, no rank's share of a micro-batch exceeds ``max_tokens``, and each step's label tokens count
+a long sample once. A resume from a state taken mid-epoch, with shared micro-batches queued, plans
+what the uninterrupted run plans."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from conftest import check_aligned, check_exact_once, check_label_tokens, roundtrip, run_to_state, simulated_labels
+from odb.batching.batcher import OnlineBatcher
+from odb.batching.config import OdbConfig
+from odb.batching.redeal import redeal_states
+from odb.batching.simulate import SimulatedFeed, run_ranks
+from odb.batching.state import decode_steps
+
+MAX_TOKENS = 1024
+
+
+def trace(n=400, seed=5):
+    """Lengths: 95% lognormal within the budget, 5% uniform in 2-8x it."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.lognormal(5.5, 0.8, n).clip(16, MAX_TOKENS).astype(int)
+    long = rng.random(n) < 0.05
+    lengths[long] = rng.integers(2 * MAX_TOKENS, 8 * MAX_TOKENS + 1, int(long.sum()))
+    return [(int(t), 0) for t in lengths]
+
+
+def config(**overrides):
+    return OdbConfig(**{"max_tokens": MAX_TOKENS, "window": 32, "lookahead": 16, "gas": 2, "cost_model": "manual",
+                        "attn_coef": 1e-4, "a2a_coef": 0.2, "over_cap": "sequence_parallel", "seed": 4, **overrides})
+
+
+def run(world, lengths, cfg=None, epochs=2):
+    def rank_main(comm):
+        batcher = OnlineBatcher(cfg or config(), comm, dataset_size=len(lengths), feed=SimulatedFeed(lengths),
+                                num_epochs=epochs)
+        return list(batcher), batcher.stats
+
+    out = run_ranks(world, rank_main)
+    return [steps for steps, _ in out], [stats for _, stats in out]
+
+
+def smallest_group(tokens, world):
+    return next(d for d in (2, 4, 8, 16) if tokens <= d * MAX_TOKENS and d <= world)
+
+
+def check_groups(steps, world):
+    """Each shared position: its group (aligned, the smallest that holds the sample) all have it,
+    the owner holds the sample, the others nothing of their own; each rank's share fits the budget."""
+    trained = {}
+    for s in range(len(steps[0])):
+        for p in range(len(steps[0][s].micro_batches)):
+            micro = [steps[r][s].micro_batches[p] for r in range(world)]
+            for r, m in enumerate(micro):
+                if m.shared is None:
+                    assert m.tokens <= MAX_TOKENS, f"rank {r} step {s} position {p}: {m.tokens} tokens"
+                    continue
+                owner, degree, tokens = m.shared
+                group = range(owner // degree * degree, owner // degree * degree + degree)
+                assert r in group and degree == smallest_group(tokens, world)
+                assert -(-tokens // degree) <= MAX_TOKENS
+                assert all(micro[q].shared == m.shared for q in group), f"step {s} position {p}: group differs"
+                if r == owner:
+                    assert len(m.samples) == 1 and m.tokens == tokens > MAX_TOKENS
+                    trained[m.samples[0].uid] = tokens
+                else:
+                    assert not m.samples and not m.is_dummy
+    return trained
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_every_long_sample_trains_whole_on_its_group_exactly_once_and_the_ranks_stay_aligned(world):
+    lengths = trace()
+    steps, stats = run(world, lengths)
+    check_aligned(steps)
+    size = len(lengths)
+    check_exact_once(steps, Counter({e * size + i: 1 for e in range(2) for i in range(size)}))
+    long_cap = world * MAX_TOKENS
+    labels = simulated_labels([t for t, _ in lengths])
+    check_label_tokens(steps, labels, long_cap)  # (a long sample's label tokens: once, at its owner)
+    trained = check_groups(steps, world)
+    expected = {e * size + i: min(t, long_cap) for e in range(2) for i, (t, _) in enumerate(lengths) if t > MAX_TOKENS}
+    assert trained == expected, "a long sample was not trained whole by a group (or not at all)"
+    over = sum(1 for t, _ in lengths if t > long_cap) * 2
+    assert sum(s.truncated for s in stats) == over and sum(s.long for s in stats) == len(expected) - over
+    assert sum(s.truncated_tokens for s in stats) == 2 * sum(t - long_cap for t, _ in lengths if t > long_cap)
+    if world == 8:
+        assert over == 0, "at 8 ranks every sample of the trace (up to 8x the budget) trains whole"
+    shared = sum(1 for s in steps[0] for m in s.micro_batches if m.shared is not None)
+    print(f"{world} ranks: {len(steps[0])} steps; {len(expected) - over} long samples whole; {over} cut to "
+          f"{world}x the budget; rank 0 took part in {shared} shared micro-batches")
+
+
+def test_ranks_outside_a_group_fill_its_position_with_their_own_work():
+    """At 4 ranks a sample 2x the budget takes ranks 0-1 (or 2-3): the other two train their own
+    bins there, not dummies, while they have bins."""
+    lengths = [(3 * MAX_TOKENS // 2, 0)] + [(500, 0)] * 63
+    steps, _ = run(4, lengths, epochs=1)
+    positions = [(s, p) for s in range(len(steps[0])) for p, m in enumerate(steps[0][s].micro_batches)
+                 if m.shared is not None] + [(s, p) for s in range(len(steps[2])) for p, m in
+                                             enumerate(steps[2][s].micro_batches) if m.shared is not None]
+    assert len(positions) == 1
+    s, p = positions[0]
+    micro = [steps[r][s].micro_batches[p] for r in range(4)]
+    group = [r for r, m in enumerate(micro) if m.shared is not None]
+    assert group in ([0, 1], [2, 3])
+    others = [m for r, m in enumerate(micro) if r not in group]
+    assert all(m.samples and m.shared is None for m in others), "the ranks outside the group ran dummies"
+
+
+def test_a_resume_with_shared_micro_batches_queued_plans_as_the_uninterrupted_run():
+    lengths = trace(200, seed=8)
+
+    def make(comm):
+        return OnlineBatcher(config(gas=4), comm, dataset_size=len(lengths), feed=SimulatedFeed(lengths))
+
+    whole, _ = run_to_state(make, 4, stop_after=10 ** 6)
+    queued = 0  # resumes with a shared micro-batch queued (planned, not trained)
+    for k in range(1, 13):
+        head, states = run_to_state(make, 4, stop_after=k)
+        queued += any(m.shared is not None for state in states for s in decode_steps(state["queue"])
+                      for m in s.micro_batches)
+
+        def resumed(comm, states=states):
+            batcher = make(comm)
+            batcher.load_state_dict(roundtrip(states[comm.rank]))
+            return list(batcher)
+
+        tail = run_ranks(4, resumed)
+        assert [a + b for a, b in zip(head, tail, strict=True)] == whole, f"a resume after {k} steps plans otherwise"
+    assert queued, "no resume had a shared micro-batch queued"
+
+
+def test_a_resume_on_fewer_ranks_cuts_what_the_smaller_groups_cannot_hold_and_trains_the_rest_once():
+    lengths = trace(200, seed=8)
+    cfg = config(gas=2)
+
+    def make(comm):
+        return OnlineBatcher(cfg, comm, dataset_size=len(lengths), feed=SimulatedFeed(lengths))
+
+    head, states = run_to_state(make, 4, stop_after=5)
+    dealt = redeal_states(states, 2)
+
+    def resumed(comm):
+        batcher = make(comm)
+        batcher.load_state_dict(roundtrip(dealt[comm.rank]))
+        return list(batcher)
+
+    tail = run_ranks(2, resumed)
+    check_aligned(tail)
+    trained = Counter(u for rank in head + tail for s in rank for m in s.micro_batches for u in m.uids)
+    assert trained == Counter(range(len(lengths)))
+    check_groups(tail, 2)  # (every long sample of the tail: within 2x the budget, on a group of 2)
