@@ -107,7 +107,7 @@ def run(mode: str, lengths: list[tuple[int, int]], *, world_size: int, max_token
     simulate(config, lengths[:2 * world_size], world_size, train=train)  # warm-up: first calls are slow
     began = time.perf_counter()
     result = simulate(config, lengths, world_size, train=train, num_epochs=epochs, timeout_s=24 * 3600)
-    micro = [[(features(m), t) for plan, seconds in zip(rank_steps, rank_seconds, strict=True)
+    micro = [[(features(m)[:3], t) for plan, seconds in zip(rank_steps, rank_seconds, strict=True)
               for m, t in zip(plan.micro_batches, seconds, strict=True)]
              for rank_steps, rank_seconds in zip(result.steps, result.seconds, strict=True)]
     per_step = np.array([[sum(step) for step in rank] for rank in result.seconds])  # [world, steps]

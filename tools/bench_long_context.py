@@ -14,6 +14,10 @@ at most the budget), ``--long_share`` of them (5%) 4-16x the budget (uniform). S
 ``sp2``, ``sp4``  ``--sequence_parallel_size 2`` / ``4``: groups of 2 / 4 ranks train micro-batches
               of up to 2 / 4 x ``max_tokens`` together (each rank 1/S of every row); longer
               samples are cut to that
+``per_micro_batch``  ``--over_cap sequence_parallel --max_sp W``: every rank packs its own
+              micro-batches under ``max_tokens``; a longer sample trains at one position on the
+              smallest aligned group of 2, 4, ... ranks that holds it (up to W x ``max_tokens``;
+              longer ones cut to that), while the other ranks train their own micro-batches
 
 Every system trains the same initial weights (configs/tiny_model.json, seeded), the same chat
 records (tools/make_trace_data.py, one per length), one epoch, ZeRO-2, AdamW, odb's online
@@ -45,7 +49,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 from bench_train import parse_run_arguments, prepare, run_project  # noqa: E402
 from simulate_long_context import long_tail  # noqa: E402
 
-SYSTEMS = {"truncate": 1, "sp2": 2, "sp4": 4}
+SYSTEMS = {"truncate": 1, "sp2": 2, "sp4": 4, "per_micro_batch": 1}
 
 
 def row(out: Path, trace_tokens: int) -> dict:
@@ -65,8 +69,11 @@ def markdown(result: dict) -> str:
     lines = ["| system | ranks x S | micro-batch budget | samples/s | trained tokens/s | padding | sync efficiency "
              "| tokens not trained | samples cut | samples lost | steps |", "|" + "---|" * 11]
     for name, r in result["systems"].items():
-        size = SYSTEMS[name]
-        lines.append(f"| {name} | {result['world_size'] // size} x {size} | {size * result['max_tokens']} | "
+        size, world, budget = SYSTEMS[name], result["world_size"], result["max_tokens"]
+        shape, holds = f"{world // size} x {size}", size * budget
+        if name == "per_micro_batch":  # (a long sample: on a group of up to all the ranks)
+            shape, holds = f"{world} x 1, long: 2-{world}", f"{budget} (long: {world * budget})"
+        lines.append(f"| {name} | {shape} | {holds} | "
                      f"{r['samples_per_s']:.2f} | {r['tokens_per_s']:.0f} | {r['padding_ratio']:.3f} | "
                      f"{r['sync_efficiency']:.3f} | {r['untrained_share']:.1%} | {r['samples_cut']}/{r['samples']} | "
                      f"{r['samples_lost']} | {r['steps']} |")
@@ -104,9 +111,10 @@ def main(argv: list[str] | None = None) -> dict:
                   "long_share": args.long_share, "trace_tokens": trace_tokens, "systems": {}}
         for name in args.systems:
             print(f"bench_long_context: {name} ...", file=sys.stderr, flush=True)
-            out = run_project(name, args, shared, work,
-                              extra=["--sequence_parallel_size", str(SYSTEMS[name]), "--data_config",
-                                     str(data_config)])
+            extra = ["--sequence_parallel_size", str(SYSTEMS[name]), "--data_config", str(data_config)]
+            if name == "per_micro_batch":
+                extra += ["--over_cap", "sequence_parallel", "--max_sp", str(args.world_size)]
+            out = run_project(name, args, shared, work, extra=extra)
             result["systems"][name] = row(out, trace_tokens)
     print(markdown(result))
     if args.json:

@@ -222,24 +222,30 @@ def policy_configs(base: OdbConfig, fixed_batches: list[int]) -> dict[str, OdbCo
     return configs
 
 
-def _micro_figures(mb: MicroBatch) -> tuple[int, int, int, int, int, int]:
-    """Tokens processed, attention area, patches, real tokens, samples, is-dummy of one micro-batch."""
+def _micro_figures(mb: MicroBatch) -> tuple[int, int, int, int, int, int, int]:
+    """Tokens processed, attention area, patches, real tokens, samples, is-dummy of one micro-batch,
+    and the ranks it is shared by (1: its own). A rank's slice of a shared long sample (``T``
+    tokens over ``d`` ranks): ``T / d`` tokens and ``T**2 / d`` of attention (its heads over the
+    whole sample); its real tokens and sample count at the owner."""
+    if mb.shared is not None:
+        tokens, degree = mb.shared.tokens, mb.shared.degree
+        return -(-tokens // degree), tokens * tokens // degree, 0, mb.tokens, len(mb.samples), 0, degree
     lengths = [s.tokens for s in mb.samples] or [1]  # a dummy: one token
     if mb.padded:
         tokens, area = len(lengths) * max(lengths), len(lengths) * max(lengths) ** 2
     else:
         tokens, area = sum(lengths), sum(t * t for t in lengths)
-    return tokens, area, sum(s.patches for s in mb.samples), mb.tokens, len(mb.samples), int(mb.is_dummy)
+    return tokens, area, sum(s.patches for s in mb.samples), mb.tokens, len(mb.samples), int(mb.is_dummy), 1
 
 
 def _arrays(per_rank: list[tuple[list[int], list[tuple]]]) -> dict[str, np.ndarray | int]:
     gas = per_rank[0][0]
     assert all(g == gas for g, _ in per_rank), "ranks disagree on the step structure"
-    figures = np.array([rows for _, rows in per_rank], dtype=np.float64).reshape(len(per_rank), sum(gas), 6)
+    figures = np.array([rows for _, rows in per_rank], dtype=np.float64).reshape(len(per_rank), sum(gas), 7)
     figures = figures.transpose(1, 0, 2)  # [positions, ranks, figure]
     return {"tokens": figures[..., 0], "area": figures[..., 1], "patches": figures[..., 2], "gas": np.array(gas),
             "real": int(figures[..., 3].sum()), "materialized": int(figures[..., 0].sum() - figures[..., 5].sum()),
-            "samples": int(figures[..., 4].sum()), "dummies": int(figures[..., 5].sum())}
+            "samples": int(figures[..., 4].sum()), "dummies": int(figures[..., 5].sum()), "degree": figures[..., 6]}
 
 
 def plan_arrays(result: SimulationResult) -> dict[str, np.ndarray | int]:

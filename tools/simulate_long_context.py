@@ -8,13 +8,16 @@ short, ``--long-share`` of them 4-16x ``--max-tokens`` (a GPU's budget). Systems
 (every GPU its own micro-batches; a longer sample cut to the budget and trained, though a real run
 may lose it whole: a cut that leaves no label) and ``spS`` for each ``--sizes`` S (groups of S
 GPUs train micro-batches of up to S x the budget together, each GPU 1/S of every row; longer
-samples cut to that). The batches are odb's own: the real ``OnlineBatcher`` plans over the W / S groups
+samples cut to that), and ``per-micro-batch sp<=S`` (over_cap 'sequence_parallel' with ``max_sp``
+the largest S: every GPU packs its own micro-batches; a sample over the budget goes, at one
+micro-batch position, to the smallest aligned group of GPUs that holds it, while the other GPUs
+train their own). The batches are odb's own: the real ``OnlineBatcher`` plans over the W / S groups
 (tools/simulate_cluster.py's :func:`plan`), its cost model set as the fit would find it on this
 model of time (``attn_coef = layers x hidden / compute params``: attention's FLOPs per ``L^2``
 over the linear layers' per token); only time is modelled, as there (its module docstring:
 FLOP/s, ZeRO's collectives over all W GPUs, the optimizer step), plus what sequence parallelism adds::
 
-    micro-batch on a GPU of a group = compute(T, A) / S + all_to_all(T)
+    micro-batch on a GPU of a group = compute(T, A) / S + all_to_all(T)      (per micro-batch: S = its group's)
     all_to_all(T) = layers x 2 (forward, backward) x (2 hidden + 2 kv_hidden) x 2 bytes x T / S x (S - 1) / S / B
 
 ``T``: the row's tokens, ``A``: its attention area (``sum L^2``); each GPU computes a 1/S of the
@@ -58,23 +61,31 @@ def long_tail(samples: int, max_tokens: int, *, long_share: float, seed: int) ->
     return lengths.tolist()
 
 
-def all_to_all_seconds(tokens: np.ndarray, model: Model, cluster: Cluster, size: int) -> np.ndarray:
-    """Ulysses' exchanges for micro-batches of ``tokens`` on one GPU of a group of ``size`` (the
-    module docstring's formula); 0 without sequence parallelism."""
-    if size == 1:
-        return np.zeros_like(tokens)
+def all_to_all_seconds(tokens: np.ndarray, model: Model, cluster: Cluster, size) -> np.ndarray:
+    """Ulysses' exchanges for micro-batches of ``tokens`` (the whole rows') on one GPU of a group of
+    ``size`` (a number, or one per micro-batch; the module docstring's formula); 0 where 1."""
+    size = np.broadcast_to(np.asarray(size, dtype=np.float64), np.shape(tokens))
     width = 2 * model.hidden + 2 * model.kv_hidden
     sent = model.layers * 2 * width * 2.0 * tokens / size * (size - 1) / size
     return sent / (cluster.intra_gbs * 1e9)
 
 
-def simulate_system(size: int, lengths: list[int], base, model: Model, cluster: Cluster) -> dict:
-    """One system (``size`` 1: truncation) on ``lengths``: its plan over the W / size groups, timed."""
+def simulate_system(size: int, lengths: list[int], base, model: Model, cluster: Cluster, *,
+                    per_micro_batch: bool = False) -> dict:
+    """One system (``size`` 1: truncation) on ``lengths``: its plan over the W / size groups, timed.
+    ``per_micro_batch``: every GPU plans its own micro-batches, and a sample over the budget goes
+    to the smallest group of up to ``size`` GPUs that holds it (over_cap 'sequence_parallel')."""
     budget = size * base.max_tokens
     kept = [(min(n, budget), 0) for n in lengths]
-    arrays = plan(dataclasses.replace(base, max_tokens=budget), kept, cluster.world // size)
-    compute = micro_seconds(arrays, model, cluster) / size  # [positions, groups]
-    exchange = all_to_all_seconds(arrays["tokens"], model, cluster, size)
+    if per_micro_batch:
+        config = dataclasses.replace(base, over_cap="sequence_parallel", max_sp=size)
+        arrays = plan(config, kept, cluster.world)
+        compute = micro_seconds(arrays, model, cluster)  # [positions, GPUs]: a slice's own figures
+        exchange = all_to_all_seconds(arrays["tokens"] * arrays["degree"], model, cluster, arrays["degree"])
+    else:
+        arrays = plan(dataclasses.replace(base, max_tokens=budget), kept, cluster.world // size)
+        compute = micro_seconds(arrays, model, cluster) / size  # [positions, groups]
+        exchange = all_to_all_seconds(arrays["tokens"], model, cluster, size)
     per_gpu = compute + exchange
     slowest = per_gpu.max(axis=1)
     comm_micro, comm_step = cluster.comm_s(model)
@@ -129,9 +140,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     model = load_model(args.model)
-    base = load_odb_config(args.odb_config, max_tokens=args.max_tokens, window=args.window, seed=args.seed,
-                           cost_model="manual", attn_coef=model.layers * model.hidden / model.compute_params)
     rate = args.tflops * 1e12 * args.mfu
+    # the all-to-all per token of a slice, in tokens' compute time (as the fit would find it; at d = 2)
+    linear = float(model.flops(np.array(1.0), np.array(0.0), np.array(0.0))[0]) / rate
+    a2a = model.layers * 2 * (2 * model.hidden + 2 * model.kv_hidden) * 2.0 * 0.5 / (args.intra_gbs * 1e9)
+    base = load_odb_config(args.odb_config, max_tokens=args.max_tokens, window=args.window, seed=args.seed,
+                           cost_model="manual", attn_coef=model.layers * model.hidden / model.compute_params,
+                           a2a_coef=round(a2a / linear, 4))
     trace = long_tail(args.trace_samples, args.max_tokens, long_share=args.long_share, seed=args.seed)
     rows = []
     for nodes in args.nodes:
@@ -141,6 +156,9 @@ def main(argv: list[str] | None = None) -> dict:
         systems = {"truncate": simulate_system(1, lengths, base, model, cluster)}
         for size in args.sizes:
             systems[f"sp{size}"] = simulate_system(size, lengths, base, model, cluster)
+        largest = max(args.sizes)
+        systems[f"per-micro-batch sp<={largest}"] = simulate_system(largest, lengths, base, model, cluster,
+                                                                    per_micro_batch=True)
         rows.append({"nodes": nodes, "gpus": cluster.world, "samples": len(lengths), "systems": systems})
         print(f"simulated {cluster.world} GPUs", file=sys.stderr, flush=True)
     print(markdown(rows))

@@ -305,9 +305,12 @@ def test_a_state_written_before_the_all_to_all_term_loads_and_resumes():
     assert state["fitted"] and state["solved"] and state["unsent"]  # (every part of the state is there)
     old = old_format(state)
     assert (len(old["coefficients"]), len(old["fitted"]), len(old["window"][0])) == (2, 4, 4)
-    loaded = CostFit(rank=0, attn_coef=1.0, patch_coef=1.0, a2a_coef=1.0)
+    configured = CostFit(rank=0, attn_coef=1.0, patch_coef=1.0, a2a_coef=0.7)  # (the run's setting, for a2a)
+    configured.load_state_dict(old)
+    assert configured.coefficients == (*old["coefficients"], 0.7)
+    loaded = CostFit(rank=0, attn_coef=1.0, patch_coef=1.0, a2a_coef=state["coefficients"][2])
     loaded.load_state_dict(old)
-    assert loaded.coefficients == (*old["coefficients"], 0.0) and loaded.fitted.a2a_coef == 0.0
+    assert loaded.coefficients == (*old["coefficients"], state["coefficients"][2]) and loaded.fitted.a2a_coef == 0.0
     assert all(o.a2a == 0 for o in [*loaded.window, *loaded.unsent])
     assert roundtrip(loaded.state_dict()) == state
 
