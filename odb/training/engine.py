@@ -32,7 +32,11 @@ forward, no second loss. A step reports them with each source's label tokens and
 Sequence parallelism (:mod:`odb.training.sequence_parallel`): the S ranks of a group run the same
 plan, each on its slice of every packed row, its labels shifted before the cut; the formula above
 holds as it is (W: all ranks; N_s counts each label token once per group; each rank's ``sum_t``
-runs over its slice). What a step reports is summed over the group once per step.
+runs over its slice). What a step reports is summed over the group once per step. Per micro-batch
+(over_cap 'sequence_parallel'): a micro-batch with ``shared`` is a long sample that a group of
+ranks trains together while the others train their own; its owner sends it to the group
+(:meth:`OdbEngine._receive`) and each rank backs its slice's loss the same way (its label tokens
+and samples count at the owner), attention routed through the group (:meth:`OdbEngine.route`).
 
 Gradients are reduced across ranks only in the last backward of a step (``backend.backward(loss,
 sync=m == last)``), then one ``backend.step()``. docs/design.md (loss math) records why for DeepSpeed 0.19.8:

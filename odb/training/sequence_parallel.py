@@ -30,6 +30,11 @@ loss, a router loss, the per-source losses) is summed over the group's ranks onc
 (:meth:`SequenceParallel.group_sum`), so the group's first rank reports the group's figures, the
 row the aligner keeps.
 
+Per micro-batch (over_cap 'sequence_parallel', :func:`setup_groups`): the ranks plan alone, and only
+a sample over a rank's budget is shared, at one micro-batch position, by the smallest aligned
+group of ``d`` consecutive ranks that holds it (:mod:`odb.batching.plan`); the slicing, the
+labels and the loss are the same, on that group, for that micro-batch.
+
 Scope: packed text models (a vision model's images would have to be split between ranks, and its
 M-RoPE position ids are 3-D: refused, naming the fix); the head counts must divide by ``S``, or
 ``S`` by the KV heads (DeepSpeed replicates KV heads then).
