@@ -22,7 +22,6 @@ import torch
 from odb.batching.align import SequenceGroups, TorchCommunicator
 from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import AUTO, OdbConfig
-from odb.batching.cost import sequence_parallel_degrees
 from odb.batching.mixture import Mixture
 from odb.data.feed import SampleFeed
 from odb.data.mixture import MixedDataset, SourceSpec
@@ -49,8 +48,7 @@ from odb.training.preflight import (
     worst_images,
 )
 from odb.training.schedule import ProgressSchedule
-from odb.training.sequence_parallel import SequenceParallel, setup_groups
-from odb.training.sequence_parallel import check_model as check_sequence_parallel_model
+from odb.training.sequence_parallel import SequenceParallel, long_sample_degrees, setup_groups
 from odb.training.sequence_parallel import setup as setup_sequence_parallel
 from odb.training.startup import announced_wait, probed_attention
 
@@ -272,13 +270,7 @@ def _long_sample_groups(config: RunConfig, model, *, host_backend: bool, packed:
     if not packed:
         raise ValueError(f"--over_cap sequence_parallel splits a long sample's packed row, and odb cannot pack "
                          f"{model.config.model_type}: {fix}")
-    degrees = sequence_parallel_degrees(batching.max_sp, world_size)
-    for d in degrees:
-        try:
-            check_sequence_parallel_model(model, d)
-        except ValueError as err:
-            raise ValueError(f"--over_cap sequence_parallel with --max_sp {batching.max_sp} forms groups of "
-                             f"{', '.join(map(str, degrees))} ranks: {err} (a lower --max_sp, or {fix})") from None
+    degrees = long_sample_degrees(model, batching.max_sp, world_size)
     return setup_groups(model, degrees, rank=rank, world_size=world_size)
 
 

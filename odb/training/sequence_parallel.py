@@ -49,7 +49,7 @@ import torch
 
 from odb.training import attention
 
-__all__ = ["SequenceParallel", "check_model", "setup", "setup_groups"]
+__all__ = ["SequenceParallel", "check_model", "long_sample_degrees", "setup", "setup_groups"]
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,23 @@ def check_model(model, size: int) -> None:
         raise ValueError(f"sequence_parallel_size {size} must divide the model's {heads} attention heads, and its "
                          f"{kv_heads} KV heads must divide by it or it by them (DeepSpeed's Ulysses splits heads "
                          "between the ranks of a group); choose a size that does")
+
+
+def long_sample_degrees(model, max_sp: int, world_size: int) -> tuple[int, ...]:
+    """over_cap 'sequence_parallel': the group sizes that may train a long sample together (the
+    powers of two up to ``max_sp`` that divide ``world_size``); raises ``ValueError`` naming the
+    fix where ``model`` cannot be trained at one of them (:func:`check_model`)."""
+    from odb.batching.cost import sequence_parallel_degrees
+
+    degrees = sequence_parallel_degrees(max_sp, world_size)
+    for d in degrees:
+        try:
+            check_model(model, d)
+        except ValueError as err:
+            raise ValueError(f"--over_cap sequence_parallel with --max_sp {max_sp} on {world_size} ranks forms groups "
+                             f"of {', '.join(map(str, degrees))} ranks: {err} (a lower --max_sp, or --over_cap "
+                             "truncate)") from None
+    return degrees
 
 
 def setup(model, size: int, *, rank: int, world_size: int) -> SequenceParallel:

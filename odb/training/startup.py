@@ -161,13 +161,21 @@ def check_sequence_parallel(config: RunConfig, model, env=os.environ) -> None:
     """Raises :class:`StartupError` where ``--sequence_parallel_size`` cannot run: a size that does not
     divide the launch's ranks (``WORLD_SIZE``) or the model's heads, or a vision model
     (:func:`odb.training.sequence_parallel.check_model`, on the skeleton ``model``): before the
-    weights load, not after."""
-    from odb.training.sequence_parallel import check_model
+    weights load, not after. The same for over_cap 'sequence_parallel''s groups."""
+    from odb.training.sequence_parallel import check_model, long_sample_degrees
 
     size = config.model.sequence_parallel_size
+    world = int(env.get("WORLD_SIZE", "1"))
+    if config.batching.over_cap == "sequence_parallel":  # (per micro-batch)
+        if size > 1:
+            raise StartupError("--over_cap sequence_parallel shares long samples between ranks per micro-batch, and "
+                               "--sequence_parallel_size splits every row: use one of them")
+        try:
+            long_sample_degrees(model, config.batching.max_sp, world)
+        except ValueError as error:
+            raise StartupError(str(error)) from None
     if size == 1:
         return
-    world = int(env.get("WORLD_SIZE", "1"))
     if world % size:
         raise StartupError(f"--sequence_parallel_size {size} must divide the {world} ranks of this launch "
                            f"(groups of {size} consecutive ranks); launch a multiple of {size} ranks, or another size")

@@ -135,6 +135,30 @@ def test_a_sequence_parallel_size_that_cannot_run_is_refused_before_the_weights_
         check(2, 2, "tiny_vl_model.json")
 
 
+def test_long_sample_groups_that_cannot_run_are_refused_before_the_weights_load(tmp_path):
+    """over_cap 'sequence_parallel' forms groups of 2, 4, ... up to max_sp that divide the ranks:
+    on 16 ranks with max_sp 8 a group of 8 would split the tiny model's 4 heads."""
+    from odb.training.startup import check_sequence_parallel
+    from odb.training.support import skeleton
+
+    def check(max_sp: int, world: int, model: str = "tiny_model.json", *more: str) -> None:
+        path = ROOT / "configs" / model
+        config = parse_config(["--model", str(path), "--over_cap", "sequence_parallel", "--max_sp", str(max_sp),
+                               "--output_dir", str(tmp_path / "out"), *more], defaults=DEFAULTS)
+        check_sequence_parallel(config, skeleton(path), {"WORLD_SIZE": str(world)})
+
+    check(8, 4)  # groups of 2 and 4
+    check(4, 16)
+    check(8, 1)  # (one rank: no group; the build warns that long samples are truncated)
+    with pytest.raises(StartupError, match=r"--max_sp 8 on 16 ranks forms groups of 2, 4, 8 ranks: "
+                                           r"sequence_parallel_size 8 must divide the model's 4 attention heads"):
+        check(8, 16)
+    with pytest.raises(StartupError, match=r"is a vision model.*a lower --max_sp, or --over_cap truncate"):
+        check(8, 2, "tiny_vl_model.json")
+    with pytest.raises(StartupError, match=r"--sequence_parallel_size splits every row: use one of them"):
+        check(2, 4, "tiny_model.json", "--sequence_parallel_size", "2")
+
+
 def test_a_wait_is_reported_while_it_lasts_and_not_after(monkeypatch, capsys):
     monkeypatch.setenv(WAIT_REPORT_ENV, "0.2")
     monkeypatch.setenv("RANK", "3")
