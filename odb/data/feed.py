@@ -142,6 +142,10 @@ class SampleFeed:
         for uid in uids:
             self.store[uid] = self.dataset[uid]
 
+    def sizes_of(self, uid: int) -> tuple[int, int, int]:
+        """A held sample's ``(tokens, label_tokens, patches)``, as :meth:`fetch` returns them."""
+        return self.cost(self.store[uid])
+
     def forget(self, uids: list[int]) -> None:
         """Samples that will not be trained (the batcher dropped them): free them."""
         for uid in uids:

@@ -84,7 +84,11 @@ def restore_states(parts: Components, state: dict, run_state: dict) -> None:
     """Puts this rank's batcher, feed and run totals where :func:`write_states`'s files left them
     (``state`` and ``run_state`` as :func:`checkpoint_states` reads them)."""
     parts.batcher.load_state_dict(state)
-    parts.feed.restore(parts.batcher.held_uids())
+    held = parts.batcher.held_uids()
+    parts.feed.restore(held)
+    # (a resume on fewer ranks under over_cap 'sequence_parallel': the data layer now cuts long
+    # samples at the smaller groups' reach, by turns; the batcher plans them as processed now)
+    parts.batcher.remeasure({uid: parts.feed.sizes_of(uid) for uid in held})
     parts.telemetry.load_state_dict(run_state)
 
 

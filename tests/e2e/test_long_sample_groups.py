@@ -47,11 +47,13 @@ def test_long_samples_on_groups_beside_other_ranks_work_equal_one_process_on_eac
         assert all(values[name]["finite"] for values in ranks), name
 
 
-def test_a_run_on_four_ranks_trains_every_long_sample_whole_on_a_group_and_every_record_once(tmp_path):
-    """launch/train.py (ZeRO-2, the tiny model, the bundled data's first 120 records) on 4 ranks at
-    64 tokens a rank with over_cap sequence_parallel: samples up to 4 x 64 train whole on groups of
-    2 or 4 ranks. The oracle is the data's own token lengths: every record trains exactly once, the
-    ranks stay aligned, exactly the records over 256 tokens are cut, and the loss stays finite."""
+def test_a_run_on_four_ranks_trains_long_samples_whole_on_groups_and_resumes_on_two(tmp_path):
+    """launch/train.py (ZeRO-2, the tiny model, the bundled data's first 120 records) at 64 tokens a
+    rank with over_cap sequence_parallel: on 4 ranks samples up to 4 x 64 train whole on groups of 2
+    or 4 ranks; stopped after 2 steps and resumed on 2 ranks, where groups of 2 hold up to 128 (the
+    samples it holds are processed again and planned as cut now). The oracle is the data's own token
+    lengths: every record trains exactly once over the two runs, the ranks stay aligned, and in the
+    first run exactly the records over 256 tokens are cut."""
     from odb.data.processing import DataConfig, SampleDataset, sample_sizes
     from odb.training.model import load_tokenizer
 
@@ -60,19 +62,28 @@ def test_a_run_on_four_ranks_trains_every_long_sample_whole_on_a_group_and_every
     lengths = [sample_sizes(dataset[i])[0] for i in range(len(dataset))]
     out = tmp_path / "run"
     config = odb_config(tmp_path, max_tokens=64, window=8, lookahead=4, gas=2, over_cap="sequence_parallel")
-    run = deepspeed(["--deepspeed_config", str(ds_config(tmp_path, 2)), "--data", str(ROOT / "data" / "chat.jsonl"),
-                     "--max_samples", "120", "--output_dir", str(out), "--audit_ids", "--num_workers", "1",
-                     "--odb_config", str(config)], nproc=4, timeout=600)
-    assert "trains whole on a group of 2 or 4 consecutive ranks (up to 4 x 64 = 256 tokens" in run.stdout
-    rows = audit(out, 4)
-    assert len({tuple((r["step"], r["micro"]) for r in rank) for rank in rows}) == 1  # aligned
-    trained = Counter(i for rank in rows for row in rank for i in row["ids"])
+    common = ["--deepspeed_config", str(ds_config(tmp_path, 2)), "--data", str(ROOT / "data" / "chat.jsonl"),
+              "--max_samples", "120", "--output_dir", str(out), "--audit_ids", "--num_workers", "1",
+              "--odb_config", str(config)]
+    first = deepspeed([*common, "--max_steps", "2", "--save_steps", "2", "--no_final_checkpoint"], nproc=4,
+                      timeout=600)
+    assert "trains whole on a group of 2 or 4 consecutive ranks (up to 4 x 64 = 256 tokens" in first.stdout
+    before = audit(out, 4)
+    assert len({tuple((r["step"], r["micro"]) for r in rank) for rank in before}) == 1  # aligned
+    for r in range(4):
+        (out / f"emitted_ids.rank{r}.jsonl").rename(out / f"first.rank{r}.jsonl")
+    resumed = deepspeed([*common, "--resume"], nproc=2, timeout=600)
+    assert "trains whole on a group of 2 consecutive ranks (up to 2 x 64 = 128 tokens" in resumed.stdout
+    assert "saved by 4 ranks" in resumed.stdout
+    after = audit(out, 2)
+    assert len({tuple((r["step"], r["micro"]) for r in rank) for rank in after}) == 1
+    trained = Counter(i for rank in before + after for row in rank for i in row["ids"])
     assert trained == Counter(range(120))
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["truncated_samples"] == sum(n > 256 for n in lengths)
     whole = [n for n in lengths if 64 < n <= 256]
-    assert len(whole) > 10 and any(n > 128 for n in whole)
+    assert len(whole) > 10 and any(n > 128 for n in whole) and summary["long_samples"] > 0
+    assert summary["truncated_samples"] >= sum(n > 256 for n in lengths)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(r["loss"]) for r in metrics if "loss" in r)
-    print(f"{len(rows[0])} audit rows per rank; {len(whole)} of 120 samples over a rank's 64 tokens trained whole "
-          f"on groups; {summary['truncated_samples']} over 256 cut")
+    print(f"{len(before[0])} + {len(after[0])} audit rows per rank; {summary['long_samples']} samples over a "
+          f"rank's 64 tokens trained whole on groups, {summary['truncated_samples']} cut")
