@@ -371,21 +371,28 @@ class OnlineBatcher:
             assert not self.packer.num_samples and not self.stream.pending, "epoch ended with samples left"
             self._next_epoch()
 
-    def remeasure(self, sizes: dict[int, tuple[int, int, int]]) -> None:
-        """The held samples whose processed ``(tokens, label_tokens, patches)`` (``sizes``, by uid)
-        differ from what was planned, measured again: after a resume whose data layer cuts
-        otherwise (on fewer ranks, over_cap 'sequence_parallel''s largest group is smaller).
-        Queued steps are left as planned (a resume on the same ranks processes alike)."""
-        def again(sample):
-            size = sizes.get(sample.uid)
-            if size is None or tuple(size) == (sample.tokens, sample.label_tokens, sample.patches):
-                return sample
-            measured, _ = self.cost_model.measure(sample.uid, *size)
-            assert measured is not None, f"sample {sample.uid} no longer fits ({size}): it was admitted once"
-            return measured
+    def remeasure(self, sizes: dict[int, tuple[int, int, int] | None]) -> None:
+        """The held samples whose processed ``(tokens, label_tokens, patches)`` (``sizes``, by uid;
+        None: the data layer now skips it) differ from what was planned, measured again (or left
+        out, counted as skipped): after a resume whose data layer cuts otherwise (on fewer ranks,
+        over_cap 'sequence_parallel''s largest group is smaller). Queued steps are left as planned
+        (a resume on the same ranks processes alike)."""
+        def again(samples):
+            kept = []
+            for sample in samples:
+                size = sizes.get(sample.uid, (sample.tokens, sample.label_tokens, sample.patches))
+                if size is None:
+                    self.counts["skipped"] += 1
+                elif tuple(size) == (sample.tokens, sample.label_tokens, sample.patches):
+                    kept.append(sample)
+                else:
+                    measured, _ = self.cost_model.measure(sample.uid, *size)
+                    assert measured is not None, f"sample {sample.uid} no longer fits ({size}): it was admitted once"
+                    kept.append(measured)
+            return kept
 
-        self.packer.restore([[again(s) for s in b.samples] for b in self.packer.bins],
-                            [again(s) for s in self.packer.unpacked])
+        self.packer.restore([b for b in (again(b.samples) for b in self.packer.bins) if b],
+                            again(self.packer.unpacked))
 
     def _reprice(self) -> None:
         """The fit's new coefficients: the window's samples priced with them, and the observed cost

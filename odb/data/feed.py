@@ -142,9 +142,16 @@ class SampleFeed:
         for uid in uids:
             self.store[uid] = self.dataset[uid]
 
-    def sizes_of(self, uid: int) -> tuple[int, int, int]:
-        """A held sample's ``(tokens, label_tokens, patches)``, as :meth:`fetch` returns them."""
-        return self.cost(self.store[uid])
+    def sizes_of(self, uid: int) -> tuple[int, int, int] | None:
+        """A held sample's ``(tokens, label_tokens, patches)``, as :meth:`fetch` returns them; None
+        (counted, and freed) where processing it again skipped it (a resume that cuts it shorter,
+        to no label)."""
+        sample = self.store[uid]
+        if "skip" not in sample:
+            return self.cost(sample)
+        del self.store[uid]
+        self.skipped[sample["skip"]] += 1
+        return None
 
     def forget(self, uids: list[int]) -> None:
         """Samples that will not be trained (the batcher dropped them): free them."""

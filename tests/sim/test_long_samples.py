@@ -15,6 +15,7 @@ import pytest
 from conftest import check_aligned, check_exact_once, check_label_tokens, roundtrip, run_to_state, simulated_labels
 from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import OdbConfig
+from odb.batching.cost import SampleCost
 from odb.batching.redeal import redeal_states
 from odb.batching.simulate import SimulatedFeed, run_ranks
 from odb.batching.state import decode_steps
@@ -157,3 +158,37 @@ def test_a_resume_on_fewer_ranks_cuts_what_the_smaller_groups_cannot_hold_and_tr
     trained = Counter(u for rank in head + tail for s in rank for m in s.micro_batches for u in m.uids)
     assert trained == Counter(range(len(lengths)))
     check_groups(tail, 2)  # (every long sample of the tail: within 2x the budget, on a group of 2)
+
+
+def test_held_samples_processed_again_otherwise_are_planned_as_processed_or_left_out_counted():
+    """A resume on fewer ranks processes the samples it holds again, cut at the smaller groups'
+    reach by turns (shorter than that reach, or to no label: skipped). remeasure plans them as the
+    data now is: each trains once with its new size, and a skipped one is counted, not planned."""
+    lengths = trace(200, seed=8)
+    cfg = config(gas=2)
+
+    def make(comm):
+        return OnlineBatcher(cfg, comm, dataset_size=len(lengths), feed=SimulatedFeed(lengths))
+
+    head, states = run_to_state(make, 4, stop_after=2)
+    dealt = redeal_states(states, 2)
+    held = [SampleCost(*row) for state in dealt for row in state["unpacked"]]
+    over = [s for s in held if s.tokens > 2 * MAX_TOKENS]
+    assert len(over) >= 2, "the stop left fewer than 2 samples over 2x the budget in the windows"
+    shorter, skipped = over[0], over[1]
+    sizes = {shorter.uid: (2 * MAX_TOKENS - 10, 2 * MAX_TOKENS - 11, 0), skipped.uid: None}
+
+    def resumed(comm):
+        batcher = make(comm)
+        batcher.load_state_dict(roundtrip(dealt[comm.rank]))
+        batcher.remeasure(sizes)
+        return list(batcher), batcher.stats
+
+    out = run_ranks(2, resumed)
+    tail = [steps for steps, _ in out]
+    check_aligned(tail)
+    trained = Counter(u for rank in head + tail for s in rank for m in s.micro_batches for u in m.uids)
+    assert trained == Counter(set(range(len(lengths))) - {skipped.uid})
+    tokens = {s.uid: s.tokens for rank in tail for step in rank for m in step.micro_batches for s in m.samples}
+    assert tokens[shorter.uid] == 2 * MAX_TOKENS - 10
+    assert sum(stats.skipped for _, stats in out) == 1
