@@ -49,6 +49,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 from bench_train import parse_run_arguments, prepare, run_project  # noqa: E402
 from simulate_long_context import long_tail  # noqa: E402
 
+from odb.batching.cost import sequence_parallel_degrees  # noqa: E402
+
 SYSTEMS = {"truncate": 1, "sp2": 2, "sp4": 4, "per_micro_batch": 1}
 
 
@@ -71,8 +73,9 @@ def markdown(result: dict) -> str:
     for name, r in result["systems"].items():
         size, world, budget = SYSTEMS[name], result["world_size"], result["max_tokens"]
         shape, holds = f"{world // size} x {size}", size * budget
-        if name == "per_micro_batch":  # (a long sample: on a group of up to all the ranks)
-            shape, holds = f"{world} x 1, long: 2-{world}", f"{budget} (long: {world * budget})"
+        if name == "per_micro_batch":  # (a long sample: on a group of 2, 4, ... ranks)
+            degrees = sequence_parallel_degrees(world, world)
+            shape, holds = f"{world} x 1, long: {degrees[0]}-{degrees[-1]}", f"{budget} (long: {degrees[-1] * budget})"
         lines.append(f"| {name} | {shape} | {holds} | "
                      f"{r['samples_per_s']:.2f} | {r['tokens_per_s']:.0f} | {r['padding_ratio']:.3f} | "
                      f"{r['sync_efficiency']:.3f} | {r['untrained_share']:.1%} | {r['samples_cut']}/{r['samples']} | "

@@ -339,7 +339,7 @@ class OnlineBatcher:
 
     def _apply(self, decision: Decision) -> None:
         mine, gas = decision.slots[self.rank], self.config.gas
-        taken = self.packer.take(max((b + 1 for b in mine if b >= 0), default=0))
+        taken = self.packer.take(b for b in mine if b >= 0)
         if decision.cut is not None and decision.cut[0] == self.rank:
             _, b, keep = decision.cut
             taken[b], _ = taken[b].split(keep, self.cost_model)

@@ -61,8 +61,8 @@ class OdbConfig:
     """Samples to train in quota mode (e.g. epochs x dataset size)."""
     over_cap: str = "truncate"
     """A sample longer than max_tokens: 'truncate' it, 'drop' it (counted), raise an 'error', or
-    train it whole on a group of ranks together, 'sequence_parallel' (up to max_sp x max_tokens;
-    a longer one is truncated to that, counted)."""
+    train it whole on a group of ranks together, 'sequence_parallel' (up to the largest group's
+    ranks x max_tokens; a longer one is truncated to that, counted)."""
     max_sp: int = 8
     """over_cap 'sequence_parallel': the largest group that trains one long sample together; the
     groups are the powers of two up to it that divide the number of ranks."""

@@ -24,7 +24,8 @@ enter the balance (every rank runs the same number of micro-batches). Full micro
 about ``max_tokens`` tokens, so ``d`` and ``a`` can only be told apart where the tokens vary
 (:data:`TOKEN_SPREAD`); else the fit has no ``d``. A slice's ``a2a`` equals its tokens, so ``e``
 and ``a`` can only be told apart where the window holds slices and other micro-batches both; else
-the fit has no ``e`` (``a2a_coef`` 0, the all-to-all counted as tokens' time). A fit is held to
+the fit leaves ``e`` out and the all-to-all coefficient in effect as it is (the configured
+``a2a_coef`` until a fit sees both). A fit is held to
 :data:`MAX_ATTENTION`, :data:`MAX_PATCH` and :data:`MAX_A2A`, so that a noisy one cannot price a
 sample absurdly.
 
@@ -97,7 +98,8 @@ class Fitted(NamedTuple):
     patch_coef: float
     r2: float
     observations: int
-    a2a_coef: float = 0.0
+    a2a_coef: float | None = None
+    """None: the window did not tell it (no slice, or only slices); the one in effect stays."""
 
 
 def fit_layout(send: int = SEND) -> Layout:
@@ -162,8 +164,8 @@ def fit_coefficients(observations: list[Observation]) -> Fitted | None:
     # (sum L^2 / sum L <= the longest L; a slice's L^2 / g over L / g: its whole sample's L)
     longest = float((x[:, 1] / np.maximum(x[:, 0], 1.0)).max())
     attn = min(b / a, MAX_ATTENTION / max(longest, 1.0))
-    return Fitted(_significant(attn), _significant(min(c / a, MAX_PATCH)), round(r2, 4), len(observations),
-                  _significant(min(e / a, MAX_A2A)))
+    a2a = _significant(min(e / a, MAX_A2A)) if 3 in varying else None
+    return Fitted(_significant(attn), _significant(min(c / a, MAX_PATCH)), round(r2, 4), len(observations), a2a)
 
 
 class CostFit:
@@ -196,7 +198,7 @@ class CostFit:
         return {"fit_count": len(sent), "fit_ready": int(solved is not None),
                 "fit_attn_bits": _bits(solved.attn_coef) if solved else 0,
                 "fit_patch_bits": _bits(solved.patch_coef) if solved else 0,
-                "fit_a2a_bits": _bits(solved.a2a_coef) if solved else 0,
+                "fit_a2a_bits": _bits(-1.0 if solved.a2a_coef is None else solved.a2a_coef) if solved else 0,
                 "fit_r2_micro": round(solved.r2 * 1e6) if solved else 0, "fit_n": solved.observations if solved else 0,
                 **columns}
 
@@ -206,10 +208,11 @@ class CostFit:
         fit it sends next. Whether the coefficients in effect changed."""
         changed = False
         if gathered["fit_ready"][0]:
+            a2a = _float(gathered["fit_a2a_bits"][0])  # (-1: not told by the window)
             fitted = Fitted(_float(gathered["fit_attn_bits"][0]), _float(gathered["fit_patch_bits"][0]),
-                            int(gathered["fit_r2_micro"][0]) / 1e6, int(gathered["fit_n"][0]),
-                            _float(gathered["fit_a2a_bits"][0]))
-            coefficients = (fitted.attn_coef, fitted.patch_coef, fitted.a2a_coef)
+                            int(gathered["fit_r2_micro"][0]) / 1e6, int(gathered["fit_n"][0]), None if a2a < 0 else a2a)
+            coefficients = (fitted.attn_coef, fitted.patch_coef,
+                            self.coefficients[2] if fitted.a2a_coef is None else fitted.a2a_coef)
             changed = coefficients != self.coefficients
             self.coefficients, self.fitted = coefficients, fitted
         world = len(gathered["fit_count"])

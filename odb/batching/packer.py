@@ -90,7 +90,7 @@ class Bin:
 
 class Packer:
     """Interface: :meth:`add` processed samples, :meth:`pack` them into ``bins`` (ordered, the ones
-    to train first first; it returns how many are ready now), :meth:`take` the first n.
+    to train first first; it returns how many are ready now), :meth:`take` those the round trains.
     ``is_offline`` packers need the whole shard before they form a bin."""
 
     is_offline = False
@@ -119,8 +119,11 @@ class Packer:
         """
         raise NotImplementedError
 
-    def take(self, num_bins: int) -> list[Bin]:
-        taken, self.bins = self.bins[:num_bins], self.bins[num_bins:]
+    def take(self, indices: Iterable[int]) -> dict[int, Bin]:
+        """The bins at ``indices`` (of :attr:`bins`), by index; the others stay, in order."""
+        chosen = set(indices)
+        taken = {i: b for i, b in enumerate(self.bins) if i in chosen}
+        self.bins = [b for i, b in enumerate(self.bins) if i not in chosen]
         return taken
 
     def held(self) -> list[SampleCost]:

@@ -32,11 +32,11 @@ its bins (the ones to train first first) and sends one fixed-size int64 vector, 
    Long bins first (``_place_long``, over_cap 'sequence_parallel'): a bin of one sample over
    ``max_tokens`` is trained by the aligned group of ``d`` consecutive ranks that holds its rank
    (``d``: the smallest of ``degrees`` that holds it at ``max_tokens`` a rank), at one position:
-   the first where every rank of the group is free. Rank by rank, in its ranked order (a rank ranks
-   its long bins first: they are its fullest); a long bin that finds no free position this round
-   stays in the window with every bin after it. Every rank of a group then has that position
-   taken, and fills its other positions with its own bins, costliest first; the bins that no
-   longer fit stay in the window (carry). In the drain round ``T`` grows to hold them all.
+   the first where every rank of the group is free. Each rank's first long bin, then each one's
+   second, ..., the ranks taking turns at going first; a long bin that finds no free position this
+   round stays in the window. Every rank of a group then has that position taken, and fills its
+   other positions with its own ready bins, fullest first, costliest at the first positions; the
+   bins that no longer fit stay in the window (carry). In the drain round ``T`` grows to hold them all.
 5. ``N_step`` (``_totals``): the label tokens of every step over all ranks, known before its
    first backward (I4); with them the samples of every step and the cost and tokens per slot.
 
@@ -51,6 +51,10 @@ Bounds (I3), tested exhaustively on small instances and by property tests:
   rounds. Measured on 16k-sample traces with 8 ranks and a 1024 window: 6-10 rounds.
 * quota mode: if the first pass admits nothing, the run stops in the round that fetches the last
   index of that pass.
+* long samples (over_cap 'sequence_parallel'): a rank's long bin may wait for its group to be free
+  while its rank trains its other bins, so the static-shard bound above does not hold there; a
+  round with ``T > 0`` still trains at least one bin (the first long bin placed has every position
+  free, or the ranks' own bins fill them), and each round the ranks take turns at placing first.
 * dummies: a rank that still expects input gets at most ``GAS - 1`` in a round when it holds
   fewer than GAS samples, ``GAS`` when every sample it fetched was skipped or dropped; a rank whose
   input is used up gets ``T - bins`` (it joins the others' steps with zero-weight passes, as I1
@@ -190,14 +194,16 @@ def decide(fields: Mapping[str, np.ndarray], *, gas: int, seed: int, epoch: int,
                     observed_samples=int(g.fields["observed_samples"].sum()), stream_ready=stream_ready)
     target, is_drain = _target(g, gas, dealer, window)  # 1
     take, target, cut, is_quota_done = _close_quota(g, target, quota_left, gas)  # 2
-    long = None
+    taken, long = _first(take, g.costs), None  # each rank's bins trained this round
     if degrees and (g.tokens > max_tokens).any():  # (4, first: it changes what each rank takes)
-        take, target, long = _place_long(g.tokens, take, target, gas, is_drain, max_tokens, degrees)
-    new_indices = [0] * len(take) if is_drain or is_quota_done else _deal(g, dealer, take)  # 3
+        ready = np.maximum(take, np.minimum(g.fields["num_ready"], g.num_bins))
+        taken, target, long = _place_long(g.tokens, take, ready, target, gas, is_drain, max_tokens, degrees,
+                                          first=round_index)
+    new_indices = [0] * len(take) if is_drain or is_quota_done else _deal(g, dealer, taken)  # 3
     figures = _bin_figures(g, cut)  # 4
     shuffle = None if is_quota_done else np.random.default_rng([seed, epoch, round_index])
-    slots, shared = _slots(figures.costs, take, target, shuffle, long)
-    totals = _totals(figures, slots, take, gas, shared)  # 5
+    slots, shared = _slots(figures.costs, taken, target, shuffle, long)
+    totals = _totals(figures, slots, taken, gas, shared)  # 5
     return Decision(slots=slots.tolist(), cut=cut, step_label_tokens=totals.step_label_tokens,
                     step_samples=totals.step_samples, slot_costs=totals.slot_costs,
                     slot_tokens=totals.slot_tokens, samples_taken=totals.samples_taken,
@@ -253,7 +259,7 @@ def _target(g: _Gathered, gas: int, dealer: Dealer, window: int | None = None) -
     # some rank can still fetch them (pending records and room in its window)
     can_fetch = window is not None and bool(((g.fields["num_pending"] > 0)
                                               & (g.fields["window_samples"] < window)).any())
-    if target == 0 and num_bins.any() and not any(_deal(g, dealer, np.zeros_like(num_bins))) \
+    if target == 0 and num_bins.any() and not any(_deal(g, dealer, np.zeros(g.costs.shape, dtype=bool))) \
             and not (dealer.is_waiting and can_fetch):
         target = gas  # nothing to wait for: train what there is, so every round makes progress
     # No rank holds a bin and nothing is dealt: T = 0; every active rank fetches more next round.
@@ -303,9 +309,9 @@ def _check_quota_reachable(fields: Mapping[str, np.ndarray], quota_left: int) ->
 
 # ---- phase 3: the next indices -----------------------------------------------------------------
 
-def _deal(g: _Gathered, dealer: Dealer, take: np.ndarray) -> list[int]:
-    """New indices per rank when each rank trains its first ``take[r]`` bins (the rest carries)."""
-    took = _first(take, g.costs)
+def _deal(g: _Gathered, dealer: Dealer, took: np.ndarray) -> list[int]:
+    """New indices per rank when each rank trains the bins ``took`` marks (``[world, B]``; the rest
+    carries)."""
     carry_cost = g.fields["window_cost"] - (g.costs * took).sum(axis=1)
     carry_samples = g.fields["window_samples"] - (g.samples * took).sum(axis=1)
     return dealer(carry_cost, carry_samples, g.fields["num_pending"])
@@ -353,11 +359,13 @@ class _Long(NamedTuple):
     owner: np.ndarray  # [world, T]
 
 
-def _place_long(bin_tokens: np.ndarray, take: np.ndarray, target: int, gas: int, is_drain: bool,
-                max_tokens: int, degrees: tuple[int, ...]) -> tuple[np.ndarray, int, _Long]:
+def _place_long(bin_tokens: np.ndarray, take: np.ndarray, ready: np.ndarray, target: int, gas: int,
+                is_drain: bool, max_tokens: int, degrees: tuple[int, ...], first: int = 0
+                ) -> tuple[np.ndarray, int, _Long]:
     """Places each taken long bin on its group at one position (the module docstring, phase 4);
-    returns each rank's new ``take`` (its placed long bins, then as many of its other bins as its
-    free positions hold), ``T`` (grown in the drain round to hold every bin) and the placement."""
+    returns the bins each rank trains (``[world, B]``: its placed long bins, then as many of its
+    ``ready`` bins as its free positions hold, fullest first), ``T`` (grown in the drain round to
+    hold every bin) and the placement. Ranks take turns at going first (``first``: the round)."""
     world, width = bin_tokens.shape
     over = bin_tokens > max_tokens
     degree = np.ones_like(bin_tokens)
@@ -365,44 +373,43 @@ def _place_long(bin_tokens: np.ndarray, take: np.ndarray, target: int, gas: int,
         degree[over & (bin_tokens <= d * max_tokens)] = d
     degree[over & (bin_tokens > max(degrees) * max_tokens)] = max(degrees)  # (the cost model cut it)
     taken = _first(take, bin_tokens)
-    longs = [(b, r) for r in range(world) for b in range(int(take[r])) if over[r, b]]
-    if any(b and not over[r, b - 1] for b, r in longs):
-        raise AssertionError("a rank ranked a long bin after an ordinary one (the packer ranks them first)")
-    limit = T = target if not is_drain else width * world + 1  # (a drain round: room for everything)
+    limit = target if not is_drain else _round_up(width * world + 1, max(gas, 1))  # (a drain round: room for all)
     busy = np.zeros((world, limit), dtype=bool)
     position = np.full((world, width), -1, dtype=np.int64)
     owner = np.full((world, limit), -1, dtype=np.int64)
-    stopped = np.zeros(world, dtype=bool)
-    for b, r in sorted(longs):  # each rank's first long bin, then each one's second, ...
-        if stopped[r]:
-            continue
+    longs = [(b, (r - first) % world, r) for r in range(world) for b in range(width) if taken[r, b] and over[r, b]]
+    for b, _, r in sorted(longs):  # each rank's first long bin, then each one's second, ...
         d = int(degree[r, b])
         group = slice(r // d * d, r // d * d + d)
         free = np.flatnonzero(~busy[group].any(axis=0))
         if not len(free):
-            stopped[r] = True  # this bin and every one after it wait for the next round
-            continue
+            continue  # it waits for the next round (its rank's other bins may still go)
         p = int(free[0])
         busy[group, p] = True
         position[r, b], owner[group, p] = p, r
-    placed = (position >= 0).sum(axis=1)
-    ordinary = (taken & ~over).sum(axis=1)
-    new_take = np.where(stopped, placed, placed + np.minimum(ordinary, limit - busy.sum(axis=1)))
+    placed = position >= 0
+    ordinary = ~over & (np.arange(width)[None, :] < ready[:, None])
+    room = limit - busy.sum(axis=1)
+    trained = placed | (ordinary & (np.cumsum(ordinary, axis=1) <= room[:, None]))
     if is_drain:
-        assert not stopped.any(), "a drain round has room for every long bin"
+        assert (placed == (taken & over)).all(), "a drain round has room for every long bin"
         used = np.flatnonzero(busy.any(axis=0))  # (a group may wait past its ranks' own counts)
-        T = _round_up(max(int((busy.sum(axis=1) + ordinary).max()), int(used[-1]) + 1 if len(used) else 0), gas)
-    return new_take, T, _Long(position, owner[:, :T])
+        T = _round_up(max(int((busy.sum(axis=1) + ordinary.sum(axis=1)).max()), int(used[-1]) + 1 if len(used) else 0),
+                      gas)
+    else:
+        T = target
+    return trained, T, _Long(position, owner[:, :T])
 
 
-def _slots(bin_costs: np.ndarray, take: np.ndarray, target: int, shuffle: np.random.Generator | None,
+def _slots(bin_costs: np.ndarray, taken: np.ndarray, target: int, shuffle: np.random.Generator | None,
            long: _Long | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-    """``[world, T]``: each rank's first ``take[r]`` bins by cost (descending), then dummies (-1);
-    then the positions permuted by ``shuffle`` (the same permutation on every rank). With ``long``
-    (:func:`_place_long`), its long bins at their positions first, and the groups' owners at the
-    same positions (``[world, T]``, else None)."""
-    world, width = len(take), int(take.max())
-    taken = _first(take, bin_costs)[:, :width]
+    """``[world, T]``: the bins each rank trains (``taken``, ``[world, B]``) by cost (descending),
+    then dummies (-1); then the positions permuted by ``shuffle`` (the same permutation on every
+    rank). With ``long`` (:func:`_place_long`), its long bins at their positions first, and the
+    groups' owners at the same positions (``[world, T]``, else None)."""
+    world = len(taken)
+    width = int(np.flatnonzero(taken.any(axis=0))[-1]) + 1 if taken.any() else 0
+    taken = taken[:, :width]
     slots = np.full((world, target), -1, dtype=np.int64)
     if long is None:
         order = np.argsort(np.where(taken, -bin_costs[:, :width], 1), axis=1, kind="stable")
@@ -433,7 +440,7 @@ class _Totals(NamedTuple):
     samples_taken: list[int]  # per rank
 
 
-def _totals(figures: _BinFigures, slots: np.ndarray, take: np.ndarray, gas: int,
+def _totals(figures: _BinFigures, slots: np.ndarray, taken: np.ndarray, gas: int,
             shared: np.ndarray | None = None) -> _Totals:
     """Each figure at the slots (0 for dummies), summed per step over ranks and GAS slots. A long
     sample counts once, at its owner; the other ranks of its group carry its cost (each trains a
@@ -447,8 +454,8 @@ def _totals(figures: _BinFigures, slots: np.ndarray, take: np.ndarray, gas: int,
     if shared is not None:
         hosted = (shared >= 0) & ~valid
         costs[hosted] = costs[shared[hosted], np.nonzero(hosted)[1]]
-    taken = (figures.samples * _first(take, figures.samples)).sum(axis=1)
-    return _Totals(_per_step(labels, gas), _per_step(samples, gas), costs, tokens, [int(x) for x in taken])
+    trained = (figures.samples * taken).sum(axis=1)
+    return _Totals(_per_step(labels, gas), _per_step(samples, gas), costs, tokens, [int(x) for x in trained])
 
 
 def _per_step(slot_values: np.ndarray, gas: int) -> list[int]:

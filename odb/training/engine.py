@@ -349,23 +349,30 @@ class OdbEngine:
 
     def _receive(self, shared: Shared, samples: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """The long sample of a shared micro-batch on every rank of its group: its owner sends the
-        ids, labels and source it holds (``samples``: the sample there, empty elsewhere); the
-        lengths are the plan's. One broadcast inside the group, on the model's device."""
+        ids, labels and source it holds (``samples``: the sample there, empty elsewhere), after its
+        length, which every rank checks against the plan's (so a disagreement stops the whole group,
+        naming it, instead of leaving the others waiting). Two broadcasts inside the group, on the
+        model's device."""
         import torch.distributed as dist
 
-        tokens = shared.tokens
+        tokens, group = shared.tokens, self.groups[shared.degree].group
+        held = torch.full((1,), -1, dtype=torch.long, device=self.device)
         if self.rank == shared.owner:
             (sample,) = samples
             ids = torch.as_tensor(sample["input_ids"], dtype=torch.long).reshape(-1)
             labels = sample.get("labels")
             labels = ids if labels is None else torch.as_tensor(labels, dtype=torch.long).reshape(-1)
-            if len(ids) != tokens or len(labels) != tokens:
-                raise RuntimeError(f"rank {self.rank} holds a long sample of {len(ids)} tokens, {len(labels)} labels; "
-                                   f"its plan says {tokens}: the data and the plan disagree")
+            held.fill_(len(ids) if len(labels) == len(ids) else -1)
+        dist.broadcast(held, src=shared.owner, group=group)
+        if int(held) != tokens:
+            raise RuntimeError(f"rank {shared.owner} holds a long sample of {int(held)} tokens (-1: ids and labels of "
+                               f"different lengths) where the plan says {tokens}: the data and the plan disagree "
+                               "(data processing that is not deterministic?)")
+        if self.rank == shared.owner:
             row = torch.cat([ids, labels, torch.tensor([sample_source(sample)])]).to(self.device)
         else:
             row = torch.empty(2 * tokens + 1, dtype=torch.long, device=self.device)
-        dist.broadcast(row, src=shared.owner, group=self.groups[shared.degree].group)
+        dist.broadcast(row, src=shared.owner, group=group)
         row = row.cpu()
         return [{"input_ids": row[:tokens], "labels": row[tokens:2 * tokens], "source": int(row[-1])}]
 

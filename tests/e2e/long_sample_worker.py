@@ -17,7 +17,9 @@ The oracle shares no odb code (tests/e2e/loss_zero3_worker.py's): the same model
 this process, plain, the model's own eager attention, each sample alone through its own
 ``labels=`` loss times its label count, summed over the step's samples, divided by the step's
 label tokens, and its gradient. Each rank writes ``rank<R>.json``: per model its loss sums (each
-mode), per source, and each mode's largest gradient difference from the oracle.
+mode), per source, and each mode's largest gradient difference from the oracle; and
+``mismatch<R>.txt``: the error of a step whose plan says a shared sample is one token longer than
+its owner holds (every rank of the group must stop, none wait).
 """
 
 from __future__ import annotations
@@ -121,6 +123,25 @@ def run(name: str, rank: int, world: int, *, checkpointing: bool = False) -> dic
             "finite": all(bool(torch.isfinite(g).all()) for step in grads for g in step.values())}
 
 
+def run_mismatch(rank: int, world: int) -> str:
+    """A plan whose shared sample (on all ranks) is one token longer than the sample its owner holds:
+    every rank of the group must stop with the reason, none wait. Returns the error (or "none")."""
+    engine = deepspeed_engine(build("qwen2_lora"), world)
+    groups = setup_groups(engine.module, (world,), rank=rank, world_size=world)
+    held = [{"input_ids": list(range(10, 10 + 3 * RANK_TOKENS // 2))}] if rank == 0 else []
+    wrong = MicroBatch((SampleCost(0, 3 * RANK_TOKENS // 2 + 1, 10, 0, 1),) if rank == 0 else (),
+                       shared=Shared(0, world, 3 * RANK_TOKENS // 2 + 1))
+    plan = StepPlan(epoch=0, step=0, micro_batches=(wrong, MicroBatch(())), num_label_tokens=10, num_samples=1,
+                    rank_costs=((0,) * world,) * 2, rank_tokens=((0,) * world,) * 2)
+    trainer = OdbEngine(DeepSpeedBackend(engine), world_size=world, max_tokens=RANK_TOKENS, pad_token_id=0,
+                        groups=groups, rank=rank)
+    try:
+        trainer.train_step(plan, [held, []], lr=0.0)
+    except RuntimeError as err:
+        return str(err)
+    return "none"
+
+
 def main() -> None:
     out = Path(sys.argv[-1])
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -130,7 +151,9 @@ def main() -> None:
     try:
         result = {name: run(name, rank, world) for name in ("qwen2_lora", "gemma2", "qwen3_moe")}
         result["gemma2 checkpointed"] = run("gemma2", rank, world, checkpointing=True)
+        mismatch = run_mismatch(rank, world)
         (out / f"rank{rank}.json").write_text(json.dumps(result))
+        (out / f"mismatch{rank}.txt").write_text(mismatch)
     finally:
         dist.destroy_process_group()
         release()

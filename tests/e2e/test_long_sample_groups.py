@@ -45,6 +45,10 @@ def test_long_samples_on_groups_beside_other_ranks_work_equal_one_process_on_eac
             else:
                 assert result["grads"][mode]["rel"] <= 1e-5, (name, mode, result["grads"][mode])
         assert all(values[name]["finite"] for values in ranks), name
+    for r in range(world):  # a plan that disagrees with the data stops every rank of the group
+        error = (tmp_path / f"mismatch{r}.txt").read_text()
+        assert "rank 0 holds a long sample of 96 tokens (-1: ids and labels of different lengths) where the plan " \
+               "says 97" in error, (r, error)
 
 
 def test_a_run_on_four_ranks_trains_long_samples_whole_on_groups_and_resumes_on_two(tmp_path):

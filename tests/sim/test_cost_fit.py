@@ -233,11 +233,18 @@ def test_without_slices_or_with_only_slices_the_fit_has_no_all_to_all_term():
     a, b, c = free_fit(rows, ("tokens", "area", "patches"))
     assert a > 0 and b > 0 and c > 0  # (the constrained fit is the free one)
     fitted = fit_coefficients(rows)
-    assert fitted.a2a_coef == 0.0
+    assert fitted.a2a_coef is None  # (not told: the configured one stays in effect, CostFit.merge)
     assert fitted.attn_coef == pytest.approx(b / a, rel=1e-3) and fitted.patch_coef == pytest.approx(c / a, rel=1e-3)
     alone = fit_coefficients(slices(64, seed=16))
-    assert alone.a2a_coef == 0.0 and alone.patch_coef == 0.0
+    assert alone.a2a_coef is None and alone.patch_coef == 0.0
     assert alone.attn_coef == pytest.approx(B / (A + E), rel=1e-3) and alone.r2 > 0.9999
+    # a run's fits without slices keep its configured all-to-all coefficient in effect
+    layout, fit = fit_layout(), CostFit(rank=0, attn_coef=0.0, patch_coef=0.0, a2a_coef=0.3)
+    for start in (0, 32, 64):
+        for row in rows[start:start + 32]:
+            fit.observe(row)
+        fit.merge(layout.decode(layout.encode(**fit.fields())[None]))
+    assert fit.fitted.attn_coef > 0 and fit.coefficients[2] == 0.3
 
 
 def test_the_all_to_all_term_is_held_between_0_and_MAX_A2A():
@@ -247,7 +254,8 @@ def test_the_all_to_all_term_is_held_between_0_and_MAX_A2A():
     rows = observations(160, seed=17, noise=0.02) + slices(96, seed=18, noise=0.02, e=-0.3)
     assert free_fit(rows, ("tokens", "area", "patches", "a2a"))[3] < 0
     fitted = fit_coefficients(rows)
-    assert fitted.a2a_coef == 0.0 and fitted == fit_coefficients([o._replace(a2a=0) for o in rows])
+    without = fit_coefficients([o._replace(a2a=0) for o in rows])
+    assert fitted.a2a_coef == 0.0 and fitted == without._replace(a2a_coef=0.0)
     slow = fit_coefficients(observations(160, seed=19) + slices(96, seed=20, e=2 * MAX_A2A * A))
     assert slow.a2a_coef == MAX_A2A
     assert slow.attn_coef == pytest.approx(B / A, rel=1e-3) and slow.patch_coef == pytest.approx(C / A, rel=1e-3)
@@ -273,7 +281,9 @@ def test_ranks_exchanging_slice_times_agree_on_every_coefficient():
         assert all(fit.coefficients == expected for fit in fits) and len(set(changed)) == 1
         assert all(list(fit.window) == list(fits[0].window) for fit in fits)
         solved = fit_coefficients(list(fits[0].window))  # (what rank 0 sends next)
-        expected = (solved.attn_coef, solved.patch_coef, solved.a2a_coef) if solved else expected
+        if solved:  # (an all-to-all term the window does not tell leaves the one in effect)
+            expected = (solved.attn_coef, solved.patch_coef,
+                        expected[2] if solved.a2a_coef is None else solved.a2a_coef)
     assert fits[1].fitted == fits[0].fitted and fits[0].fitted.a2a_coef == pytest.approx(E / A, rel=1e-3)
     # a fit that moves the all-to-all term alone is a change (the batcher prices its window again)
     attn, patch, a2a = fits[0].coefficients
@@ -310,7 +320,7 @@ def test_a_state_written_before_the_all_to_all_term_loads_and_resumes():
     assert configured.coefficients == (*old["coefficients"], 0.7)
     loaded = CostFit(rank=0, attn_coef=1.0, patch_coef=1.0, a2a_coef=state["coefficients"][2])
     loaded.load_state_dict(old)
-    assert loaded.coefficients == (*old["coefficients"], state["coefficients"][2]) and loaded.fitted.a2a_coef == 0.0
+    assert loaded.coefficients == (*old["coefficients"], state["coefficients"][2]) and loaded.fitted.a2a_coef is None
     assert all(o.a2a == 0 for o in [*loaded.window, *loaded.unsent])
     assert roundtrip(loaded.state_dict()) == state
 

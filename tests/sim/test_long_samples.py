@@ -16,9 +16,11 @@ from conftest import check_aligned, check_exact_once, check_label_tokens, roundt
 from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import OdbConfig
 from odb.batching.cost import SampleCost
+from odb.batching.plan import decide
 from odb.batching.redeal import redeal_states
 from odb.batching.simulate import SimulatedFeed, run_ranks
 from odb.batching.state import decode_steps
+from odb.batching.wire import Proposal
 
 MAX_TOKENS = 1024
 
@@ -192,3 +194,36 @@ def test_held_samples_processed_again_otherwise_are_planned_as_processed_or_left
     tokens = {s.uid: s.tokens for rank in tail for step in rank for m in step.micro_batches for s in m.samples}
     assert tokens[shorter.uid] == 2 * MAX_TOKENS - 10
     assert sum(stats.skipped for _, stats in out) == 1
+
+
+@pytest.mark.parametrize("gas", [1, 2, 3, 4])
+def test_the_last_round_holds_every_long_sample_whatever_the_gas(gas):
+    """The drain round grows T to hold every long bin and rounds it up to GAS (a review found an
+    IndexError at GAS 3 and 4 on 2 ranks)."""
+    lengths = [(3 * MAX_TOKENS // 2, 0), (3 * MAX_TOKENS // 2, 0), (300, 0)]
+    steps, _ = run(2, lengths, cfg=config(gas=gas, window=4, lookahead=0), epochs=1)
+    check_aligned(steps)
+    check_exact_once(steps, Counter(range(3)))
+    assert check_groups(steps, 2).keys() == {0, 1}
+    assert all(len(s.micro_batches) == gas for s in steps[0])
+
+
+def test_a_rank_whose_long_sample_must_wait_trains_its_other_bins_meanwhile():
+    """One position (T = 1), 4 ranks: ranks 0-1 take it for rank 0's sample of 1.5x the budget, so
+    rank 2's sample of 3x (all four ranks) waits for the next round; rank 2 trains an ordinary bin
+    of its own there instead of a dummy (the decision alone, from the ranks' proposals)."""
+    def proposal(tokens):
+        return Proposal(is_fatal=False, is_exhausted=False, num_ready=len(tokens), window_samples=len(tokens),
+                        window_cost=sum(tokens), num_pending=0, observed_cost=sum(tokens), observed_cost_sq=0,
+                        observed_samples=1, is_first_pass_open=False, num_skipped=0, num_dropped=0,
+                        bin_costs=tokens, bin_samples=[1] * len(tokens), bin_tokens=tokens,
+                        sample_labels=[t - 1 for t in tokens])
+
+    ranks = [proposal([150, 90]), proposal([90]), proposal([300, 90, 90]), proposal([90, 90])]
+    layout = ranks[0].layout(4, 4)
+    fields = layout.decode(np.stack([layout.encode(**p.values()) for p in ranks]))
+    decision = decide(fields, gas=1, seed=0, epoch=0, round_index=0, quota_left=None, stream_left=0,
+                      inflight_target=8, max_tokens=100, degrees=(2, 4))
+    assert decision.shared.tolist() == [[0], [0], [-1], [-1]] and decision.slots[:2] == [[0], [-1]]
+    assert decision.slots[2] == [1] and decision.slots[3] == [0], "a free rank ran a dummy"
+    assert decision.step_label_tokens == [149 + 89 + 89]  # (the long one once, at its owner)
