@@ -120,6 +120,18 @@ def test_manual_and_fit_without_times_plan_alike():
     assert plans[0] == plans[1]
 
 
+def timed(batcher: OnlineBatcher, rank: int, stop: int | None = None) -> list:
+    """The steps ``batcher`` plans (at most ``stop``), each one's micro-batches timed by
+    :func:`micro_seconds` for ``rank`` and observed."""
+    steps = []
+    for step in batcher:
+        steps.append(step)
+        batcher.observe(step, micro_seconds(rank, step))
+        if len(steps) == stop:
+            break
+    return steps
+
+
 def test_a_state_carries_the_fit_and_a_resume_plans_as_the_uninterrupted_run():
     rng = np.random.default_rng(2)
     lengths = [(int(t), 0) for t in rng.integers(20, 1500, size=400)]
@@ -130,12 +142,7 @@ def test_a_state_carries_the_fit_and_a_resume_plans_as_the_uninterrupted_run():
 
     def first_part(comm):
         batcher = OnlineBatcher(config, comm, dataset_size=len(lengths), feed=SimulatedFeed(lengths))
-        steps = []
-        for step in batcher:
-            steps.append(step)
-            batcher.observe(step, micro_seconds(comm.rank, step))
-            if len(steps) == cut:
-                break
+        steps = timed(batcher, comm.rank, stop=cut)
         states[comm.rank] = roundtrip(batcher.state_dict())
         return steps
 
@@ -143,11 +150,7 @@ def test_a_state_carries_the_fit_and_a_resume_plans_as_the_uninterrupted_run():
         batcher = OnlineBatcher(config, comm, dataset_size=len(lengths), feed=SimulatedFeed(lengths))
         batcher.load_state_dict(states[comm.rank])
         batcher.is_warm = True  # (the uninterrupted run skipped only its very first step's times)
-        steps = []
-        for step in batcher:
-            steps.append(step)
-            batcher.observe(step, micro_seconds(comm.rank, step))
-        return steps, batcher.cost_model.attn_coef
+        return timed(batcher, comm.rank), batcher.cost_model.attn_coef
 
     first = run_ranks(2, first_part)
     assert states[0]["fit"]["fitted"] is not None  # the fit was in effect when the state was taken
@@ -335,23 +338,16 @@ def test_a_state_written_before_the_all_to_all_term_loads_and_resumes():
         return OnlineBatcher(config, comm, dataset_size=len(lengths), feed=SimulatedFeed(lengths))
 
     def first_part(comm):
-        batcher, steps = make(comm), []
-        for step in batcher:
-            steps.append(step)
-            batcher.observe(step, micro_seconds(comm.rank, step))
-            if len(steps) == cut:
-                break
+        batcher = make(comm)
+        steps = timed(batcher, comm.rank, stop=cut)
         states[comm.rank] = roundtrip(batcher.state_dict())
         return steps
 
     def second_part(comm):
-        batcher, steps = make(comm), []
+        batcher = make(comm)
         batcher.load_state_dict({**states[comm.rank], "fit": old_format(states[comm.rank]["fit"])})
         batcher.is_warm = True  # (the uninterrupted run skipped only its very first step's times)
-        for step in batcher:
-            steps.append(step)
-            batcher.observe(step, micro_seconds(comm.rank, step))
-        return steps
+        return timed(batcher, comm.rank)
 
     first = run_ranks(2, first_part)
     assert states[0]["fit"]["fitted"] is not None

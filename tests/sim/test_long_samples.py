@@ -140,15 +140,20 @@ def test_a_resume_with_shared_micro_batches_queued_plans_as_the_uninterrupted_ru
     assert queued, "no resume had a shared micro-batch queued"
 
 
-def test_a_resume_on_fewer_ranks_cuts_what_the_smaller_groups_cannot_hold_and_trains_the_rest_once():
+def stopped_on_four_dealt_to_two(stop_after):
+    """The trace on 4 ranks stopped after ``stop_after`` steps, its states dealt to 2 ranks:
+    ``(lengths, make, head steps, dealt states)``."""
     lengths = trace(200, seed=8)
-    cfg = config(gas=2)
 
     def make(comm):
-        return OnlineBatcher(cfg, comm, dataset_size=len(lengths), feed=SimulatedFeed(lengths))
+        return OnlineBatcher(config(gas=2), comm, dataset_size=len(lengths), feed=SimulatedFeed(lengths))
 
-    head, states = run_to_state(make, 4, stop_after=5)
-    dealt = redeal_states(states, 2)
+    head, states = run_to_state(make, 4, stop_after=stop_after)
+    return lengths, make, head, redeal_states(states, 2)
+
+
+def test_a_resume_on_fewer_ranks_cuts_what_the_smaller_groups_cannot_hold_and_trains_the_rest_once():
+    lengths, make, head, dealt = stopped_on_four_dealt_to_two(5)
 
     def resumed(comm):
         batcher = make(comm)
@@ -166,14 +171,7 @@ def test_held_samples_processed_again_otherwise_are_planned_as_processed_or_left
     """A resume on fewer ranks processes the samples it holds again, cut at the smaller groups'
     reach by turns (shorter than that reach, or to no label: skipped). remeasure plans them as the
     data now is: each trains once with its new size, and a skipped one is counted, not planned."""
-    lengths = trace(200, seed=8)
-    cfg = config(gas=2)
-
-    def make(comm):
-        return OnlineBatcher(cfg, comm, dataset_size=len(lengths), feed=SimulatedFeed(lengths))
-
-    head, states = run_to_state(make, 4, stop_after=2)
-    dealt = redeal_states(states, 2)
+    lengths, make, head, dealt = stopped_on_four_dealt_to_two(2)
     held = [SampleCost(*row) for state in dealt for row in state["unpacked"]]
     over = [s for s in held if s.tokens > 2 * MAX_TOKENS]
     assert len(over) >= 2, "the stop left fewer than 2 samples over 2x the budget in the windows"
