@@ -24,8 +24,9 @@ enter the balance (every rank runs the same number of micro-batches). Full micro
 about ``max_tokens`` tokens, so ``d`` and ``a`` can only be told apart where the tokens vary
 (:data:`TOKEN_SPREAD`); else the fit has no ``d``. A slice's ``a2a`` equals its tokens, so ``e``
 and ``a`` can only be told apart where the window holds slices and other micro-batches both; else
-the fit leaves ``e`` out and the all-to-all coefficient in effect as it is (the configured
-``a2a_coef`` until a fit sees both). A fit is held to
+the fit leaves ``e`` out: with slices alone their all-to-all is in the token term (``a2a_coef``
+0), with no slice the all-to-all coefficient in effect stays (the configured ``a2a_coef`` until a
+fit sees both). A fit is held to
 :data:`MAX_ATTENTION`, :data:`MAX_PATCH` and :data:`MAX_A2A`, so that a noisy one cannot price a
 sample absurdly.
 
@@ -42,8 +43,8 @@ The timings make the plans depend on the machine: two runs of the same seed plan
 ``cost_model: "manual"``. A resume continues with the coefficients, window and unsent
 observations of its checkpoint (:meth:`CostFit.state_dict`); its plans match the uninterrupted
 run's only as far as the times do (its first step's are left out, as every process's are). A
-checkpoint written before the all-to-all term existed loads with ``a2a_coef`` 0 and its
-observations' ``a2a`` 0.
+checkpoint written before the all-to-all term existed loads with the run's configured
+``a2a_coef`` and its observations' ``a2a`` 0.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class Observation(NamedTuple):
 
 class Fitted(NamedTuple):
     """A fit: the cost model's coefficients, how well the model explains the times (R^2) and how
-    many micro-batches it saw (``a2a_coef`` last: a fit of a checkpoint written before it has 0)."""
+    many micro-batches it saw (``a2a_coef`` last: a fit of a checkpoint written before it has None)."""
 
     attn_coef: float
     patch_coef: float
@@ -130,8 +131,9 @@ def fit_coefficients(observations: list[Observation]) -> Fitted | None:
 
     ``b``, ``c`` and ``e`` are held at 0 where the free fit makes them negative (each subset of the
     attention, patch and all-to-all terms is tried; the feasible one with the least squared error
-    wins), and a term whose feature does not vary is left out (0): the all-to-all's, where its
-    share of the tokens does not vary (no slice, or only slices)."""
+    wins), and a term whose feature does not vary is left out (0). The all-to-all's is left out where
+    its share of the tokens does not vary: with only slices it is 0 (their all-to-all is in the
+    token term then); with no slice, None (the times say nothing of it: the one in effect stays)."""
     if len(observations) < MIN_OBSERVATIONS:
         return None
     data = np.array(observations, dtype=np.float64)
@@ -164,7 +166,7 @@ def fit_coefficients(observations: list[Observation]) -> Fitted | None:
     # (sum L^2 / sum L <= the longest L; a slice's L^2 / g over L / g: its whole sample's L)
     longest = float((x[:, 1] / np.maximum(x[:, 0], 1.0)).max())
     attn = min(b / a, MAX_ATTENTION / max(longest, 1.0))
-    a2a = _significant(min(e / a, MAX_A2A)) if 3 in varying else None
+    a2a = _significant(min(e / a, MAX_A2A)) if 3 in varying else 0.0 if x[:, 3].any() else None
     return Fitted(_significant(attn), _significant(min(c / a, MAX_PATCH)), round(r2, 4), len(observations), a2a)
 
 

@@ -35,7 +35,7 @@ holds as it is (W: all ranks; N_s counts each label token once per group; each r
 runs over its slice). What a step reports is summed over the group once per step. Per micro-batch
 (over_cap 'sequence_parallel'): a micro-batch with ``shared`` is a long sample that a group of
 ranks trains together while the others train their own; its owner sends it to the group
-(:meth:`OdbEngine._receive`) and each rank backs its slice's loss the same way (its label tokens
+(:func:`odb.training.sequence_parallel.receive`) and each rank backs its slice's loss the same way (its label tokens
 and samples count at the owner), attention routed through the group (:meth:`OdbEngine.route`).
 
 Gradients are reduced across ranks only in the last backward of a step (``backend.backward(loss,
@@ -74,7 +74,7 @@ from odb.training.loss import (
 from odb.training.model import hf_model
 from odb.training.moe import router_loss
 from odb.training.mrope import packed_position_ids
-from odb.training.sequence_parallel import SequenceParallel
+from odb.training.sequence_parallel import SequenceParallel, receive
 
 __all__ = ["OdbEngine", "StepResult", "StepTally", "sample_source", "token_loss_sum", "BLANK_IMAGE_TOKENS"]
 
@@ -284,7 +284,9 @@ class OdbEngine:
         of a long sample that its group trains together (its owner's ``samples`` hold it, sent to the
         others here), whole, with the attention routed through the group (:meth:`route`)."""
         if shared is not None:
-            samples, truncate = self._receive(shared, samples), False
+            samples = receive(self.groups[shared.degree], shared.owner, shared.tokens, samples, rank=self.rank,
+                              device=self.device)
+            truncate = False
         is_dummy, blank = not samples, self._needs_blank(samples)
         present = sorted({sample_source(s) for s in samples})
         split_rows = by_source is not None and len(present) > 1  # several sources: split the token losses
@@ -346,35 +348,6 @@ class OdbEngine:
         summed, aux = self._call(inputs, labels, router=router, real_tokens=real if share else None, split=split,
                                  shifted=True)
         return summed, None if aux is None else aux * share, split
-
-    def _receive(self, shared: Shared, samples: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The long sample of a shared micro-batch on every rank of its group: its owner sends the
-        ids, labels and source it holds (``samples``: the sample there, empty elsewhere), after its
-        length, which every rank checks against the plan's (so a disagreement stops the whole group,
-        naming it, instead of leaving the others waiting). Two broadcasts inside the group, on the
-        model's device."""
-        import torch.distributed as dist
-
-        tokens, group = shared.tokens, self.groups[shared.degree].group
-        held = torch.full((1,), -1, dtype=torch.long, device=self.device)
-        if self.rank == shared.owner:
-            (sample,) = samples
-            ids = torch.as_tensor(sample["input_ids"], dtype=torch.long).reshape(-1)
-            labels = sample.get("labels")
-            labels = ids if labels is None else torch.as_tensor(labels, dtype=torch.long).reshape(-1)
-            held.fill_(len(ids) if len(labels) == len(ids) else -1)
-        dist.broadcast(held, src=shared.owner, group=group)
-        if int(held) != tokens:
-            raise RuntimeError(f"rank {shared.owner} holds a long sample of {int(held)} tokens (-1: ids and labels of "
-                               f"different lengths) where the plan says {tokens}: the data and the plan disagree "
-                               "(data processing that is not deterministic?)")
-        if self.rank == shared.owner:
-            row = torch.cat([ids, labels, torch.tensor([sample_source(sample)])]).to(self.device)
-        else:
-            row = torch.empty(2 * tokens + 1, dtype=torch.long, device=self.device)
-        dist.broadcast(row, src=shared.owner, group=group)
-        row = row.cpu()
-        return [{"input_ids": row[:tokens], "labels": row[tokens:2 * tokens], "source": int(row[-1])}]
 
     @contextlib.contextmanager
     def route(self, micro: MicroBatch) -> Iterator[None]:

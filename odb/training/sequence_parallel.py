@@ -49,7 +49,7 @@ import torch
 
 from odb.training import attention
 
-__all__ = ["SequenceParallel", "check_model", "long_sample_degrees", "setup", "setup_groups"]
+__all__ = ["SequenceParallel", "check_model", "long_sample_degrees", "receive", "setup", "setup_groups"]
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,36 @@ class SequenceParallel:
         summed = values.clone()
         dist.all_reduce(summed, group=self.group)
         return summed
+
+
+def receive(group: SequenceParallel, owner: int, tokens: int, samples: list[dict[str, Any]], *, rank: int,
+            device) -> list[dict[str, Any]]:
+    """A long sample on every rank of its ``group`` (over_cap 'sequence_parallel'): its ``owner``
+    sends the ids, labels and source it holds (``samples``: the sample there, empty elsewhere),
+    after its length, which every rank checks against the plan's ``tokens`` (so a disagreement
+    stops the whole group, naming it, instead of leaving the others waiting). Two broadcasts inside
+    the group, on the model's ``device``."""
+    import torch.distributed as dist
+
+    held = torch.full((1,), -1, dtype=torch.long, device=device)
+    if rank == owner and len(samples) == 1:  # (else -1: the plan and the data disagree)
+        sample = samples[0]
+        ids = torch.as_tensor(sample["input_ids"], dtype=torch.long).reshape(-1)
+        labels = sample.get("labels")
+        labels = ids if labels is None else torch.as_tensor(labels, dtype=torch.long).reshape(-1)
+        held.fill_(len(ids) if len(labels) == len(ids) else -1)
+    dist.broadcast(held, src=owner, group=group.group)
+    if int(held) != tokens:
+        raise RuntimeError(f"rank {owner} holds a long sample of {int(held)} tokens (-1: not one sample, or ids and "
+                           f"labels of different lengths) where the plan says {tokens}: the data and the plan "
+                           "disagree (data processing that is not deterministic?)")
+    if rank == owner:
+        row = torch.cat([ids, labels, torch.tensor([int(sample.get("source", 0))])]).to(device)
+    else:
+        row = torch.empty(2 * tokens + 1, dtype=torch.long, device=device)
+    dist.broadcast(row, src=owner, group=group.group)
+    row = row.cpu()
+    return [{"input_ids": row[:tokens], "labels": row[tokens:2 * tokens], "source": int(row[-1])}]
 
 
 def check_model(model, size: int) -> None:

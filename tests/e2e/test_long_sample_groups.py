@@ -47,8 +47,7 @@ def test_long_samples_on_groups_beside_other_ranks_work_equal_one_process_on_eac
         assert all(values[name]["finite"] for values in ranks), name
     for r in range(world):  # a plan that disagrees with the data stops every rank of the group
         error = (tmp_path / f"mismatch{r}.txt").read_text()
-        assert "rank 0 holds a long sample of 96 tokens (-1: ids and labels of different lengths) where the plan " \
-               "says 97" in error, (r, error)
+        assert "rank 0 holds a long sample of 96 tokens" in error and "where the plan says 97" in error, (r, error)
 
 
 def test_a_run_on_four_ranks_trains_long_samples_whole_on_groups_and_resumes_on_two(tmp_path):
@@ -93,4 +92,5 @@ def test_a_run_on_four_ranks_trains_long_samples_whole_on_groups_and_resumes_on_
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(r["loss"]) for r in metrics if "loss" in r)
     print(f"{len(before[0])} + {len(after[0])} audit rows per rank; {summary['long_samples']} samples over a "
-          f"rank's 64 tokens trained whole on groups, {summary['truncated_samples']} cut")
+          f"rank's 64 tokens trained whole on groups, {summary['truncated_samples']} cut, {len(missing)} skipped "
+          "(cut to no label on 2 ranks)")

@@ -239,7 +239,7 @@ def test_without_slices_or_with_only_slices_the_fit_has_no_all_to_all_term():
     assert fitted.a2a_coef is None  # (not told: the configured one stays in effect, CostFit.merge)
     assert fitted.attn_coef == pytest.approx(b / a, rel=1e-3) and fitted.patch_coef == pytest.approx(c / a, rel=1e-3)
     alone = fit_coefficients(slices(64, seed=16))
-    assert alone.a2a_coef is None and alone.patch_coef == 0.0
+    assert alone.a2a_coef == 0.0 and alone.patch_coef == 0.0  # (their all-to-all: in the token term)
     assert alone.attn_coef == pytest.approx(B / (A + E), rel=1e-3) and alone.r2 > 0.9999
     # a run's fits without slices keep its configured all-to-all coefficient in effect
     layout, fit = fit_layout(), CostFit(rank=0, attn_coef=0.0, patch_coef=0.0, a2a_coef=0.3)
