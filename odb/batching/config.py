@@ -13,7 +13,7 @@ from typing import Any
 
 from odb.settings import ConfigSource, check_bool, check_int, check_number, flag, load_json_config
 
-__all__ = ["AUTO", "OdbConfig", "load_odb_config"]
+__all__ = ["AUTO", "OdbConfig", "gas_for_tokens", "load_odb_config"]
 
 _POLICIES = ("odb", "fixed", "gmt", "bmt")
 _MODES = ("join", "quota")
@@ -55,6 +55,9 @@ class OdbConfig:
     """Processed samples a rank holds while packing (K)."""
     gas: int = 1
     """Micro-batches per optimizer step on every rank (gradient accumulation steps)."""
+    global_batch_tokens: int | None = None
+    """Tokens an optimizer step should carry over all ranks: the trainer derives gas from it at
+    start (and at a resume on another number of ranks), :func:`gas_for_tokens`; gas then is ignored."""
     mode: str = "join"
     """'join': every sample exactly once per epoch; 'quota': stop at a global sample count."""
     quota: int | None = None
@@ -120,6 +123,8 @@ class OdbConfig:
             check_int("--quota", self.quota, 1)
         elif self.quota is not None:
             raise ValueError("--quota is only used with --mode quota; drop it or set --mode quota")
+        if self.global_batch_tokens is not None:
+            check_int("--global_batch_tokens", self.global_batch_tokens, 1)
         if self.max_patches not in (None, AUTO):
             check_int("--max_patches", self.max_patches, 1)  # (or null: no cap, or 'auto')
         for name in ("attn_coef", "patch_coef", "a2a_coef"):
@@ -157,6 +162,13 @@ class OdbConfig:
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
+
+
+def gas_for_tokens(global_batch_tokens: int, ranks: int, max_tokens: int, fill: float) -> int:
+    """The gas whose optimizer step carries about ``global_batch_tokens`` tokens on ``ranks``
+    data-parallel ranks, each micro-batch holding ``fill`` x ``max_tokens`` real tokens (the
+    packer trains bins at least ``min_fill`` full): the nearest, at least 1."""
+    return max(1, round(global_batch_tokens / (ranks * max_tokens * fill)))
 
 
 def load_odb_config(path: ConfigSource, **overrides: Any) -> OdbConfig:

@@ -46,7 +46,8 @@ _STREAM_KEYS = ("epoch", "stream_pos", "pending", "epoch_of_shard", "reader")
 RESUMABLE_CHANGES = ("cost_model",)
 """Settings a resume may change: how samples are priced (the loading batcher prices the window
 again; a checkpoint written before the fit existed ran as ``"manual"`` does and resumes under
-either)."""
+either). With ``global_batch_tokens`` also ``gas``, which the trainer derives from it for the
+ranks at hand (steps queued before the resume keep theirs; every rank alike)."""
 
 
 @dataclass
@@ -139,8 +140,9 @@ def check_state(state: dict[str, Any], *, world_size: int, rank: int, config: di
                          f"{dataset_size}; resume on the same data")
     # A setting added after the state was written held its default then (e.g. pad_rows).
     saved = {**{k: v for k, v in _defaults().items() if k in config}, **state["config"]}
+    resumable = RESUMABLE_CHANGES + (("gas",) if config.get("global_batch_tokens") is not None else ())
     differing = sorted(k for k in set(config) | set(saved)
-                       if config.get(k) != saved.get(k) and k not in RESUMABLE_CHANGES)
+                       if config.get(k) != saved.get(k) and k not in resumable)
     if differing:
         raise ValueError(f"odb settings differ from the checkpoint in {differing}; resume with the "
                          "settings the run started with")

@@ -36,6 +36,7 @@ class RunTotals:
         self.fetched_lost = (0, 0)  # the run's, as of the checkpoint (Telemetry keeps them up to date)
         self.sources = SourceTotals()  # this rank's samples and label tokens per source, whole run
         self.this_process = {"steps": 0, "samples": 0, "rounds": 0, "wall_s": 0.0}
+        self.step_tokens = [0, 0, 0, 0]  # the run's steps, and the sum, least and most of their real tokens
         self._started: float | None = None  # while the train loop runs
 
     def start(self) -> None:
@@ -60,6 +61,9 @@ class RunTotals:
             if self.rank == 0:
                 print(f"odb: WARNING: step {plan.step} has {plan.num_samples} samples and no label token on any "
                       "rank: it trains nothing", file=sys.stderr, flush=True)
+        tokens = sum(map(sum, plan.rank_tokens))  # (over all ranks: the same on every rank)
+        steps, total, least, most = self.step_tokens
+        self.step_tokens = [steps + 1, total + tokens, min(least, tokens) if steps else tokens, max(most, tokens)]
         t = self.counts
         t["steps"] += 1
         for micro in plan.micro_batches:
@@ -102,6 +106,7 @@ class RunTotals:
             "dummy_micro_batches": totals["dummy_micro_batches"], "samples_emitted": totals["samples"],
             "real_tokens": totals["real_tokens"], "materialized_tokens": totals["materialized_tokens"],
             "padding_ratio": round(1 - totals["real_tokens"] / max(1, totals["materialized_tokens"]), 6),
+            "tokens_per_step": self._tokens_per_step(),
             "label_tokens": totals["label_tokens"], "truncated_samples": cut["samples"],
             "truncated_tokens": cut["tokens"], "long_samples": totals.get("long_samples", 0),
             "dropped": totals["dropped"], "skipped": records["skipped"],
@@ -120,6 +125,12 @@ class RunTotals:
                 "samples_per_s": round(mine["samples"] / max(1e-9, mine["wall_s"]), 3)},
         }
 
+    def _tokens_per_step(self) -> dict[str, float] | None:
+        """The real tokens of the run's optimizer steps over all ranks: mean, least, most (None
+        before a step)."""
+        steps, total, least, most = self.step_tokens
+        return {"mean": round(total / steps, 1), "min": least, "max": most} if steps else None
+
     def state_dict(self, skipped: Mapping[str, int], truncated: Mapping[str, int], *, losses: list[float],
                    fetched_lost: tuple[int, int]) -> dict[str, Any]:
         """For a checkpoint, JSON-able: the run's progress and this rank's whole-run counts
@@ -132,7 +143,8 @@ class RunTotals:
                 "truncated": dict(self.truncated_before + Counter(truncated)),
                 "zero_label_steps": self.zero_label_steps, "last_eval": self.last_eval,
                 "first_losses": (self.first_losses + losses)[:3],
-                "fetched_lost": list(fetched_lost), "sources": self.sources.state_dict()}
+                "fetched_lost": list(fetched_lost), "sources": self.sources.state_dict(),
+                "step_tokens": list(self.step_tokens)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continues the counts of a checkpoint's :meth:`state_dict` (a resumed run)."""
@@ -145,6 +157,7 @@ class RunTotals:
         self.last_eval = state.get("last_eval")
         self.first_losses = list(state["first_losses"])
         self.fetched_lost = tuple(state["fetched_lost"])
+        self.step_tokens = list(state.get("step_tokens", [0, 0, 0, 0]))  # (none before global_batch_tokens)
         self.sources.load_state_dict(state.get("sources", {}))  # (none in a checkpoint of an older odb)
 
     @staticmethod

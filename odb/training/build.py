@@ -21,7 +21,7 @@ import torch
 
 from odb.batching.align import SequenceGroups, TorchCommunicator
 from odb.batching.batcher import OnlineBatcher
-from odb.batching.config import AUTO, OdbConfig
+from odb.batching.config import AUTO, OdbConfig, gas_for_tokens
 from odb.batching.mixture import Mixture
 from odb.data.feed import SampleFeed
 from odb.data.mixture import MixedDataset, SourceSpec
@@ -185,6 +185,8 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
         log(f"odb: sequence parallelism: {world_size // size} group(s) of {size} ranks; a micro-batch holds up to "
             f"{size} x {config.batching.max_tokens} = {batching.max_tokens} tokens, each rank 1/{size} of every row "
             "(DeepSpeed Ulysses attention)")
+    if batching.global_batch_tokens is not None:
+        batching = _gas_from_tokens(batching, world_size // size, log)
     if vision is not None:
         # a micro-batch without images carries a 3-token blank image (odb/training/engine.py): keep room
         batching = dataclasses.replace(batching, max_tokens=batching.max_tokens - BLANK_IMAGE_TOKENS)
@@ -251,6 +253,26 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
                       engine=engine, dataset=dataset, feed=feed, comm=comm, batcher=batcher, schedule=schedule,
                       telemetry=telemetry, settings=settings, preflight=measured, trackers=trackers,
                       evaluator=evaluator, sequence_parallel=sp)
+
+
+def _gas_from_tokens(batching: OdbConfig, ranks: int, log: Callable[[str], None]) -> OdbConfig:
+    """``batching`` with the gas that makes an optimizer step carry about ``global_batch_tokens``
+    on ``ranks`` data-parallel ranks at the budget now in effect (:func:`gas_for_tokens`; the fill:
+    ``min_fill``, what the packer fills a bin to at least). DeepSpeed's own
+    ``gradient_accumulation_steps`` is not used for training: odb sets each step's boundary."""
+    if batching.policy != "odb":
+        raise ValueError(f"--global_batch_tokens derives gas from odb's packed fill; policy {batching.policy!r} "
+                         "pads its batches: set --gas for it instead")
+    gas = gas_for_tokens(batching.global_batch_tokens, ranks, batching.max_tokens, batching.min_fill)
+    if gas > batching.window:
+        raise ValueError(f"--global_batch_tokens {batching.global_batch_tokens} needs gas {gas} on {ranks} rank(s) of "
+                         f"{batching.max_tokens} tokens, more than --window {batching.window}: raise --window to "
+                         f"{gas} or more, or lower --global_batch_tokens")
+    about = round(gas * ranks * batching.max_tokens * batching.min_fill)
+    log(f"odb: global_batch_tokens {batching.global_batch_tokens}: gas {gas} on {ranks} rank(s) of up to "
+        f"{batching.max_tokens} tokens a micro-batch (about {about} tokens a step; summary.json reports what the "
+        "steps carried)")
+    return dataclasses.replace(batching, gas=gas)
 
 
 def _long_sample_groups(config: RunConfig, model, *, host_backend: bool, packed: bool, rank: int,
