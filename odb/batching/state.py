@@ -47,7 +47,7 @@ RESUMABLE_CHANGES = ("cost_model",)
 """Settings a resume may change: how samples are priced (the loading batcher prices the window
 again; a checkpoint written before the fit existed ran as ``"manual"`` does and resumes under
 either). With ``global_batch_tokens`` also ``gas``, which the trainer derives from it for the
-ranks at hand (steps queued before the resume keep theirs; every rank alike)."""
+ranks at hand: it changes only with their number, and a re-deal plans the queued steps again."""
 
 
 @dataclass

@@ -93,6 +93,10 @@ def host_config(settings: OdbSettings, *, model_path: str, output_dir: str | Pat
     if batching.gas not in (1, gas):
         raise ValueError(f"odb's gas {batching.gas} differs from the host's gradient_accumulation_steps {gas}: they "
                          "are one setting; set gradient_accumulation_steps and leave odb's gas out")
+    if batching.global_batch_tokens is not None:
+        raise ValueError("global_batch_tokens derives odb's gas, and the host owns gradient_accumulation_steps: "
+                         "set that instead (tokens per step = ranks x gradient_accumulation_steps x about "
+                         "min_fill x max_tokens)")
     if AUTO in (batching.max_tokens, batching.max_patches):
         raise ValueError("max_tokens / max_patches 'auto' is measured by odb's preflight, which runs only in odb's own "
                          "trainer (launch/train.py): set a number (run the preflight there once to find it)")

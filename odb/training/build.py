@@ -185,13 +185,13 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
         log(f"odb: sequence parallelism: {world_size // size} group(s) of {size} ranks; a micro-batch holds up to "
             f"{size} x {config.batching.max_tokens} = {batching.max_tokens} tokens, each rank 1/{size} of every row "
             "(DeepSpeed Ulysses attention)")
-    if batching.global_batch_tokens is not None:
-        batching = _gas_from_tokens(batching, world_size // size, log)
     if vision is not None:
         # a micro-batch without images carries a 3-token blank image (odb/training/engine.py): keep room
         batching = dataclasses.replace(batching, max_tokens=batching.max_tokens - BLANK_IMAGE_TOKENS)
         log(f"odb: vision model: samples packed under max_tokens - {BLANK_IMAGE_TOKENS} "
             f"= {batching.max_tokens} (room for the blank image of imageless micro-batches)")
+    if batching.global_batch_tokens is not None:
+        batching = _gas_from_tokens(batching, world_size // size, log, packed=packed)
     if batching.over_cap == "sequence_parallel":
         degrees = tuple(groups)
         if degrees:
@@ -255,14 +255,15 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
                       evaluator=evaluator, sequence_parallel=sp)
 
 
-def _gas_from_tokens(batching: OdbConfig, ranks: int, log: Callable[[str], None]) -> OdbConfig:
+def _gas_from_tokens(batching: OdbConfig, ranks: int, log: Callable[[str], None], *, packed: bool = True
+                     ) -> OdbConfig:
     """``batching`` with the gas that makes an optimizer step carry about ``global_batch_tokens``
     on ``ranks`` data-parallel ranks at the budget now in effect (:func:`gas_for_tokens`; the fill:
     ``min_fill``, what the packer fills a bin to at least). DeepSpeed's own
     ``gradient_accumulation_steps`` is not used for training: odb sets each step's boundary."""
-    if batching.policy != "odb":
-        raise ValueError(f"--global_batch_tokens derives gas from odb's packed fill; policy {batching.policy!r} "
-                         "pads its batches: set --gas for it instead")
+    if batching.policy != "odb" or not packed:
+        what = f"policy {batching.policy!r} pads its batches" if packed else "this model trains padded rows"
+        raise ValueError(f"--global_batch_tokens derives gas from odb's packed fill, and {what}: set --gas instead")
     gas = gas_for_tokens(batching.global_batch_tokens, ranks, batching.max_tokens, batching.min_fill)
     if gas > batching.window:
         raise ValueError(f"--global_batch_tokens {batching.global_batch_tokens} needs gas {gas} on {ranks} rank(s) of "
@@ -329,7 +330,8 @@ def run_preflight(config: RunConfig, backend: Backend, comm, *, tokenizer, visio
 
     # with GAS > 1 the step's last micro-batch runs over what the earlier ones accumulated unreduced
     # (FSDP2 without reduce_every_micro_batch: every rank's whole fp32 gradients): one small one first
-    earlier = worst_case_batches(WARMUP_TOKENS, vocab_size=vocab_size, avoid=avoid)[0] if batching.gas > 1 else None
+    accumulates = batching.gas > 1 or batching.global_batch_tokens is not None  # (gas derived after this)
+    earlier = worst_case_batches(WARMUP_TOKENS, vocab_size=vocab_size, avoid=avoid)[0] if accumulates else None
 
     def step(samples: list[dict[str, Any]], budget: int) -> None:
         if budget not in engines:  # (its loss chunks are those of a run at this budget)

@@ -35,6 +35,20 @@ def test_gas_is_the_nearest_to_the_tokens_wanted():
         OdbConfig(global_batch_tokens=0)
 
 
+def test_the_trainer_derives_gas_for_packed_rows_of_odbs_policy_only():
+    from odb.training.build import _gas_from_tokens
+
+    said = []
+    derived = _gas_from_tokens(OdbConfig(max_tokens=MAX_TOKENS, global_batch_tokens=TARGET), 4, said.append)
+    assert derived.gas == 4 and "global_batch_tokens 16384: gas 4 on 4 rank(s)" in said[0]
+    with pytest.raises(ValueError, match="policy 'fixed' pads its batches: set --gas instead"):
+        _gas_from_tokens(OdbConfig(max_tokens=MAX_TOKENS, global_batch_tokens=TARGET, policy="fixed"), 4, said.append)
+    with pytest.raises(ValueError, match="this model trains padded rows"):
+        _gas_from_tokens(OdbConfig(max_tokens=MAX_TOKENS, global_batch_tokens=TARGET), 4, said.append, packed=False)
+    with pytest.raises(ValueError, match="needs gas 16 on 1 rank.*more than --window 8"):
+        _gas_from_tokens(OdbConfig(max_tokens=MAX_TOKENS, global_batch_tokens=TARGET, window=8), 1, said.append)
+
+
 def test_a_resume_on_twice_the_ranks_keeps_the_tokens_per_step_and_trains_every_sample_once():
     def make(ranks):
         return lambda comm: OnlineBatcher(config(ranks), comm, dataset_size=len(LENGTHS), feed=SimulatedFeed(LENGTHS))

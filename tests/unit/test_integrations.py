@@ -66,6 +66,9 @@ def test_odbs_gas_is_the_hosts_gradient_accumulation_steps():
     streaming = OdbSettings(data=DataSettings(path="data/chat.jsonl", streaming=True), batching=SETTINGS.batching)
     with pytest.raises(ValueError, match="streaming source"):
         host_config(streaming, gas=1, **common)
+    tokens = OdbSettings(data=SETTINGS.data, batching=OdbConfig(max_tokens=1024, global_batch_tokens=8192))
+    with pytest.raises(ValueError, match="global_batch_tokens derives odb's gas, and the host owns"):
+        host_config(tokens, gas=4, **common)
     fsdp = host_config(SETTINGS, gas=1, backend="fsdp2", **common)
     assert fsdp.optimization.fsdp2 is not None and not fsdp.optimization.deepspeed
 
