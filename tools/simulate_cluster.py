@@ -88,7 +88,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 from bench_batching import read_lengths  # noqa: E402
 
 from odb.batching import align, stream  # noqa: E402
-from odb.batching.batcher import OnlineBatcher  # noqa: E402
+from odb.batching.batcher import OnlineBatcher, features  # noqa: E402
 from odb.batching.config import OdbConfig, load_odb_config  # noqa: E402
 from odb.batching.plan import MicroBatch  # noqa: E402
 from odb.batching.simulate import SimulatedFeed, SimulationResult, run_ranks, simulate  # noqa: E402
@@ -227,9 +227,9 @@ def _micro_figures(mb: MicroBatch) -> tuple[int, int, int, int, int, int, int]:
     and the ranks it is shared by (1: its own). A rank's slice of a shared long sample (``T``
     tokens over ``d`` ranks): ``T / d`` tokens and ``T**2 / d`` of attention (its heads over the
     whole sample); its real tokens and sample count at the owner."""
-    if mb.shared is not None:
-        tokens, degree = mb.shared.tokens, mb.shared.degree
-        return -(-tokens // degree), tokens * tokens // degree, 0, mb.tokens, len(mb.samples), 0, degree
+    if mb.shared is not None:  # (its figures as the cost fit sees them)
+        tokens, area, patches, _ = features(mb)
+        return tokens, area, patches, mb.tokens, len(mb.samples), 0, mb.shared.degree
     lengths = [s.tokens for s in mb.samples] or [1]  # a dummy: one token
     if mb.padded:
         tokens, area = len(lengths) * max(lengths), len(lengths) * max(lengths) ** 2

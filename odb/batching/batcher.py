@@ -99,7 +99,8 @@ def features(micro: MicroBatch) -> tuple[int, int, int, int]:
     sample), and its ``T / d`` tokens through the all-to-all."""
     if micro.shared is not None:
         tokens, degree = micro.shared.tokens, micro.shared.degree
-        return -(-tokens // degree), tokens * tokens // degree, 0, -(-tokens // degree)
+        slice_tokens = -(-tokens // degree)
+        return slice_tokens, tokens * tokens // degree, 0, slice_tokens
     if micro.padded:
         longest = max(s.tokens for s in micro.samples)
         area = len(micro.samples) * longest * longest
@@ -146,9 +147,7 @@ class OnlineBatcher:
         self.mixture = mixture
         self.stream = UidStream(config, rank=self.rank, world_size=self.world_size, dataset_size=dataset_size,
                                 shards=shards, mixture=mixture, reader=reader)
-        self.degrees = (sequence_parallel_degrees(config.max_sp, self.world_size)
-                        if config.over_cap == "sequence_parallel" else ())  # (groups for a long sample)
-        self.cost_model = CostModel.from_config(config, self.degrees)
+        self.cost_model = CostModel.from_config(config, sequence_parallel_degrees(config.max_sp, self.world_size))
         self.packer = make_packer(config, self.cost_model)
         if reader is not None and self.packer.is_offline:
             raise ValueError(f"policy {config.policy!r} sorts a rank's whole shard before it forms a micro-batch, and "
@@ -255,7 +254,7 @@ class OnlineBatcher:
                 seed=self.config.seed, epoch=self.epoch, round_index=self.round_index,
                 quota_left=quota_left, stream_left=self.stream.left(), inflight_target=self.stream.inflight_target,
                 stream_ready=self.stream.ready(), window=self.config.window,
-                max_tokens=self.cost_model.max_tokens, degrees=self.degrees,
+                max_tokens=self.cost_model.max_tokens, degrees=self.cost_model.degrees,
                 report=self.report() if self.report else None, extra=self._extra())
         except PeerStopped:
             if self.fatal is not None:

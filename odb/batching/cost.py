@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["CostModel", "OverCapError", "SampleCost", "count_label_tokens", "sequence_parallel_degrees"]
+__all__ = ["CostModel", "OverCapError", "SampleCost", "count_label_tokens", "group_for", "sequence_parallel_degrees"]
 
 
 class OverCapError(ValueError):
@@ -43,6 +43,15 @@ def sequence_parallel_degrees(max_sp: int, world_size: int) -> tuple[int, ...]:
         degrees.append(d)
         d *= 2
     return tuple(degrees)
+
+
+def group_for(tokens: int, max_tokens: int, degrees: tuple[int, ...]) -> int:
+    """How many ranks train a sample of ``tokens`` together: 1 within ``max_tokens`` (or without
+    ``degrees``), else the smallest of ``degrees`` (ascending) that holds it at ``max_tokens`` a rank,
+    the largest for one that none holds (it is cut to that group's reach)."""
+    if tokens <= max_tokens or not degrees:
+        return 1
+    return next((d for d in degrees if tokens <= d * max_tokens), degrees[-1])
 
 
 def count_label_tokens(labels: list[int]) -> int:
@@ -94,9 +103,7 @@ class CostModel:
     def degree(self, tokens: int) -> int:
         """How many ranks train a sample of ``tokens`` together: 1 within ``max_tokens``, else the
         smallest group that holds it at ``max_tokens`` a rank (over_cap 'sequence_parallel')."""
-        if tokens <= self.max_tokens or not self.degrees:
-            return 1
-        return next((d for d in self.degrees if tokens <= d * self.max_tokens), self.degrees[-1])
+        return group_for(tokens, self.max_tokens, self.degrees)
 
     def reprice(self, sample: SampleCost) -> SampleCost:
         """``sample`` priced with the coefficients now in effect; a long one that the largest group

@@ -69,7 +69,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from odb.batching.cost import SampleCost
+from odb.batching.cost import SampleCost, group_for
 from odb.batching.stream import Dealer
 from odb.batching.wire import PROPOSAL_SCALARS
 
@@ -368,18 +368,15 @@ def _place_long(bin_tokens: np.ndarray, take: np.ndarray, ready: np.ndarray, tar
     hold every bin) and the placement. Ranks take turns at going first (``first``: the round)."""
     world, width = bin_tokens.shape
     over = bin_tokens > max_tokens
-    degree = np.ones_like(bin_tokens)
-    for d in sorted(degrees, reverse=True):  # the smallest group that holds each long bin
-        degree[over & (bin_tokens <= d * max_tokens)] = d
-    degree[over & (bin_tokens > max(degrees) * max_tokens)] = max(degrees)  # (the cost model cut it)
     taken = _first(take, bin_tokens)
     limit = target if not is_drain else _round_up(width * world + 1, max(gas, 1))  # (a drain round: room for all)
     busy = np.zeros((world, limit), dtype=bool)
     position = np.full((world, width), -1, dtype=np.int64)
     owner = np.full((world, limit), -1, dtype=np.int64)
-    longs = [(b, (r - first) % world, r) for r in range(world) for b in range(width) if taken[r, b] and over[r, b]]
-    for b, _, r in sorted(longs):  # each rank's first long bin, then each one's second, ...
-        d = int(degree[r, b])
+    ranks, bins = np.nonzero(taken & over)
+    for b, _, r in sorted(zip(bins.tolist(), ((ranks - first) % world).tolist(), ranks.tolist())):
+        # (each rank's first long bin, then each one's second, ...)
+        d = group_for(int(bin_tokens[r, b]), max_tokens, degrees)
         group = slice(r // d * d, r // d * d + d)
         free = np.flatnonzero(~busy[group].any(axis=0))
         if not len(free):
