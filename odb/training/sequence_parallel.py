@@ -62,14 +62,12 @@ class SequenceParallel:
         group: the torch process group of the group's ranks (the model's device backend).
         around: the attention call through the group's Ulysses all-to-all
             (:func:`odb.training.attention.route_through`).
-        first: the group's first rank (the ranks are ``first`` .. ``first + size - 1``).
     """
 
     size: int
     member: int
     group: Any
     around: Any = None
-    first: int = 0
 
     def shard(self, batch: dict[str, Any], labels: torch.Tensor, *, pad_token_id: int,
               sources: torch.Tensor | None = None) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor | None,
@@ -217,5 +215,4 @@ def _group(model, size: int, *, rank: int, world_size: int) -> SequenceParallel:
             kwargs["s_aux"] = kwargs["s_aux"][heads]
         return ulysses(module, query, key, value, None, **kwargs)
 
-    return SequenceParallel(size=size, member=rank % size, group=group, around=around,
-                            first=rank // size * size)
+    return SequenceParallel(size=size, member=rank % size, group=group, around=around)
