@@ -131,9 +131,9 @@ def _launch(python: str, script: Path, script_args: list[str], args: argparse.Na
                            + "\n".join(log.read_text().splitlines()[-30:]))
 
 
-def run_project(system: str, args: argparse.Namespace, shared: dict, work: Path, extra: list[str] = ()) -> Path:
-    """fixed, fixed8, gmt, bmt or odb (any other name) through launch/train.py, with ``extra`` flags;
-    returns the run's folder."""
+def project_settings(system: str, args: argparse.Namespace, shared: dict, **settings) -> dict:
+    """The odb config of fixed, fixed8, gmt, bmt or odb (any other name): configs/odb.json at
+    ``--max_tokens`` and ``--window``, the system's policy, then ``settings``."""
     config = json.loads((ROOT / "configs" / "odb.json").read_text())
     config.update(max_tokens=args.max_tokens, window=args.window)
     if system.startswith("fixed"):
@@ -142,7 +142,21 @@ def run_project(system: str, args: argparse.Namespace, shared: dict, work: Path,
         config["window"] = max(config["window"], config["batch_size"])
     elif system in ("gmt", "bmt"):
         config.update(policy=system, sharding="static")  # offline: every length of its shard up front
-    (work / f"{system}.json").write_text(json.dumps(config))
+    return {**config, **settings}
+
+
+def project_config(system: str, args: argparse.Namespace, shared: dict, **settings):
+    """:func:`project_settings` as the :class:`~odb.batching.config.OdbConfig` the runs read."""
+    from odb.batching.config import OdbConfig
+
+    return OdbConfig(**project_settings(system, args, shared, **settings))
+
+
+def run_project(system: str, args: argparse.Namespace, shared: dict, work: Path, extra: list[str] = (), *,
+                settings: dict | None = None) -> Path:
+    """fixed, fixed8, gmt, bmt or odb (any other name) through launch/train.py, with ``extra`` flags
+    and the odb ``settings`` over :func:`project_settings`; returns the run's folder."""
+    (work / f"{system}.json").write_text(json.dumps(project_settings(system, args, shared, **(settings or {}))))
     out = _fresh(work / system)
     _launch(sys.executable, ROOT / "launch" / "train.py", [
         "--odb_config", str(work / f"{system}.json"), "--deepspeed_config", str(BASE_DS_CONFIG),
@@ -175,14 +189,24 @@ def paper_python() -> str:
     return str(python)
 
 
-def run_paper(args: argparse.Namespace, shared: dict, work: Path) -> Path:
-    out = _fresh(work / "paper_pkg")
+def run_paper(args: argparse.Namespace, shared: dict, work: Path, extra: list[str] = (), *,
+              name: str = "paper_pkg") -> Path:
+    """tools/paper_pkg_train.py with ``extra`` flags, in the package's environment; returns the
+    run's folder (``work / name``)."""
+    out = _fresh(work / name)
     _launch(paper_python(), ROOT / "tools" / "paper_pkg_train.py", [
         "--samples", str(shared["samples_file"]), "--model", str(shared["model"]),
         "--deepspeed_config", str(BASE_DS_CONFIG), "--token_budget", str(args.max_tokens),
         "--buffer", str(args.window), "--num_workers", str(args.num_workers), "--lr", str(args.lr),
-        "--seed", str(args.seed), "--out", str(out)], args, work / "paper_pkg.log")
+        "--seed", str(args.seed), "--out", str(out), *extra], args, work / f"{name}.log")
     return out
+
+
+def count_paper_batches(args: argparse.Namespace, shared: dict, work: Path, epochs: int = 1) -> list[int]:
+    """The paper package's batches in each of ``epochs`` epochs, the most of any rank (its loader
+    run without a model)."""
+    out = run_paper(args, shared, work, ["--count_only", "--epochs", str(epochs)], name="paper_pkg_count")
+    return [max(counts) for counts in zip(*json.loads((out / "counts.json").read_text())["batches_per_rank"])]
 
 
 # ---- figures ---------------------------------------------------------------------------------
