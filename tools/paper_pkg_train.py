@@ -154,9 +154,12 @@ def main() -> None:
              "attention_mask": torch.ones((1, 1), dtype=torch.long, device=device)}
     engine.train()
     started = time.perf_counter()
+    spent = []  # each epoch's iterator, kept: the package registers its worker pids under id(iterator),
+    # and a new iterator at a freed one's address fails ("_set_worker_pids should be called only once")
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         batches = iter(loader)
+        spent.append(batches)
         t0 = time.perf_counter()
         upcoming = next(batches, None)
         waited += time.perf_counter() - t0
@@ -209,17 +212,18 @@ def main() -> None:
     dist.all_gather_object(everyone, mine)
     if rank == 0:
         write_summary(args.out, everyone, dataset_size=len(dataset), optimizer_steps=optimizer_steps)
-    del batches, loader
+    del batches, spent, loader
     dist.barrier()
     dist.destroy_process_group()
 
 
 def count_batches(loader, sampler: DistributedSampler, epochs: int, out: Path, *, rank: int, world: int) -> None:
     """Each epoch's batches, counted (no model): every rank's counts in ``counts.json`` (rank 0 writes)."""
-    mine = []
+    mine, spent = [], []
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
-        mine.append(sum(1 for _ in loader))
+        spent.append(iter(loader))  # (kept: see main)
+        mine.append(sum(1 for _ in spent[-1]))
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:
