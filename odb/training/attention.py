@@ -108,15 +108,42 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([flat, end]).to(torch.int32)
 
 
-def _groups(cu_seqlens: torch.Tensor, total: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-    """Groups of samples of similar length: (index [G, L] into the row, valid [G, L], L)."""
+@dataclass(frozen=True)
+class _RowPlan:
+    """How a packed row's samples are laid out for the grouped path: groups of samples of similar
+    length, each group ``[G, L]`` (its samples right-padded to its longest, ``L``), laid end to end
+    in one buffer of ``P = sum G * L`` positions.
+
+    Attributes:
+        gather: ``[P]`` the row position each buffer position reads (a pad reads its sample's first
+            token: causal queries never see it, and its output is never read).
+        scatter: ``[T]`` the buffer position of each row token, in row order.
+        shapes: per group ``(G, L)``.
+        valid: per group ``[G, L]`` bool, the real (not padded) positions.
+    """
+
+    gather: torch.Tensor
+    scatter: torch.Tensor
+    shapes: tuple[tuple[int, int], ...]
+    valid: tuple[torch.Tensor, ...]
+
+    @property
+    def sizes(self) -> list[int]:
+        """Each group's positions in the buffer, ``G * L``."""
+        return [size * longest for size, longest in self.shapes]
+
+
+def _groups(cu_seqlens: torch.Tensor, total: int) -> _RowPlan:
+    """The row's groups of samples of similar length (cached for the row's ``cu_seqlens``: every
+    layer of a forward, and its backward, reuses them)."""
     if _plan_cache[0] is cu_seqlens:
         return _plan_cache[1]
     bounds = cu_seqlens.tolist()
     if bounds[0] != 0 or bounds[-1] != total:
         raise ValueError(f"cu_seq_lens_q {bounds} must run from 0 to the row's {total} tokens")
     segments = sorted(((b - a, a) for a, b in pairwise(bounds) if b > a), reverse=True)
-    plan, i = [], 0
+    gather, valid, shapes, scatter = [], [], [], torch.empty(total, dtype=torch.long)
+    i, at = 0, 0
     while i < len(segments):
         longest, area, j = segments[i][0], 0, i
         while j < len(segments) and (j - i + 1) * longest ** 2 <= _GROUP_SLACK * (area + segments[j][0] ** 2):
@@ -126,10 +153,16 @@ def _groups(cu_seqlens: torch.Tensor, total: int) -> list[tuple[torch.Tensor, to
         starts = torch.tensor([a for _, a in segments[i:j]])
         lengths = torch.tensor([n for n, _ in segments[i:j]])
         offsets = torch.arange(longest)
-        valid = offsets[None, :] < lengths[:, None]
-        index = torch.where(valid, starts[:, None] + offsets[None, :], starts[:, None])
-        plan.append((index.to(cu_seqlens.device), valid.to(cu_seqlens.device), longest))
+        real = offsets[None, :] < lengths[:, None]
+        index = torch.where(real, starts[:, None] + offsets[None, :], starts[:, None])
+        scatter[index[real]] = at + torch.nonzero(real.flatten()).flatten()
+        gather.append(index.flatten())
+        valid.append(real.to(cu_seqlens.device))
+        shapes.append((j - i, longest))
+        at += (j - i) * longest
         i = j
+    device = cu_seqlens.device
+    plan = _RowPlan(torch.cat(gather).to(device), scatter.to(device), tuple(shapes), tuple(valid))
     _plan_cache[0], _plan_cache[1] = cu_seqlens, plan
     return plan
 
@@ -199,18 +232,25 @@ def _attend(q, k, v, valid: torch.Tensor | None, scaling: float | None, pattern:
 def _grouped_varlen(q, k, v, cu_seqlens: torch.Tensor, scaling: float | None, pattern: _Pattern,
                     sinks: torch.Tensor | None) -> torch.Tensor:
     """``q, k, v [T, H(kv), D]`` -> ``[T, H, D]``: each sample attends within itself, samples of
-    similar length batched into one SDPA call (or one explicit computation)."""
+    similar length batched into one SDPA call (or one explicit computation).
+
+    One gather per input lays every group out in one buffer, and one gather reads the outputs
+    back in row order (:class:`_RowPlan`): their backwards are index additions without repeats,
+    whatever the number of groups."""
     if cu_seqlens.numel() == 2:  # one sample (a vision chunk, a single row): no gather
         out = _attend(*(t.transpose(0, 1)[None] for t in (q, k, v)), None, scaling, pattern, sinks)
         return out[0].transpose(0, 1)
-    out = None
-    for index, valid, longest in _groups(cu_seqlens, q.shape[0]):
-        qg, kg, vg = (t[index].transpose(1, 2) for t in (q, k, v))  # [G, L, H, D] -> [G, H, L, D]
-        og = _attend(qg, kg, vg, valid, scaling, pattern, sinks)
-        if out is None:  # SDPA's dtype, not q's: under autocast (bf16 on a CPU) it computes in bf16
-            out = q.new_empty(q.shape, dtype=og.dtype)
-        out[index[valid]] = og.transpose(1, 2)[valid]
-    return out
+    plan = _groups(cu_seqlens, q.shape[0])
+    # [P, H(kv), D] each, split into the groups' [G * L, H(kv), D] (a split's backward is one
+    # concatenation; a slice's would fill a zero buffer of all P positions per group)
+    chunks = [t.index_select(0, plan.gather).split(plan.sizes) for t in (q, k, v)]
+    outs = []
+    for (size, longest), valid, *group in zip(plan.shapes, plan.valid, *chunks):
+        qg, kg, vg = (g.view(size, longest, *g.shape[1:]).transpose(1, 2) for g in group)
+        og = _attend(qg, kg, vg, valid, scaling, pattern, sinks)  # [G, H, L, D]
+        outs.append(og.transpose(1, 2).reshape(size * longest, og.shape[1], og.shape[3]))
+    # SDPA's dtype, not q's: under autocast (bf16 on a CPU) it computes in bf16
+    return torch.cat(outs).index_select(0, plan.scatter)
 
 
 def _flash_window(pattern: _Pattern) -> tuple[int, int]:

@@ -342,23 +342,31 @@ def test_attention_function_matches_transformers_eager_per_sample(case):
     ``cu_seq_lens_q``; oracle: transformers' eager attention with its own mask, sample by sample."""
     kwargs, mask_function = FUNCTION_CASES[case]
     gen = torch.Generator().manual_seed(0)
-    bounds = [0, 9, 10, 31, 38]
+    bounds = [0, 9, 10, 31, 38, 46, 57, 60]  # lengths 9, 1, 21, 7, 8, 11, 3: several groups of one row
     q = torch.randn(1, 4, bounds[-1], 16, generator=gen)
     k, v = (torch.randn(1, 2, bounds[-1], 16, generator=gen) for _ in range(2))
+    upstream = torch.randn(1, bounds[-1], 4, 16, generator=gen)  # d loss / d out, for the gradients
     cu = torch.tensor(bounds, dtype=torch.int32)
     positions = torch.cat([torch.arange(b - a) for a, b in pairwise(bounds)])[None]
     module = _Layer()
+    expected, expected_grads = [], []
+    for start, end in pairwise(bounds):
+        index = torch.arange(end - start)
+        allowed = mask_function(0, 0, index[:, None], index[None, :])
+        mask = torch.zeros(end - start, end - start).masked_fill(~allowed, torch.finfo(q.dtype).min)
+        pieces = [t[:, :, start:end].clone().requires_grad_() for t in (q, k, v)]
+        alone, _ = eager_attention_forward(module, *pieces, mask[None, None], scaling=0.25,
+                                           softcap=kwargs.get("softcap"))
+        (alone * upstream[:, start:end]).sum().backward()
+        expected.append(alone.detach())
+        expected_grads.append([t.grad for t in pieces])
     for how in ({"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}, {"position_ids": positions}):
-        out, _ = attention.varlen_attention(module, q, k, v, None, scaling=0.25, **kwargs, **how)
-        expected = []
-        for start, end in pairwise(bounds):
-            index = torch.arange(end - start)
-            allowed = mask_function(0, 0, index[:, None], index[None, :])
-            mask = torch.zeros(end - start, end - start).masked_fill(~allowed, torch.finfo(q.dtype).min)
-            alone, _ = eager_attention_forward(module, q[:, :, start:end], k[:, :, start:end], v[:, :, start:end],
-                                               mask[None, None], scaling=0.25, softcap=kwargs.get("softcap"))
-            expected.append(alone)
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, _ = attention.varlen_attention(module, *inputs, None, scaling=0.25, **kwargs, **how)
         check_close(out, torch.cat(expected, dim=1), 1e-5, f"{case}, samples by {next(iter(how))}")
+        (out * upstream).sum().backward()
+        for name, actual, grads in zip("qkv", inputs, zip(*expected_grads)):
+            check_close(actual.grad, torch.cat(grads, dim=2), 1e-5, f"{case}: d{name}, samples by {next(iter(how))}")
 
 
 SINK_CASES = {  # name: (varlen kwargs, transformers' mask function)
