@@ -229,6 +229,25 @@ def _attend(q, k, v, valid: torch.Tensor | None, scaling: float | None, pattern:
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
+class _LayOut(torch.autograd.Function):
+    """``x [T, ...] -> x[gather] [P, ...]``, the row laid out in groups (:class:`_RowPlan`), whose
+    backward is a gather too: ``grad_x = grad[scatter]``, each token's gradient read from its one
+    real position. The padded positions' gradients are left out: they are exactly zero, as
+    nothing real sees a pad (it lies in every real query's future, or is masked) and no pad's
+    output is read (the output gather reads real positions only). Autograd's own backward of
+    ``index_select`` would add them in, filling and scattering into a buffer of zeros."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gather: torch.Tensor, scatter: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(scatter)
+        return x.index_select(0, gather)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (scatter,) = ctx.saved_tensors
+        return grad.index_select(0, scatter), None, None
+
+
 def _grouped_varlen(q, k, v, cu_seqlens: torch.Tensor, scaling: float | None, pattern: _Pattern,
                     sinks: torch.Tensor | None) -> torch.Tensor:
     """``q, k, v [T, H(kv), D]`` -> ``[T, H, D]``: each sample attends within itself, samples of
@@ -243,7 +262,7 @@ def _grouped_varlen(q, k, v, cu_seqlens: torch.Tensor, scaling: float | None, pa
     plan = _groups(cu_seqlens, q.shape[0])
     # [P, H(kv), D] each, split into the groups' [G * L, H(kv), D] (a split's backward is one
     # concatenation; a slice's would fill a zero buffer of all P positions per group)
-    chunks = [t.index_select(0, plan.gather).split(plan.sizes) for t in (q, k, v)]
+    chunks = [_LayOut.apply(t, plan.gather, plan.scatter).split(plan.sizes) for t in (q, k, v)]
     outs = []
     for (size, longest), valid, *group in zip(plan.shapes, plan.valid, *chunks):
         qg, kg, vg = (g.view(size, longest, *g.shape[1:]).transpose(1, 2) for g in group)
