@@ -118,7 +118,7 @@ def size_steps(args: argparse.Namespace, shared: dict) -> dict[str, dict]:
             if system != "odb":  # the gas whose steps come closest; steps fall as gas grows
                 guess = max(1, round(odb_gas * steps(system, 1) / steps("odb", 1)))
                 near = range(max(1, guess - 2), guess + 3)
-                sizes[system] = min(near, key=lambda g, s=system: abs(steps(s, g) / target - 1))
+                sizes[system] = min(near, key=lambda g, s=system: abs(target / steps(s, g) - 1))
         worst = max(abs(target / steps(s, g) - 1) for s, g in sizes.items())
         if best is None or worst < best[0]:
             best = (worst, sizes)
@@ -202,9 +202,11 @@ def summarize(result: dict, targets: list[float] | None) -> dict:
     for row in systems.values():
         losses = [loss for _, _, loss in row["curve"] if loss is not None]
         row["best_val_loss"] = round(min(losses), 4) if losses else None
+    best = [r["best_val_loss"] for r in systems.values() if r["best_val_loss"] is not None]
+    if targets is None and not best:
+        raise SystemExit("bench_quality: no validation loss (no label token in the validation records?)")
     if targets is None:
-        targets = targets_for(result["initial_val_loss"], [r["best_val_loss"] for r in systems.values()
-                                                           if r["best_val_loss"] is not None])
+        targets = targets_for(result["initial_val_loss"], best)
     result["targets"] = targets
     for row in systems.values():
         reached = [reach(row["curve"], t) for t in targets]
@@ -222,7 +224,8 @@ def markdown(result: dict) -> str:
         label = f"fixed (batch {r['batch_size']})" if "batch_size" in r else name
         cells = " | ".join("missed" if s is None else f"{s:.1f} ({n})"
                            for s, n in zip(r["time_to_target_s"], r["steps_to_target"]))
-        lines.append(f"| {label} | {r['gas']} | {r['tokens_per_step']:.0f} | {cells} | {r['best_val_loss']:.3f} | "
+        best = "-" if r["best_val_loss"] is None else f"{r['best_val_loss']:.3f}"
+        lines.append(f"| {label} | {r['gas']} | {r['tokens_per_step']:.0f} | {cells} | {best} | "
                      f"{r['samples_per_s']:.2f} | {r['padding_ratio']:.3f} |")
     return "\n".join(lines)
 

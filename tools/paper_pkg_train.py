@@ -21,7 +21,8 @@ The package has no gradient accumulation of its own. With ``--gas G`` (tools/ben
 equal tokens per optimizer step) DeepSpeed accumulates G batches per optimizer step, as a user of
 the package would have it do: the step's loss is the mean of its batches' exact losses
 (DeepSpeed divides each by G), and an epoch's last step takes what is left (its boundary set by
-hand: every rank looks one batch ahead). ``--epochs E`` runs E passes (the sampler reshuffled each).
+hand: every rank looks one batch ahead; DeepSpeed still divides its k < G batches by G).
+``--epochs E`` runs E passes (the sampler reshuffled each).
 ``--snapshot_steps K`` saves the weights every K optimizer steps and at the end
 (``snapshots/step<N>.pt``, with the training time up to it in ``snapshots.json``; the time spent
 saving is not counted), for tools/eval_snapshots.py to score with the project's own evaluator.
@@ -113,7 +114,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup_ratio", type=float, default=0.03)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--epochs", type=int, default=1, choices=range(1, 1000), metavar="E")
     parser.add_argument("--gas", type=int, default=1, help="batches per optimizer step (DeepSpeed accumulates)")
     parser.add_argument("--snapshot_steps", type=int, default=0, help="save the weights every N optimizer steps")
     parser.add_argument("--count_only", action="store_true", help="count one epoch's batches per rank, no model")
@@ -175,8 +176,9 @@ def main() -> None:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             if not int(flags[0]):
                 break
-            for group in engine.optimizer.param_groups:
-                group["lr"] = schedule(samples_done)
+            if in_step == 0:  # a step's rate: from the samples before it (as launch/train.py sets it)
+                for group in engine.optimizer.param_groups:
+                    group["lr"] = schedule(samples_done)
             samples_done += int(flags[1])
             in_step += 1
             engine.set_gradient_accumulation_boundary(in_step == args.gas or not int(flags[2]))

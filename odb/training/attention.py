@@ -262,14 +262,15 @@ def _grouped_varlen(q, k, v, cu_seqlens: torch.Tensor, scaling: float | None, pa
     plan = _groups(cu_seqlens, q.shape[0])
     # [P, H(kv), D] each, split into the groups' [G * L, H(kv), D] (a split's backward is one
     # concatenation; a slice's would fill a zero buffer of all P positions per group)
-    chunks = [_LayOut.apply(t, plan.gather, plan.scatter).split(plan.sizes) for t in (q, k, v)]
+    gather, scatter = plan.gather.to(q.device), plan.scatter.to(q.device)  # (no copy where already there)
+    chunks = [_LayOut.apply(t, gather, scatter).split(plan.sizes) for t in (q, k, v)]
     outs = []
     for (size, longest), valid, *group in zip(plan.shapes, plan.valid, *chunks):
         qg, kg, vg = (g.view(size, longest, *g.shape[1:]).transpose(1, 2) for g in group)
         og = _attend(qg, kg, vg, valid, scaling, pattern, sinks)  # [G, H, L, D]
         outs.append(og.transpose(1, 2).reshape(size * longest, og.shape[1], og.shape[3]))
     # SDPA's dtype, not q's: under autocast (bf16 on a CPU) it computes in bf16
-    return torch.cat(outs).index_select(0, plan.scatter)
+    return torch.cat(outs).index_select(0, scatter)
 
 
 def _flash_window(pattern: _Pattern) -> tuple[int, int]:
