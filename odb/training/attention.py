@@ -119,23 +119,20 @@ class _RowPlan:
             token: causal queries never see it, and its output is never read).
         scatter: ``[T]`` the buffer position of each row token, in row order.
         shapes: per group ``(G, L)``.
+        sizes: per group its positions in the buffer, ``G * L`` (the split of the buffer).
         valid: per group ``[G, L]`` bool, the real (not padded) positions.
     """
 
     gather: torch.Tensor
     scatter: torch.Tensor
     shapes: tuple[tuple[int, int], ...]
+    sizes: tuple[int, ...]
     valid: tuple[torch.Tensor, ...]
-
-    @property
-    def sizes(self) -> list[int]:
-        """Each group's positions in the buffer, ``G * L``."""
-        return [size * longest for size, longest in self.shapes]
 
 
 def _groups(cu_seqlens: torch.Tensor, total: int) -> _RowPlan:
     """The row's groups of samples of similar length (cached for the row's ``cu_seqlens``: every
-    layer of a forward, and its backward, reuses them)."""
+    layer of a forward reuses them)."""
     if _plan_cache[0] is cu_seqlens:
         return _plan_cache[1]
     bounds = cu_seqlens.tolist()
@@ -162,7 +159,8 @@ def _groups(cu_seqlens: torch.Tensor, total: int) -> _RowPlan:
         at += (j - i) * longest
         i = j
     device = cu_seqlens.device
-    plan = _RowPlan(torch.cat(gather).to(device), scatter.to(device), tuple(shapes), tuple(valid))
+    plan = _RowPlan(torch.cat(gather).to(device), scatter.to(device), tuple(shapes),
+                    tuple(size * longest for size, longest in shapes), tuple(valid))
     _plan_cache[0], _plan_cache[1] = cu_seqlens, plan
     return plan
 
@@ -253,9 +251,9 @@ def _grouped_varlen(q, k, v, cu_seqlens: torch.Tensor, scaling: float | None, pa
     """``q, k, v [T, H(kv), D]`` -> ``[T, H, D]``: each sample attends within itself, samples of
     similar length batched into one SDPA call (or one explicit computation).
 
-    One gather per input lays every group out in one buffer, and one gather reads the outputs
-    back in row order (:class:`_RowPlan`): their backwards are index additions without repeats,
-    whatever the number of groups."""
+    One gather per input lays every group out in one buffer (:class:`_LayOut`, whose backward is a
+    gather too), and one gather reads the outputs back in row order (:class:`_RowPlan`), whatever
+    the number of groups."""
     if cu_seqlens.numel() == 2:  # one sample (a vision chunk, a single row): no gather
         out = _attend(*(t.transpose(0, 1)[None] for t in (q, k, v)), None, scaling, pattern, sinks)
         return out[0].transpose(0, 1)
@@ -269,7 +267,7 @@ def _grouped_varlen(q, k, v, cu_seqlens: torch.Tensor, scaling: float | None, pa
         qg, kg, vg = (g.view(size, longest, *g.shape[1:]).transpose(1, 2) for g in group)
         og = _attend(qg, kg, vg, valid, scaling, pattern, sinks)  # [G, H, L, D]
         outs.append(og.transpose(1, 2).reshape(size * longest, og.shape[1], og.shape[3]))
-    # SDPA's dtype, not q's: under autocast (bf16 on a CPU) it computes in bf16
+    # (in SDPA's dtype, not q's: under autocast, bf16 on a CPU)
     return torch.cat(outs).index_select(0, scatter)
 
 
