@@ -41,6 +41,7 @@ plot of several saved results (``--json_out``), one panel each.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -146,12 +147,10 @@ def run_system(system: str, args: argparse.Namespace, shared: dict, work: Path, 
         out = bench_train.run_project(system, args, shared, work, settings={"gas": size["gas"]}, extra=[
             "--epochs", str(args.epochs), "--eval_data", str(shared["val"]), "--eval_steps", str(eval_steps)])
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        step_s = {r["step"]: r["step_s"] for r in rows if "step_s" in r}
-        elapsed, curve = 0.0, []
-        for r in rows:
-            if "eval_loss" in r:  # after step r["step"] (0-based): the steps up to it, timed
-                elapsed = sum(s for k, s in step_s.items() if k <= r["step"])
-                curve.append((round(elapsed, 4), r["step"] + 1, r["eval_loss"]))
+        step_s = dict(sorted((r["step"], r["step_s"]) for r in rows if "step_s" in r))
+        elapsed = dict(zip(step_s, itertools.accumulate(step_s.values())))  # training time after each step
+        # an evaluation after step r["step"] (0-based)
+        curve = [(round(elapsed[r["step"]], 4), r["step"] + 1, r["eval_loss"]) for r in rows if "eval_loss" in r]
         summary = json.loads((out / "summary.json").read_text())
         trained_s = sum(step_s.values())
         tokens_per_step = summary["tokens_per_step"]["mean"]
