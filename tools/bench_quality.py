@@ -28,9 +28,10 @@ Targets: three validation losses, by default 50%, 80% and 95% of the way from th
 loss down to the highest of the systems' best losses, so that every system reaches them and the
 times compare (``--targets`` sets them; the best loss of each is reported beside). Per system it reports
 the training time and optimizer steps to each target (``null`` where never reached), the best
-validation loss, samples/s (training time) and the tokens per step it had; ``--passes N`` runs each
-system N times and keeps its fastest pass (load from other work only slows a run); ``--png``
-plots validation loss against training time. ``--plot A.json B.json ... --png FILE`` draws the
+validation loss, samples/s (training time) and the tokens per step it had, and for the project's
+systems where the training time went (``step_breakdown_s``: data wait, planning, forward, the
+rest); ``--passes N`` runs each system N times, the systems in turn, and keeps its fastest pass
+(load from other work only slows a run); ``--png`` plots validation loss against training time. ``--plot A.json B.json ... --png FILE`` draws the
 plot of several saved results (``--json_out``), one panel each.
 
 ``--json`` prints, as the last line of stdout, ``{"targets": [l1, l2, l3], "systems": {name:
@@ -134,6 +135,7 @@ def size_steps(args: argparse.Namespace, shared: dict) -> dict[str, dict]:
 
 def run_system(system: str, args: argparse.Namespace, shared: dict, work: Path, size: dict, eval_steps: int) -> dict:
     """One training run of ``system``; returns its figures and its validation curve."""
+    extra = {}
     if system == "paper_pkg":
         out = bench_train.run_paper(args, shared, work, extra=[
             "--epochs", str(args.epochs), "--gas", str(size["gas"]), "--snapshot_steps", str(eval_steps)])
@@ -154,10 +156,23 @@ def run_system(system: str, args: argparse.Namespace, shared: dict, work: Path, 
         summary = json.loads((out / "summary.json").read_text())
         trained_s = sum(step_s.values())
         tokens_per_step = summary["tokens_per_step"]["mean"]
+        extra["step_breakdown_s"] = breakdown([r for r in rows if "step_s" in r])
     return {"trained_s": round(trained_s, 3), "steps": summary["steps"], "samples": summary["samples_emitted"],
             "samples_per_s": round(summary["samples_emitted"] / max(1e-9, trained_s), 3),
-            "tokens_per_step": tokens_per_step, "gas": size["gas"], "padding_ratio": summary["padding_ratio"],
+            "tokens_per_step": tokens_per_step, "gas": size["gas"], "padding_ratio": summary["padding_ratio"], **extra,
             **({"batch_size": shared["safe_batch"]} if system == "fixed" else {}), "curve": curve}
+
+
+def breakdown(steps: list[dict]) -> dict:
+    """Where a run's training time went, in seconds over its steps (launch/train.py's metrics rows;
+    each part the slowest rank's, so at several ranks the parts need not add up to the step): waiting
+    for processed samples, odb's planning and round collective, the forward passes, and the rest
+    (collate, backward, optimizer)."""
+    parts = {"data_wait": sum(r["data_wait_s"] for r in steps),
+             "planning": sum(r["odb_plan_s"] + r["odb_collective_s"] for r in steps),
+             "forward": sum(r["forward_s"] for r in steps)}
+    return {**{k: round(v, 3) for k, v in parts.items()},
+            "rest": round(sum(r["step_s"] for r in steps) - sum(parts.values()), 3)}
 
 
 def evaluate_snapshots(args: argparse.Namespace, shared: dict, work: Path, snapshots: Path, out: Path) -> None:
@@ -226,6 +241,13 @@ def markdown(result: dict) -> str:
         best = "-" if r["best_val_loss"] is None else f"{r['best_val_loss']:.3f}"
         lines.append(f"| {label} | {r['gas']} | {r['tokens_per_step']:.0f} | {cells} | {best} | "
                      f"{r['samples_per_s']:.2f} | {r['padding_ratio']:.3f} |")
+    split = {name: r["step_breakdown_s"] for name, r in result["systems"].items() if "step_breakdown_s" in r}
+    if split:  # the project's systems: where the training time went
+        parts = list(next(iter(split.values())))
+        lines += ["", "| system | training s | " + " | ".join(f"{p} s" for p in parts) + " |",
+                  "|" + "---|" * (2 + len(parts))]
+        lines += [f"| {name} | {result['systems'][name]['trained_s']:.1f} | "
+                  + " | ".join(f"{row[p]:.1f}" for p in parts) + " |" for name, row in split.items()]
     return "\n".join(lines)
 
 
@@ -317,13 +339,14 @@ def main(argv: list[str] | None = None) -> dict | None:
                   "val_samples": args.val_samples, "world_size": args.world_size, "max_tokens": args.max_tokens,
                   "length_scale": args.length_scale, "epochs": args.epochs, "eval_steps": eval_steps, "lr": args.lr,
                   "initial_val_loss": initial_loss(args, shared, work), "systems": {}}
-        for system in args.systems:
-            passes = []
-            for p in range(args.passes):
+        passes = {system: [] for system in args.systems}
+        for p in range(args.passes):  # the systems in turn, pass by pass: a slow spell of the machine
+            for system in args.systems:  # then falls on one pass of several systems, not on one system
                 print(f"bench_quality: {system} (pass {p + 1} of {args.passes}) ...", file=sys.stderr, flush=True)
-                passes.append(run_system(system, args, shared, work, sizes[system], eval_steps))
-            fastest = min(passes, key=lambda r: r["trained_s"])
-            result["systems"][system] = {**fastest, "pass_trained_s": [r["trained_s"] for r in passes]}
+                passes[system].append(run_system(system, args, shared, work, sizes[system], eval_steps))
+        for system, runs in passes.items():
+            fastest = min(runs, key=lambda r: r["trained_s"])
+            result["systems"][system] = {**fastest, "pass_trained_s": [r["trained_s"] for r in runs]}
     summarize(result, args.targets)
     print(markdown(result))
     if args.png:

@@ -21,6 +21,7 @@ def test_measured_and_planned_sync_efficiency(tmp_path):
     row, = ranks[0].on_reports(np.stack(reports))
     assert row["sync_efficiency"] == pytest.approx((0.3 + 0.1) / 2 / 0.3, abs=1e-6)
     assert row["planned_sync_efficiency"] == pytest.approx((10 + 40) / 2 / 40, abs=1e-6)
+    assert row["forward_s"] == pytest.approx(0.3, abs=1e-6)  # the slowest rank's
     totals = {"steps": 1, "samples": 0, "micro_batches": 2, "dummy_micro_batches": 0, "real_tokens": 50,
               "materialized_tokens": 50, "label_tokens": 0, "wall_us": 1, "dropped": 0}
     summary = ranks[0].summary(totals, world_size=2, epochs=1, rounds=1, collectives=2, policy="odb")
