@@ -31,7 +31,9 @@ the training time and optimizer steps to each target (``null`` where never reach
 validation loss, samples/s (training time) and the tokens per step it had, and for the project's
 systems where the training time went (``step_breakdown_s``: data wait, planning, forward, the
 rest); ``--passes N`` runs each system N times, the systems in turn, and keeps its fastest pass
-(load from other work only slows a run); ``--png`` plots validation loss against training time. ``--plot A.json B.json ... --png FILE`` draws the
+(load from other work only slows a run; every pass's times to the targets are in
+``pass_time_to_target_s``); ``--png`` plots validation loss against training time.
+``--plot A.json B.json ... --png FILE`` draws the
 plot of several saved results (``--json_out``), one panel each.
 
 ``--json`` prints, as the last line of stdout, ``{"targets": [l1, l2, l3], "systems": {name:
@@ -226,6 +228,9 @@ def summarize(result: dict, targets: list[float] | None) -> dict:
         reached = [reach(row["curve"], t) for t in targets]
         row["time_to_target_s"] = [None if s is None else round(s, 2) for s, _ in reached]
         row["steps_to_target"] = [step for _, step in reached]
+        if "pass_curves" in row:  # every pass's (the spread a single figure carries)
+            row["pass_time_to_target_s"] = [[None if s is None else round(s, 2) for s, _ in
+                                             (reach(curve, t) for t in targets)] for curve in row["pass_curves"]]
     return result
 
 
@@ -346,7 +351,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                 passes[system].append(run_system(system, args, shared, work, sizes[system], eval_steps))
         for system, runs in passes.items():
             fastest = min(runs, key=lambda r: r["trained_s"])
-            result["systems"][system] = {**fastest, "pass_trained_s": [r["trained_s"] for r in runs]}
+            result["systems"][system] = {**fastest, "pass_trained_s": [r["trained_s"] for r in runs],
+                                         "pass_curves": [r["curve"] for r in runs]}
     summarize(result, args.targets)
     print(markdown(result))
     if args.png:

@@ -96,3 +96,11 @@ def test_step_breakdown_parts_and_table():
                                                            [5.5, 5.0, 4.0])).splitlines()
     assert table[-3] == "| system | training s | data_wait s | planning s | forward s | rest s |"
     assert table[-1] == "| odb | 3.0 | 0.1 | 0.1 | 1.2 | 1.6 |"  # paper_pkg has no metrics rows
+
+
+def test_each_pass_times_to_the_targets():
+    fast, slow = [(1.0, 1, 5.5), (2.0, 2, 4.5)], [(1.5, 1, 5.5), (2.5, 2, 4.6)]
+    rows = {"odb": {"curve": fast, "pass_curves": [fast, slow]}}
+    out = bench_quality.summarize({"initial_val_loss": 6.0, "systems": rows}, [5.6, 5.0, 4.55])
+    assert out["systems"]["odb"]["time_to_target_s"] == [1.0, 2.0, 2.0]
+    assert out["systems"]["odb"]["pass_time_to_target_s"] == [[1.0, 2.0, 2.0], [1.5, 2.5, None]]  # 4.6 > 4.55
