@@ -29,8 +29,8 @@ loss down to the highest of the systems' best losses, so that every system reach
 times compare (``--targets`` sets them; the best loss of each is reported beside). Per system it reports
 the training time and optimizer steps to each target (``null`` where never reached), the best
 validation loss, samples/s (training time) and the tokens per step it had, and for the project's
-systems where the training time went (``step_breakdown_s``: data wait, planning, forward, the
-rest); ``--passes N`` runs each system N times, the systems in turn, and keeps its fastest pass
+systems where the training time went (``step_breakdown_s``: data wait, planning, collective,
+forward, the rest); ``--passes N`` runs each system N times, the systems in turn, and keeps its fastest pass
 (load from other work only slows a run; every pass's times to the targets are in
 ``pass_time_to_target_s``); ``--png`` plots validation loss against training time.
 ``--plot A.json B.json ... --png FILE`` draws the
@@ -166,13 +166,14 @@ def run_system(system: str, args: argparse.Namespace, shared: dict, work: Path, 
 
 
 def breakdown(steps: list[dict]) -> dict:
-    """Where a run's training time went, in seconds over its steps (launch/train.py's metrics rows;
-    each part the slowest rank's, so at several ranks the parts need not add up to the step): waiting
-    for processed samples, odb's planning and round collective, the forward passes, and the rest
-    (collate, backward, optimizer)."""
-    parts = {"data_wait": sum(r["data_wait_s"] for r in steps),
-             "planning": sum(r["odb_plan_s"] + r["odb_collective_s"] for r in steps),
-             "forward": sum(r["forward_s"] for r in steps)}
+    """Where a run's training time went, in seconds over its steps (launch/train.py's metrics rows):
+    waiting for processed samples, odb's own planning, its round collective (waiting for the
+    other ranks included), the micro-batches' forward passes (collate and loss included), and the
+    rest of the step (backward with its gradient reduction, optimizer). Each part is the slowest
+    rank's and the step rank 0's, so at several ranks the parts may overlap and ``rest`` is only
+    what is left of rank 0's steps."""
+    parts = {"data_wait": sum(r["data_wait_s"] for r in steps), "planning": sum(r["odb_plan_s"] for r in steps),
+             "collective": sum(r["odb_collective_s"] for r in steps), "forward": sum(r["forward_s"] for r in steps)}
     return {**{k: round(v, 3) for k, v in parts.items()},
             "rest": round(sum(r["step_s"] for r in steps) - sum(parts.values()), 3)}
 

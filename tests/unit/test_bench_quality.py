@@ -86,16 +86,16 @@ def test_step_breakdown_parts_and_table():
     steps = [{"step_s": 1.0, "data_wait_s": 0.1, "odb_plan_s": 0.02, "odb_collective_s": 0.01, "forward_s": 0.3},
              {"step_s": 2.0, "data_wait_s": 0.0, "odb_plan_s": 0.03, "odb_collective_s": 0.04, "forward_s": 0.9}]
     split = bench_quality.breakdown(steps)
-    # by hand: wait 0.1, planning 0.02 + 0.01 + 0.03 + 0.04, forward 1.2, the rest 3.0 minus those
-    assert split == {"data_wait": 0.1, "planning": 0.1, "forward": 1.2, "rest": 1.6}
+    # by hand: wait 0.1, planning 0.02 + 0.03, collective 0.01 + 0.04, forward 1.2, the rest 3.0 minus those
+    assert split == {"data_wait": 0.1, "planning": 0.05, "collective": 0.05, "forward": 1.2, "rest": 1.6}
     rows = {"odb": {"gas": 2, "tokens_per_step": 1000.0, "padding_ratio": 0.0, "samples_per_s": 10.0,
                     "trained_s": 3.0, "curve": [(1.0, 1, 5.0)], "step_breakdown_s": split},
             "paper_pkg": {"gas": 3, "tokens_per_step": 1000.0, "padding_ratio": 0.0, "samples_per_s": 9.0,
                           "trained_s": 3.3, "curve": [(1.0, 1, 5.0)]}}
     table = bench_quality.markdown(bench_quality.summarize({"initial_val_loss": 6.0, "systems": rows},
                                                            [5.5, 5.0, 4.0])).splitlines()
-    assert table[-3] == "| system | training s | data_wait s | planning s | forward s | rest s |"
-    assert table[-1] == "| odb | 3.0 | 0.1 | 0.1 | 1.2 | 1.6 |"  # paper_pkg has no metrics rows
+    assert table[-3] == "| system | training s | data_wait s | planning s | collective s | forward s | rest s |"
+    assert table[-1] == "| odb | 3.0 | 0.1 | 0.1 | 0.1 | 1.2 | 1.6 |"  # paper_pkg has no metrics rows
 
 
 def test_each_pass_times_to_the_targets():
