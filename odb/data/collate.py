@@ -14,8 +14,9 @@ the model as it is. Worked example, two samples packed into one row (``T = 5``):
     max_length_q    3                              the longest sample (int)
     max_length_k    3
 
-Samples with images add ``pixel_values`` and ``image_grid_thw``, concatenated in sample order
-(the order of their image tokens in the row).
+Samples with images add ``pixel_values`` and ``image_grid_thw``, and samples with videos
+``pixel_values_videos``, ``video_grid_thw`` (and Qwen2.5-VL's ``second_per_grid_ts``), each
+concatenated in sample order (the order of their image or video tokens in the row).
 
 Asked for (``sources=True``), the row also says which source each sample came from: ``sources``,
 one int64 per sample (its ``source``, an index into the dataset's ``source_names``; 0 for a
@@ -112,13 +113,15 @@ def token_sources(batch: Mapping[str, torch.Tensor | int]) -> torch.Tensor:
     return torch.repeat_interleave(sources_n, lengths, output_size=labels.shape[1])[None]
 
 
+VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+
+
 def _images(samples: Sequence[Mapping]) -> dict[str, torch.Tensor]:
-    """Images of the samples, in order: ``pixel_values`` and ``image_grid_thw`` concatenated."""
-    with_images = [s for s in samples if s.get("pixel_values") is not None]
-    if not with_images:
-        return {}
-    return {"pixel_values": torch.cat([s["pixel_values"] for s in with_images]),
-            "image_grid_thw": torch.cat([s["image_grid_thw"] for s in with_images])}
+    """Images and videos of the samples, in order: each of :data:`VISION_KEYS` that some sample
+    carries, concatenated (``second_per_grid_ts``: Qwen2.5-VL's seconds per temporal patch, one
+    per video)."""
+    return {key: torch.cat([torch.as_tensor(s[key]) for s in samples if s.get(key) is not None])
+            for key in VISION_KEYS if any(s.get(key) is not None for s in samples)}
 
 
 def collate_padded(samples: Sequence[Mapping], *, pad_token_id: int, max_tokens: int | None = None,

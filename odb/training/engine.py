@@ -73,7 +73,7 @@ from odb.training.loss import (
 )
 from odb.training.model import hf_model
 from odb.training.moe import router_loss
-from odb.training.mrope import packed_position_ids
+from odb.training.mrope import mm_token_types, packed_position_ids
 from odb.training.sequence_parallel import SequenceParallel, receive
 
 __all__ = ["OdbEngine", "StepResult", "StepTally", "sample_source", "token_loss_sum", "BLANK_IMAGE_TOKENS"]
@@ -321,10 +321,11 @@ class OdbEngine:
         labels = batch.pop("labels")
         if self.vision is not None and "cu_seq_lens_q" in batch:  # each sample's own M-RoPE, text in row 0
             batch["position_ids"] = packed_position_ids(self.model, batch["input_ids"], batch["cu_seq_lens_q"],
-                                                        batch.get("image_grid_thw"))
+                                                        batch.get("image_grid_thw"), batch.get("video_grid_thw"),
+                                                        batch.get("second_per_grid_ts"))
         elif self.vision is not None:  # padded rows: the model derives its rotary positions from the mask
             del batch["position_ids"]
-            batch["mm_token_type_ids"] = (batch["input_ids"] == self.model.config.image_token_id).int()
+            batch["mm_token_type_ids"] = mm_token_types(batch["input_ids"], self.model.config)
         # a dummy (the blank image alone) has no real token: its router loss over every token, weighed 0
         real = None if is_dummy else _real_tokens(batch, blank=blank)
         summed, aux = self._call(batch, labels, router=router, real_tokens=real, split=split)

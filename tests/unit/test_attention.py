@@ -31,7 +31,7 @@ from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager_attention
 
 from conftest import one_step_plan
-from odb.data.collate import collate_packed, collate_padded
+from odb.data.collate import VISION_KEYS, collate_packed, collate_padded
 from odb.training import attention
 from odb.training.backends import LocalBackend
 from odb.training.engine import OdbEngine
@@ -122,6 +122,37 @@ def image_sample(grid: tuple[int, int, int], num_text: int, seed: int) -> dict:
             "image_grid_thw": torch.tensor([grid])}
 
 
+def video_sample(family: str, grid: tuple[int, int, int], num_text: int, seed: int, seconds: float = 1.0) -> dict:
+    """A sample with one video of ``grid`` (t, h, w) patches, as its family's processor lays it out:
+    Qwen2-VL and Qwen2.5-VL one run of video tokens; Qwen3-VL a run per temporal patch, each after
+    its timestamp's text tokens, inside the outer vision start and end. Qwen2.5-VL's samples carry
+    the video's seconds per temporal patch."""
+    gen = torch.Generator().manual_seed(seed)
+    t, h, w = grid
+    if family == "qwen3_vl":
+        groups = [torch.randint(10, 1000, (3,), generator=gen).tolist() + [5] + [8] * (h * w // 4) + [6]
+                  for _ in range(t)]
+        ids = [5] + [i for group in groups for i in group] + [6]
+    else:
+        ids = [5] + [8] * (t * h * w // 4) + [6]
+    sample = {"input_ids": ids + torch.randint(10, 1000, (num_text,), generator=gen).tolist(),
+              "pixel_values_videos": torch.randn(t * h * w, PATCH_WIDTH, generator=gen),
+              "video_grid_thw": torch.tensor([grid])}
+    if family == "qwen2_5_vl":
+        sample["second_per_grid_ts"] = torch.tensor([seconds])
+    return sample
+
+
+def video_samples(family: str) -> list[dict]:
+    """Videos of different lengths and seconds beside an image, an image-and-video sample and text."""
+    both = image_sample((1, 4, 4), 5, 7)
+    mixed = video_sample(family, (2, 4, 6), 12, 8, seconds=0.5)
+    both = {**mixed, "input_ids": both["input_ids"] + mixed["input_ids"], "pixel_values": both["pixel_values"],
+            "image_grid_thw": both["image_grid_thw"]}
+    return [video_sample(family, (3, 4, 4), 20, 5, seconds=2.0), image_sample((1, 4, 6), 9, 6),
+            *text_samples((15,), 9), both, video_sample(family, (1, 6, 4), 8, 10)]
+
+
 def vl_samples() -> list[dict]:
     return [image_sample((1, 8, 8), 30, 0), *text_samples((20,), 1), image_sample((1, 4, 4), 10, 2),
             image_sample((1, 4, 6), 45, 3)]
@@ -182,9 +213,11 @@ def alone_forward(model, sample: dict, **kwargs):
     """One sample on its own, the plain transformers way: the output (``kwargs`` passed on) or, by
     default, logits ``[1, L, V]``; and labels."""
     batch = collate_packed([sample])
-    extra = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}
-    if getattr(hf_model(model).config, "vision_config", None) is not None:  # M-RoPE from the image tokens
-        extra["mm_token_type_ids"] = (batch["input_ids"] == IMAGE_IDS["image_token_id"]).int()
+    extra = {k: batch[k] for k in VISION_KEYS if k in batch}
+    if getattr(hf_model(model).config, "vision_config", None) is not None:  # M-RoPE from the image and video tokens
+        ids = batch["input_ids"]
+        extra["mm_token_type_ids"] = ((ids == IMAGE_IDS["image_token_id"]).int()
+                                      + 2 * (ids == IMAGE_IDS["video_token_id"]).int())
     out = model(input_ids=batch["input_ids"], use_cache=False, **extra, **kwargs)
     return (out if kwargs else out.logits), batch["labels"]
 
@@ -264,6 +297,14 @@ def test_packed_row_under_bf16_autocast_matches_sdpa_on_each_sample_alone():
 def test_packed_vl_row_matches_eager_on_each_sample_alone(family):
     """Images, a text-only sample and M-RoPE in one row; the vision tower's gradients included."""
     compare_packed_with_alone(family, vl_samples())
+
+
+@pytest.mark.parametrize("family", sorted(VL_FAMILIES))
+def test_packed_row_with_videos_matches_eager_on_each_sample_alone(family):
+    """Videos of 1-3 temporal patches (Qwen2.5-VL: each with its own seconds per patch; Qwen3-VL:
+    a run per patch after its timestamp's tokens), an image, a sample with both, and text in one
+    row: each sample's own M-RoPE, temporal axis included; logits, loss and every gradient."""
+    compare_packed_with_alone(family, video_samples(family))
 
 
 @pytest.mark.parametrize("family", sorted(VL_FAMILIES))
