@@ -19,7 +19,16 @@ import copy
 
 import pytest
 import torch
-from test_attention import TEXT, TEXT_FAMILIES, VL_FAMILIES, build, own_loss_sum, text_samples, vl_samples
+from test_attention import (
+    TEXT,
+    TEXT_FAMILIES,
+    VL_FAMILIES,
+    build,
+    own_loss_sum,
+    text_samples,
+    video_samples,
+    vl_samples,
+)
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from odb.batching.cost import SampleCost, count_label_tokens
@@ -126,6 +135,17 @@ def test_chunked_equals_full_logits_on_packed_image_text_rows(family):
     model.zero_grad()
     compare(model, vl_samples()[1:2], max_tokens=256, chunk_tokens=4096,
             what=f"{family}, text only (a blank image added), 1 chunk")
+
+
+@pytest.mark.parametrize("family", sorted(VL_FAMILIES))
+def test_videos_in_packed_chunks_and_in_padded_rows(family):
+    """Videos beside images and text: packed with the loss in chunks, and as padded rows (the
+    model's own M-RoPE over the batch from the token types, video tokens typed 2)."""
+    model = model_of(family)
+    compare(model, video_samples(family), max_tokens=256, chunk_tokens=40, what=f"{family} videos, chunks")
+    model.zero_grad()
+    compare(model, video_samples(family), max_tokens=256, chunk_tokens=4096, what=f"{family} videos, padded",
+            padded=True)
 
 
 def test_padded_rows_and_a_row_without_labels():
