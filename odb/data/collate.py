@@ -120,8 +120,22 @@ def _images(samples: Sequence[Mapping]) -> dict[str, torch.Tensor]:
     """Images and videos of the samples, in order: each of :data:`VISION_KEYS` that some sample
     carries, concatenated (``second_per_grid_ts``: Qwen2.5-VL's seconds per temporal patch, one
     per video)."""
-    return {key: torch.cat([torch.as_tensor(s[key]) for s in samples if s.get(key) is not None])
-            for key in VISION_KEYS if any(s.get(key) is not None for s in samples)}
+    out = {key: torch.cat([torch.as_tensor(s[key]) for s in samples if s.get(key) is not None])
+           for key in VISION_KEYS[:4] if any(s.get(key) is not None for s in samples)}
+    if any(s.get("second_per_grid_ts") is not None for s in samples):  # one per video, the model's 1.0 where unset
+        out["second_per_grid_ts"] = torch.cat([_seconds(s) for s in samples if s.get("video_grid_thw") is not None])
+    return out
+
+
+def _seconds(sample: Mapping) -> torch.Tensor:
+    """A sample's seconds per temporal patch, one per video (1.0 each where it has none)."""
+    videos = len(sample["video_grid_thw"])
+    if sample.get("second_per_grid_ts") is None:
+        return torch.ones(videos)
+    seconds = torch.as_tensor(sample["second_per_grid_ts"], dtype=torch.float32).reshape(-1)
+    if len(seconds) != videos:
+        raise ValueError(f"a sample has {videos} video(s) but {len(seconds)} second_per_grid_ts values")
+    return seconds
 
 
 def collate_padded(samples: Sequence[Mapping], *, pad_token_id: int, max_tokens: int | None = None,

@@ -40,7 +40,10 @@ def _own(grids, count: int, merge: int, seconds=None) -> tuple[list[torch.Tensor
     """The next grids (and their seconds per temporal patch) of ``grids`` that hold ``count`` tokens."""
     own, own_seconds = [], []
     while count > 0:
-        grid = next(grids)
+        grid = next(grids, None)
+        if grid is None:
+            raise ValueError(f"a packed sample has {count} more image or video tokens than the micro-batch's grids "
+                             "hold (a sample cut inside an image or video?)")
         own.append(grid)
         if seconds is not None:
             own_seconds.append(next(seconds))

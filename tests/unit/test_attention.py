@@ -144,13 +144,18 @@ def video_sample(family: str, grid: tuple[int, int, int], num_text: int, seed: i
 
 
 def video_samples(family: str) -> list[dict]:
-    """Videos of different lengths and seconds beside an image, an image-and-video sample and text."""
+    """Videos of different lengths and seconds beside an image, an image-and-video sample, a sample
+    with two videos, one without seconds (Qwen2.5-VL's default 1.0) and text."""
     both = image_sample((1, 4, 4), 5, 7)
     mixed = video_sample(family, (2, 4, 6), 12, 8, seconds=0.5)
     both = {**mixed, "input_ids": both["input_ids"] + mixed["input_ids"], "pixel_values": both["pixel_values"],
             "image_grid_thw": both["image_grid_thw"]}
+    two = [video_sample(family, (2, 4, 4), 3, 11, seconds=0.25), video_sample(family, (1, 4, 4), 4, 12, seconds=1.5)]
+    two = {"input_ids": two[0]["input_ids"] + two[1]["input_ids"],
+           **{k: torch.cat([two[0][k], two[1][k]]) for k in two[0] if k != "input_ids"}}
+    unset = {k: v for k, v in video_sample(family, (1, 6, 4), 8, 10).items() if k != "second_per_grid_ts"}
     return [video_sample(family, (3, 4, 4), 20, 5, seconds=2.0), image_sample((1, 4, 6), 9, 6),
-            *text_samples((15,), 9), both, video_sample(family, (1, 6, 4), 8, 10)]
+            *text_samples((15,), 9), both, two, unset]
 
 
 def vl_samples() -> list[dict]:

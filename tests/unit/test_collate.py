@@ -43,3 +43,17 @@ def test_bad_input():
         collate_packed([{"input_ids": []}])
     with pytest.raises(ValueError, match="3 input_ids but 2 labels"):
         collate_packed([{"input_ids": [1, 2, 3], "labels": [1, 2]}])
+
+
+def test_videos_seconds_per_video_filled_and_checked():
+    """Qwen2.5-VL's seconds per temporal patch: one per video, in order; 1.0 (the model's default)
+    for a sample's videos that have none; a count that differs from the sample's videos is refused."""
+    grid = torch.tensor([[1, 2, 2]])
+    video = {"input_ids": [1, 2], "labels": [1, 2], "pixel_values_videos": torch.zeros(4, 3), "video_grid_thw": grid}
+    samples = [{**video, "second_per_grid_ts": torch.tensor([0.5])}, {**video, "input_ids": [3], "labels": [3]}, video,
+               {**video, "video_grid_thw": torch.cat([grid, grid]), "second_per_grid_ts": [2.0, 0.25]}]
+    batch = collate_packed(samples)
+    assert batch["video_grid_thw"].shape == (5, 3)
+    assert batch["second_per_grid_ts"].tolist() == [0.5, 1.0, 1.0, 2.0, 0.25]
+    with pytest.raises(ValueError, match="2 video"):
+        collate_packed([{**video, "video_grid_thw": torch.cat([grid, grid]), "second_per_grid_ts": [1.0]}])
