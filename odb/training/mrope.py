@@ -63,10 +63,10 @@ def packed_position_ids(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor
     images = iter(image_grid_thw if image_grid_thw is not None else [])
     videos = iter(video_grid_thw if video_grid_thw is not None else [])
     seconds = iter(second_per_grid_ts) if second_per_grid_ts is not None else None
+    row_types = mm_token_types(input_ids, model.config)  # once for the row, sliced per sample
     rows = []
     for start, end in zip(bounds, bounds[1:]):
-        ids = input_ids[0, start:end][None]
-        types = mm_token_types(ids, model.config)
+        ids, types = input_ids[0, start:end][None], row_types[0, start:end][None]
         own_images, _ = _own(images, int((types == 1).sum()), merge)
         own_videos, own_seconds = _own(videos, int((types == 2).sum()), merge, seconds)
         extra = {"second_per_grid_ts": torch.stack(own_seconds)} if own_seconds else {}
