@@ -69,6 +69,7 @@ setup(
                 "wandb>=0.19", "tensorboard>=2.14", "mlflow-skinny>=2.10",  # --report_to's trackers
                 "psutil>=5.9",  # tests/launch.py watches the launcher's processes (deepspeed needs it too)
                 "accelerate>=1.16", "trl>=1.16",  # odb.integrations' hosts (tests/e2e/test_integrations.py)
+                "av>=18",  # videos (odb/data/videos.py)
                 "ruff>=0.6"],
         # odb inside HF Trainer / TRL / Accelerate (odb.integrations): the versions tested here
         "hf": ["accelerate>=1.16", "trl>=1.16"],
@@ -76,6 +77,7 @@ setup(
         "tensorboard": ["tensorboard>=2.14"],  # (through torch.utils.tensorboard)
         "mlflow": ["mlflow-skinny>=2.10"],  # logging only; the full mlflow package has the UI and server
         "gpu": ["flash-attn>=2.6"],
+        "video": ["av>=18"],  # video files (PyAV, which carries FFmpeg); frame images need only pillow
         "plot": ["matplotlib>=3.7"],
     },
 )
