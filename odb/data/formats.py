@@ -5,11 +5,15 @@
   its path (``{"type": "image", "image": path}``, ``{"type": "image_url", "image_url": {"url":
   path}}``), or ``{"type": "image"}`` with no path (TRL / Hugging Face style: the paths are in a
   top-level ``"images": [...]``, in order). Each image part becomes an ``<image>`` placeholder.
+  A video part (``{"type": "video", "video": path}``, also ``video_url``) carries a video file or
+  a list of frame image paths (optionally ``"fps"``: the frames' rate), or nothing (the videos
+  are then in a top-level ``"videos": [...]``); each becomes a ``<video>`` placeholder.
 * ``sharegpt``: ``{"conversations": [{"from": "human"|"gpt"|"system", "value": "..."}, ...]}``;
   LLaMA-Factory's ``function_call`` turns (the value: a JSON call ``{"name", "arguments"}`` or a
   list of them) become assistant tool calls and its ``observation`` turns tool results.
 * ``llava``: ShareGPT plus ``"image": path`` (or ``"images": [...]``) and ``<image>``
-  placeholders in the turns.
+  placeholders in the turns; video data (LLaVA-Video, LLaMA-Factory) ``"video": path`` (or a list
+  of frame paths) or ``"videos": [...]`` (each a file or a list of frame paths) and ``<video>``.
 
 Tool calls and reasoning reach the chat template as the OpenAI / transformers message format has
 them: an assistant turn's ``tool_calls`` (each ``{"type": "function", "function": {"name",
@@ -33,12 +37,14 @@ placeholder count that differs from the image count (``image_placeholder_mismatc
 no placeholder: it goes before the first user turn (LLaVA files sometimes omit it). In a record
 without images ``<image>`` is plain text (a user may ask about the HTML tag). For a text model
 (``text_only``) a record with images is skipped (``image_for_text_model``), never trained on
-without them.
+without them. Videos follow the same rules with their own reasons (``mixed_video_sources``,
+``video_placeholder_mismatch``; ``video_not_supported`` for a model that takes no video).
 
-:func:`normalize` returns ``Conversation(messages, images, tools)``, with roles system / user /
-assistant / tool and one ``<image>`` placeholder per image, or raises :class:`SkipSample` with a
-reason. A user or assistant turn with no text (and, for the assistant, no tool call and no
-reasoning) is ``empty_content``; an empty system or tool turn is kept as the template renders it.
+:func:`normalize` returns ``Conversation(messages, images, tools, videos)``, with roles system /
+user / assistant / tool and one ``<image>`` placeholder per image (``<video>`` per video), or
+raises :class:`SkipSample` with a reason. A user or assistant turn with no text (and, for the
+assistant, no tool call and no reasoning) is ``empty_content``; an empty system or tool turn is
+kept as the template renders it.
 """
 
 from __future__ import annotations
@@ -47,10 +53,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FORMATS", "IMAGE_PLACEHOLDER", "SKIP_REASONS", "Conversation", "SkipSample", "detect_format", "normalize",
-           "text_of"]
+__all__ = ["FORMATS", "IMAGE_PLACEHOLDER", "SKIP_REASONS", "VIDEO_PLACEHOLDER", "Conversation", "SkipSample",
+           "detect_format", "normalize", "text_of"]
 
 IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
 FORMATS = ("auto", "messages", "sharegpt", "llava")
 _ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
           "model": "assistant", "bot": "assistant", "tool": "tool", "function": "tool", "observation": "tool",
@@ -61,7 +68,8 @@ _TEXT_FIELDS = ("reasoning_content", "thinking", "reasoning", "name", "tool_call
 
 SKIP_REASONS = ("not_json", "not_an_object", "no_messages", "bad_role", "bad_content", "empty_content",
                 "no_assistant_turn", "image_placeholder_mismatch", "mixed_image_sources", "image_for_text_model",
-                "missing_image", "unreadable_image", "image_token_mismatch", "template_mismatch",
+                "missing_image", "unreadable_image", "video_placeholder_mismatch", "mixed_video_sources",
+                "video_not_supported", "missing_video", "unreadable_video", "image_token_mismatch", "template_mismatch",
                 "template_drops_fields", "no_labels", "over_cap", "error")
 """Every :class:`SkipSample` reason, in the order the run's totals count them (metrics, summary)."""
 
@@ -82,6 +90,8 @@ class Conversation:
     messages: list[dict[str, Any]]
     images: list[str] = field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
+    videos: list[dict[str, Any]] = field(default_factory=list)
+    """Each ``{"video": a file path or a list of frame image paths, "fps": the frames' rate or None}``."""
 
 
 def text_of(message: dict[str, Any]) -> str:
@@ -93,7 +103,7 @@ def detect_format(record: dict[str, Any]) -> str:
     if "messages" in record:
         return "messages"
     if "conversations" in record:
-        return "llava" if ("image" in record or "images" in record) else "sharegpt"
+        return "llava" if any(key in record for key in ("image", "images", "video", "videos")) else "sharegpt"
     raise SkipSample("no_messages", "a record needs 'messages' or 'conversations'")
 
 
@@ -107,8 +117,29 @@ def _image_source(part: dict[str, Any]) -> str | None:
     return source
 
 
-def _content(value: Any, part_images: list[str | None]) -> str:
-    """A turn's text; each image part's path (or None) is appended to ``part_images``."""
+def _video_source(part: dict[str, Any]) -> dict[str, Any]:
+    """The video a video part carries (``source`` None when it carries none, TRL style)."""
+    source = part.get("video") or part.get("video_url")
+    if isinstance(source, dict):
+        source = source.get("url")
+    fps = part.get("fps")
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or fps <= 0):
+        raise SkipSample("bad_content", f"a video part whose fps is not a positive number: {part!r:.60}")
+    return {"video": _video_path(source, part), "fps": fps}
+
+
+def _video_path(source: Any, where: Any) -> str | list[str] | None:
+    """A video's file path or its frame images' paths, checked."""
+    if source is None or (isinstance(source, str) and source):
+        return source
+    if isinstance(source, list) and source and all(isinstance(p, str) and p for p in source):
+        return source
+    raise SkipSample("bad_content", f"a video that is not a path or a list of frame paths: {where!r:.60}")
+
+
+def _content(value: Any, part_images: list[str | None], part_videos: list[dict[str, Any]]) -> str:
+    """A turn's text; each image part's path (or None) is appended to ``part_images``, each video
+    part's to ``part_videos``."""
     if isinstance(value, str):
         return value
     if isinstance(value, list):  # OpenAI content parts
@@ -122,6 +153,9 @@ def _content(value: Any, part_images: list[str | None]) -> str:
             elif kind in ("image", "image_url"):
                 part_images.append(_image_source(part))
                 parts.append(IMAGE_PLACEHOLDER)
+            elif kind in ("video", "video_url"):
+                part_videos.append(_video_source(part))
+                parts.append(VIDEO_PLACEHOLDER)
             else:
                 raise SkipSample("bad_content", f"unknown content part {part!r:.60}")
         return "".join(parts)
@@ -182,7 +216,8 @@ def _tools(record: dict[str, Any]) -> list[dict[str, Any]] | None:
             for tool in tools]
 
 
-def _message(turn: dict[str, Any], role: str, text_key: str, part_images: list[str | None]) -> dict[str, Any]:
+def _message(turn: dict[str, Any], role: str, text_key: str, part_images: list[str | None],
+             part_videos: list[dict[str, Any]]) -> dict[str, Any]:
     """One turn as a message: role, content and the fields templates read."""
     raw_role = turn.get("role", turn.get("from"))
     if raw_role == "function_call":  # ShareGPT (LLaMA-Factory): the value is the call
@@ -191,7 +226,8 @@ def _message(turn: dict[str, Any], role: str, text_key: str, part_images: list[s
     value = turn.get(text_key)
     calls = turn.get("tool_calls")
     # a turn that only calls tools: content "" (transformers drops None keys, and e.g. Qwen3's template reads it)
-    message["content"] = "" if value is None and role == "assistant" and calls else _content(value, part_images)
+    only_calls = value is None and role == "assistant" and calls
+    message["content"] = "" if only_calls else _content(value, part_images, part_videos)
     if calls:
         if role != "assistant":
             raise SkipSample("bad_content", f"tool_calls on a {role} turn")
@@ -233,33 +269,68 @@ def normalize(record: dict[str, Any], fmt: str = "auto", *, text_only: bool = Fa
         raise SkipSample("no_messages", f"no '{'messages' if fmt == 'messages' else 'conversations'}' list")
     messages: list[dict[str, Any]] = []
     part_images: list[str | None] = []  # each image part's path, None when it carries none
+    part_videos: list[dict[str, Any]] = []  # each video part's, its "video" None when it carries none
     for turn in turns:
         if not isinstance(turn, dict) or turn.get(role_key) not in _ROLES:
             raise SkipSample("bad_role", f"turn {turn!r:.60}; known roles: {sorted(_ROLES)}")
-        messages.append(_message(turn, _ROLES[turn[role_key]], text_key, part_images))
+        messages.append(_message(turn, _ROLES[turn[role_key]], text_key, part_images, part_videos))
     tools = _tools(record)
     listed = _listed_images(record)
+    listed_videos = _listed_videos(record)
     if text_only and (listed or part_images):
         raise SkipSample("image_for_text_model", f"{max(len(listed), len(part_images))} image(s) for a text-only "
                          "model; train a vision-language model (e.g. Qwen2-VL) or drop the images from the data")
+    if text_only and (listed_videos or part_videos):
+        raise SkipSample("video_not_supported", f"{max(len(listed_videos), len(part_videos))} video(s) for a "
+                         "text-only model; train a video-language model (e.g. Qwen2.5-VL) or drop the videos")
     if not any(m["role"] == "assistant" for m in messages):
         raise SkipSample("no_assistant_turn")
-    own = [path for path in part_images if path is not None]
+    videos = _placed("video", VIDEO_PLACEHOLDER, listed_videos, part_videos, messages)
+    images = _placed("image", IMAGE_PLACEHOLDER, listed, part_images, messages)
+    return Conversation(messages, images, tools, videos)
+
+
+def _listed_videos(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The record's top-level videos: ``"videos"`` (a list, each a file path or a list of frame
+    paths) or ``"video"`` (one: a file path or a list of frame paths)."""
+    if record.get("videos") is not None:
+        found = record["videos"]
+        listed = [found] if isinstance(found, str) else found
+        if not isinstance(listed, list):
+            raise SkipSample("bad_content", f"'videos' must be a list of videos, not {found!r:.60}")
+    elif record.get("video") is not None:
+        listed = [record["video"]]
+    else:
+        return []
+    return [{"video": _video_path(video, video) or _bad_video(video), "fps": None} for video in listed]
+
+
+def _bad_video(video: Any):
+    raise SkipSample("bad_content", f"a video that is not a path or a list of frame paths: {video!r:.60}")
+
+
+def _placed(kind: str, placeholder: str, listed: list, parts: list, messages: list[dict[str, Any]]) -> list:
+    """The record's images or videos (``kind``) in placeholder order: the top-level list's, or the
+    parts' own; one without a placeholder goes before the first user turn."""
+    def carried(item) -> bool:
+        return (item["video"] if kind == "video" else item) is not None
+
+    own = [item for item in parts if carried(item)]
     if listed and own:
-        raise SkipSample("mixed_image_sources", "image parts carry their own paths and the record also has a "
-                         "top-level 'images' list; put every path in its part, or every path in 'images' "
-                         "and none in the parts")
-    if not listed and len(own) < len(part_images):
-        raise SkipSample("image_placeholder_mismatch", f"{len(part_images) - len(own)} image part(s) without a "
-                         "path and no top-level 'images' list to take them from")
-    images = listed or own
-    if not images:  # no image: '<image>' is text
-        return Conversation(messages, [], tools)
-    placeholders = sum(text_of(m).count(IMAGE_PLACEHOLDER) for m in messages)
+        raise SkipSample(f"mixed_{kind}_sources", f"{kind} parts carry their own paths and the record also has a "
+                         f"top-level '{kind}s' list; put every path in its part, or every path in '{kind}s' and none "
+                         "in the parts")
+    if not listed and len(own) < len(parts):
+        raise SkipSample(f"{kind}_placeholder_mismatch", f"{len(parts) - len(own)} {kind} part(s) without a path "
+                         f"and no top-level '{kind}s' list to take them from")
+    found = listed or own
+    if not found:  # none: the placeholder is text
+        return []
+    placeholders = sum(text_of(m).count(placeholder) for m in messages)
     first_user = next((m for m in messages if m["role"] == "user"), None)
-    if len(images) == 1 and placeholders == 0 and first_user:  # LLaVA files sometimes omit it
-        first_user["content"] = IMAGE_PLACEHOLDER + "\n" + first_user["content"]
+    if len(found) == 1 and placeholders == 0 and first_user:  # LLaVA files sometimes omit it
+        first_user["content"] = placeholder + "\n" + first_user["content"]
         placeholders = 1
-    if placeholders != len(images):
-        raise SkipSample("image_placeholder_mismatch", f"{placeholders} <image> for {len(images)} images")
-    return Conversation(messages, images, tools)
+    if placeholders != len(found):
+        raise SkipSample(f"{kind}_placeholder_mismatch", f"{placeholders} {placeholder} for {len(found)} {kind}s")
+    return found

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from odb.data.videos import VideoSpec, video_spec_for
+
 __all__ = ["IMAGE_PAD", "ImageProcessor", "VisionSpec", "expand_placeholders", "vision_spec_for"]
 
 VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
@@ -53,6 +55,7 @@ class VisionSpec:
         processor_config: its settings as JSON (``to_json_string``), pixel bounds applied.
         image_token_id / vision_start_token_id / vision_end_token_id / video_token_id: the model
             config's, where known (None: the Qwen names ``<|image_pad|>`` etc.).
+        video: the model's video processor (:mod:`odb.data.videos`); None where it takes no video.
     """
 
     min_pixels: int = 56 * 56
@@ -66,6 +69,7 @@ class VisionSpec:
     vision_start_token_id: int | None = None
     vision_end_token_id: int | None = None
     video_token_id: int | None = None
+    video: VideoSpec | None = None
 
     def build(self):
         """The transformers image processor this spec stands for (a new one)."""
@@ -97,7 +101,7 @@ class ImageProcessor:
 
 
 def vision_spec_for(config, source: str | Path | None = None, *, min_pixels: int | None = None,
-                    max_pixels: int | None = None) -> VisionSpec | None:
+                    max_pixels: int | None = None, video: dict[str, Any] | None = None) -> VisionSpec | None:
     """The image processor of a vision-language model, as a :class:`VisionSpec`.
 
     Args:
@@ -107,6 +111,7 @@ def vision_spec_for(config, source: str | Path | None = None, *, min_pixels: int
             transformers maps ``config.model_type`` to, with its defaults and the vision tower's
             patch, temporal patch and merge sizes).
         min_pixels / max_pixels: override the processor's pixel bounds; None keeps its own.
+        video: overrides of the video processor's settings (:func:`odb.data.videos.video_spec_for`).
 
     Raises:
         ValueError: the processor's geometry differs from the vision tower's, the bounds are
@@ -131,7 +136,8 @@ def vision_spec_for(config, source: str | Path | None = None, *, min_pixels: int
     return VisionSpec(min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"],
                       patch_size=processor.patch_size, temporal_patch_size=processor.temporal_patch_size,
                       merge_size=processor.merge_size, processor_class=type(processor).__name__,
-                      processor_config=processor.to_json_string(), **ids)
+                      processor_config=processor.to_json_string(),
+                      video=video_spec_for(config, folder, **(video or {})), **ids)
 
 
 def _folder_processor(folder: Path):

@@ -42,11 +42,12 @@ import torch
 from torch.utils.data import Dataset
 
 from odb.batching.cost import count_label_tokens
-from odb.data.formats import FORMATS, IMAGE_PLACEHOLDER, SkipSample, normalize, text_of
+from odb.data.formats import FORMATS, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, SkipSample, normalize, text_of
 from odb.data.images import IMAGE_PAD, VISION_END, VISION_START, ImageProcessor, VisionSpec, expand_placeholders
 from odb.data.labels import TRAIN_ON, LabelledChat, TemplateDropsFields, TemplateMismatch, encode_chat
 from odb.data.sources import Source
 from odb.data.streaming import StreamShards
+from odb.data.videos import Video, expand_video, process_video, read_video
 from odb.settings import ConfigSource, check_bool, check_int, check_number, check_str, flag, load_json_config
 
 __all__ = ["TRUNCATION", "DataConfig", "SampleDataset", "load_data_config", "sample_sizes"]
@@ -82,6 +83,20 @@ class DataConfig:
     """Images are resized to at least this many pixels; None: the model's image processor's own bound."""
     max_pixels: int | None = None
     """Images are resized to at most this many pixels; None: the model's image processor's own bound."""
+    video_fps: float | None = None
+    """Frames sampled per second of video; None: the model's video processor's own rate, else 2."""
+    video_num_frames: int | None = None
+    """Frames sampled per video instead of a rate (None: sample at video_fps)."""
+    video_min_frames: int | None = None
+    """At least this many frames per video; None: the model's video processor's own (4 for Qwen-VL)."""
+    video_max_frames: int | None = None
+    """At most this many frames per video; None: the model's video processor's own (768 for Qwen-VL)."""
+    video_min_pixels: int | None = None
+    """Video frames are resized to at least this many pixels (per frame for Qwen2-VL / Qwen2.5-VL, per
+    clip for Qwen3-VL, as their processors mean it); None: the model's video processor's own."""
+    video_max_pixels: int | None = None
+    """Video frames are resized to at most this many pixels (per frame for Qwen2-VL / Qwen2.5-VL, per
+    clip for Qwen3-VL); None: the model's video processor's own."""
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -101,12 +116,25 @@ class DataConfig:
             raise ValueError("system_prompt_prob > 0 needs system_prompts to choose from")
         if self.image_folder is not None:
             check_str("image_folder", self.image_folder)
-        for name in ("min_pixels", "max_pixels"):
+        for name in ("min_pixels", "max_pixels", "video_num_frames", "video_min_frames", "video_max_frames",
+                     "video_min_pixels", "video_max_pixels"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
+        if self.video_fps is not None:
+            check_number("video_fps", self.video_fps, 0)
+            if self.video_fps <= 0:
+                raise ValueError(f"video_fps must be > 0, got {self.video_fps}")
+        if self.video_fps is not None and self.video_num_frames is not None:
+            raise ValueError("set video_fps or video_num_frames, not both")
         if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
             raise ValueError(f"need min_pixels <= max_pixels, got {self.min_pixels} > {self.max_pixels}")
         object.__setattr__(self, "system_prompts", tuple(self.system_prompts))
+
+    def video_settings(self) -> dict[str, Any]:
+        """The video processor overrides (:func:`odb.data.videos.video_spec_for`)."""
+        return {"fps": self.video_fps, "num_frames": self.video_num_frames, "min_frames": self.video_min_frames,
+                "max_frames": self.video_max_frames, "min_pixels": self.video_min_pixels,
+                "max_pixels": self.video_max_pixels}
 
 
 def load_data_config(path: ConfigSource | None, **overrides: Any) -> DataConfig:
@@ -171,6 +199,8 @@ class SampleDataset(Dataset):
         self._images: ImageProcessor | None = None  # built in the worker on first use
         self.vision_tokens = _vision_tokens(tokenizer, vision) if vision is not None else None
         self.image_pad_id = tokenizer.convert_tokens_to_ids(self.vision_tokens[1]) if vision is not None else None
+        self.video_pad, self.no_video = _video_token(tokenizer, vision) if vision is not None else (None, "")
+        self.video_pad_id = tokenizer.convert_tokens_to_ids(self.video_pad) if self.video_pad is not None else None
 
     def __len__(self) -> int:
         return self.size
@@ -203,7 +233,10 @@ class SampleDataset(Dataset):
 
     def _process(self, uid: int, index: int, value: dict[str, Any]) -> dict[str, Any]:
         conversation = normalize(value, self.config.format, text_only=self.vision is None)
-        messages, images = self._augment_with_images(conversation, random.Random(self.seed * 1_000_003 + uid))
+        if conversation.videos and self.video_pad is None:
+            raise SkipSample("video_not_supported", f"{len(conversation.videos)} video(s) for a model that takes "
+                             f"none here: {self.no_video}")
+        messages, images, videos = self._augment_with_media(conversation, random.Random(self.seed * 1_000_003 + uid))
         sample: dict[str, Any] = {"uid": uid, "index": index, "source": 0, "patches": 0, "truncated_tokens": 0}
         if images:
             assert self.vision is not None, "normalize(text_only=True) lets no image through"
@@ -220,6 +253,8 @@ class SampleDataset(Dataset):
                 expanded.append(message)
             messages = expanded
             sample.update(pixel_values=pixel_values, image_grid_thw=grids, patches=int(grids.prod(dim=1).sum()))
+        if videos:
+            messages = self._add_videos(sample, messages, [self._load_video(video) for video in videos])
         try:
             chat = encode_chat(self.tokenizer, messages, self.config.train_on, tools=conversation.tools)
         except TemplateDropsFields as err:
@@ -228,12 +263,13 @@ class SampleDataset(Dataset):
             raise SkipSample("template_mismatch", str(err)) from None
         input_ids = torch.tensor(chat.input_ids, dtype=torch.long)
         if self.vision is not None:
-            self._check_image_tokens(input_ids, sample.get("image_grid_thw"))
+            self._check_image_tokens(input_ids, sample.get("image_grid_thw"), sample.get("video_grid_thw"))
         keep = torch.zeros_like(input_ids, dtype=torch.bool)
         for start, end in chat.label_spans:
             keep[start:end] = True
-        if self.image_pad_id is not None:
-            keep &= input_ids != self.image_pad_id
+        for pad_id in (self.image_pad_id, self.video_pad_id):
+            if pad_id is not None:
+                keep &= input_ids != pad_id
         labels = torch.where(keep, input_ids, torch.full_like(input_ids, -100))
         if self.truncate_to is not None and len(input_ids) > self.truncate_to:
             kept = self._cut(sample, input_ids, chat)
@@ -245,58 +281,68 @@ class SampleDataset(Dataset):
 
     def _cut(self, sample: dict[str, Any], input_ids: torch.Tensor, chat: LabelledChat) -> int:
         """Where a sample over ``truncate_to`` tokens ends (see the module docstring); records the
-        tokens cut in ``sample["truncated_tokens"]`` and drops the images of the turns cut."""
+        tokens cut in ``sample["truncated_tokens"]`` and drops the images and videos of the turns cut."""
         cap = self.truncate_to
         assert cap is not None and len(input_ids) > cap
         fits = [end for end in chat.turn_ends if end <= cap] if self.config.truncation == "turns" else []
         if fits:
             kept = fits[-1]
-            self._drop_images_after(sample, input_ids, kept)
+            for kind in _MEDIA:
+                self._drop_after(sample, input_ids, kept, kind)
+            sample["patches"] = sum(int(sample[kind.grids].prod(dim=1).sum()) for kind in _MEDIA
+                                    if kind.grids in sample)
         else:
             kept = cap
-            if "image_grid_thw" in sample and bool((input_ids[cap:] == self.image_pad_id).any()):
-                raise SkipSample("over_cap", f"{len(input_ids)} tokens; cutting at {cap} would cut an image")
+            for kind in _MEDIA:
+                if kind.grids in sample and bool((input_ids[cap:] == getattr(self, kind.pad_id)).any()):
+                    raise SkipSample("over_cap", f"{len(input_ids)} tokens; cutting at {cap} would cut {kind.name}")
         sample["truncated_tokens"] = len(input_ids) - kept
         return kept
 
-    def _drop_images_after(self, sample: dict[str, Any], input_ids: torch.Tensor, kept: int) -> None:
-        """Drops the images whose visual tokens all lie at or after token ``kept`` (an end of turn,
-        which never falls inside an image): their ``pixel_values`` and ``image_grid_thw`` rows."""
-        grids = sample.get("image_grid_thw")
+    def _drop_after(self, sample: dict[str, Any], input_ids: torch.Tensor, kept: int, kind: _Media) -> None:
+        """Drops the images (or videos: ``kind``) whose visual tokens all lie at or after token
+        ``kept`` (an end of turn, which never falls inside one): their rows of the sample's tensors."""
+        grids = sample.get(kind.grids)
         if grids is None:
             return
         assert self.vision is not None
         visual_tokens = (grids.prod(dim=1) // self.vision.merge_size ** 2).tolist()
-        kept_tokens = int((input_ids[:kept] == self.image_pad_id).sum())
+        kept_tokens = int((input_ids[:kept] == getattr(self, kind.pad_id)).sum())
         boundaries = list(accumulate(visual_tokens, initial=0))
-        assert kept_tokens in boundaries, "a cut between turns fell inside an image"
-        num_images = boundaries.index(kept_tokens)
-        if num_images == len(visual_tokens):
+        assert kept_tokens in boundaries, f"a cut between turns fell inside {kind.name}"
+        count = boundaries.index(kept_tokens)
+        if count == len(visual_tokens):
             return
-        patches = int(grids[:num_images].prod(dim=1).sum())
-        if num_images == 0:
-            del sample["pixel_values"], sample["image_grid_thw"]
-        else:
-            sample.update(pixel_values=sample["pixel_values"][:patches], image_grid_thw=grids[:num_images])
-        sample["patches"] = patches
+        patches = int(grids[:count].prod(dim=1).sum())
+        for key in kind.keys:
+            if key in sample:
+                if count == 0:
+                    del sample[key]
+                else:
+                    sample[key] = sample[key][:patches if key == kind.pixels else count]
 
-    def _check_image_tokens(self, input_ids: torch.Tensor, grids: torch.Tensor | None) -> None:
-        """Raises ``image_token_mismatch`` unless the tokenized sample holds exactly its images'
-        visual tokens (and no video token): a literal image token in a record's text (or one a chat
-        template adds) would stop the model's forward on every rank, at the M-RoPE step."""
+    def _check_image_tokens(self, input_ids: torch.Tensor, grids: torch.Tensor | None,
+                            video_grids: torch.Tensor | None = None) -> None:
+        """Raises ``image_token_mismatch`` unless the tokenized sample holds exactly its images' and
+        videos' visual tokens (a model that takes no video: no video token): a literal image or video
+        token in a record's text (or one a chat template adds) would stop the model's forward on
+        every rank, at the M-RoPE step."""
         assert self.vision is not None
-        expected = sum(self.vision.visual_tokens(grid) for grid in grids) if grids is not None else 0
-        found = int((input_ids == self.image_pad_id).sum())
-        video = self.vision.video_token_id
-        videos = int((input_ids == video).sum()) if video is not None and video != self.image_pad_id else 0
-        if found != expected or videos:
-            token = self.vision_tokens[1]
-            raise SkipSample("image_token_mismatch", (
-                f"{found} image token(s) {token!r} in the tokenized sample but its "
-                f"{0 if grids is None else len(grids)} image(s) make {expected}" if found != expected else
-                f"{videos} video token(s) in the tokenized sample, which odb gives no video")
-                + "; the record's text holds the model's image or video token literally (or the chat template "
-                "adds one): remove it, or write images as <image> placeholders or image parts")
+        video = self.video_pad_id if self.video_pad_id is not None else self.vision.video_token_id
+        if video == self.image_pad_id:
+            video = None
+        for name, token_id, found_grids in (("image", self.image_pad_id, grids), ("video", video, video_grids)):
+            if token_id is None:
+                continue
+            spelled = self.tokenizer.convert_ids_to_tokens(token_id)
+            expected = sum(self.vision.visual_tokens(grid) for grid in found_grids) if found_grids is not None else 0
+            found = int((input_ids == token_id).sum())
+            if found != expected:
+                raise SkipSample("image_token_mismatch", (
+                    f"{found} {name} token(s) {spelled!r} in the tokenized sample but its "
+                    f"{0 if found_grids is None else len(found_grids)} {name}(s) make {expected}; the record's text "
+                    "holds the model's image or video token literally (or the chat template adds one): remove it, "
+                    "or write images as <image> placeholders (videos as <video>) or content parts"))
 
     def _no_labels(self, chat: LabelledChat, keep: torch.Tensor) -> str:
         """Why a sample has no label token, for the skip's detail."""
@@ -308,17 +354,56 @@ class SampleDataset(Dataset):
                 "labels what the template renders for an assistant turn after its generation prompt); check the "
                 "template renders the assistant turns, or set train_on to 'all'")
 
-    def _augment_with_images(self, conversation, rng: random.Random) -> tuple[list[dict[str, Any]], list[str]]:
-        """The augmented messages and the images of their ``<image>`` placeholders, in order: a
-        turn that augmentation leaves out takes its images with it."""
-        owned, at = [], 0
+    def _augment_with_media(self, conversation, rng: random.Random
+                            ) -> tuple[list[dict[str, Any]], list[str], list[dict[str, Any]]]:
+        """The augmented messages and the images and videos of their placeholders, in order: a turn
+        that augmentation leaves out takes its images and videos with it."""
+        owned, at = [], [0, 0]
         for message in conversation.messages:
-            count = text_of(message).count(IMAGE_PLACEHOLDER) if conversation.images else 0
-            owned.append((message, conversation.images[at:at + count]))
-            at += count
-        by_message = {id(message): paths for message, paths in owned}
+            mine = []
+            for i, (placeholder, items) in enumerate(((IMAGE_PLACEHOLDER, conversation.images),
+                                                      (VIDEO_PLACEHOLDER, conversation.videos))):
+                count = text_of(message).count(placeholder) if items else 0
+                mine.append(items[at[i]:at[i] + count])
+                at[i] += count
+            owned.append((message, mine))
+        by_message = {id(message): mine for message, mine in owned}
         messages = self._augment([m for m, _ in owned], rng)
-        return messages, [p for m in messages for p in by_message.get(id(m), [])]
+        kept = [by_message[id(m)] for m in messages if id(m) in by_message]
+        return messages, [p for mine in kept for p in mine[0]], [v for mine in kept for v in mine[1]]
+
+    def _add_videos(self, sample: dict[str, Any], messages: list[dict[str, Any]], videos: list[Video]
+                    ) -> list[dict[str, Any]]:
+        """Each ``<video>`` placeholder -> its video's tokens; the videos' tensors into ``sample``."""
+        assert self.vision is not None and self.vision.video is not None and self.video_pad is not None
+        tokens = (self.vision_tokens[0], self.video_pad, self.vision_tokens[2])
+        queue = iter(videos)
+        expanded = []
+        for message in messages:
+            if VIDEO_PLACEHOLDER in text_of(message):
+                pieces = message["content"].split(VIDEO_PLACEHOLDER)
+                text = pieces[0] + "".join(expand_video(next(queue), self.vision.video, tokens) + piece
+                                           for piece in pieces[1:])
+                message = {**message, "content": text}
+            expanded.append(message)
+        grids = torch.stack([video.grid for video in videos])
+        sample.update(pixel_values_videos=torch.cat([video.pixel_values for video in videos]), video_grid_thw=grids,
+                      patches=sample["patches"] + int(grids.prod(dim=1).sum()))
+        if self.vision.video.seconds:
+            sample["second_per_grid_ts"] = torch.tensor([video.second_per_grid for video in videos])
+        return expanded
+
+    def _load_video(self, video: dict[str, Any]) -> Video:
+        source = video["video"]
+        resolve = (lambda name: Path(name) if Path(name).is_absolute() else self.image_folder / name)  # noqa: E731
+        path = [resolve(name) for name in source] if isinstance(source, list) else resolve(source)
+        assert self.vision is not None and self.vision.video is not None
+        try:
+            return process_video(read_video(path, self.vision.video, video.get("fps")), self.vision.video)
+        except FileNotFoundError as err:
+            raise SkipSample("missing_video", str(err)) from None
+        except (ValueError, OSError) as err:
+            raise SkipSample("unreadable_video", f"{source}: {err}") from None
 
     def _augment(self, messages: list[dict[str, Any]], rng: random.Random) -> list[dict[str, Any]]:
         config = self.config
@@ -346,6 +431,37 @@ class SampleDataset(Dataset):
         if self._images is None:
             self._images = ImageProcessor(self.vision)
         return self._images(images)
+
+
+@dataclass(frozen=True)
+class _Media:
+    """Where a sample keeps one kind of visual input."""
+
+    name: str
+    pad_id: str  # the SampleDataset attribute holding its token id
+    grids: str
+    pixels: str
+    keys: tuple[str, ...]
+
+
+_MEDIA = (_Media("an image", "image_pad_id", "image_grid_thw", "pixel_values", ("pixel_values", "image_grid_thw")),
+          _Media("a video", "video_pad_id", "video_grid_thw", "pixel_values_videos",
+                 ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")))
+
+
+def _video_token(tokenizer, vision: VisionSpec) -> tuple[str | None, str]:
+    """The video token as the tokenizer spells it (the model config's ``video_token_id``), or None
+    and why the model takes no video here (the reason a record with a video is skipped)."""
+    if vision.video is None:
+        return None, "odb knows no video processor for its model type (Qwen2-VL, Qwen2.5-VL and Qwen3-VL take videos)"
+    token_id = vision.video_token_id
+    name = tokenizer.convert_ids_to_tokens(token_id) if token_id is not None else None
+    if token_id is None or name is None or token_id == vision.image_token_id or \
+            tokenizer.convert_tokens_to_ids(name) != token_id:
+        return None, (f"its video token (video_token_id {token_id}) is not a token of its own in the tokenizer "
+                      f"(which spells it {name!r}; the image token is {vision.image_token_id}): use the model's own "
+                      "tokenizer (--tokenizer), which has <|video_pad|>")
+    return name, ""
 
 
 def _vision_tokens(tokenizer, vision: VisionSpec) -> tuple[str, str, str]:

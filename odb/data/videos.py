@@ -15,7 +15,8 @@ family's processor step by step:
   that many. odb always samples (a 10-minute clip decoded whole would be tens of thousands of
   frames): at the data config's ``video_fps``, else the processor's own ``fps``, else 2 (the
   Qwen-VL reference, qwen-vl-utils). A list of frame images is taken as already sampled, at
-  the part's ``fps`` (else ``video_fps``, else 2); only ``max_frames`` thins it.
+  the part's ``fps`` (else ``video_fps``, else 2), every frame (the last repeated to fill a group),
+  thinned only to ``max_frames``.
 * **Size**: one ``smart_resize`` for the whole clip (``size`` bounds: per frame for Qwen2-VL, per
   clip for Qwen3-VL, as each processor means them; ``cap_pixels_per_frame`` as the folder sets it),
   bicubic with antialiasing on the 8-bit frames (torch's own ``interpolate``, which is what
@@ -101,8 +102,10 @@ class VideoSpec:
             if not 0 < n <= total:
                 raise ValueError(f"a video of {total} frames cannot give {n} frames in groups of {t}")
             return torch.arange(0, total, total / n).int().tolist()
-        n = self.num_frames if self.num_frames is not None else int(total / native_fps * self._fps())
-        n = min(max(n, self.min_frames), self.max_frames, total)
+        if self.num_frames is not None:  # as transformers: that many, repeated where the video has fewer
+            n = self.num_frames
+        else:
+            n = min(max(int(total / native_fps * self._fps()), self.min_frames), self.max_frames, total)
         if n < t:
             raise ValueError(f"a video of {total} frames is shorter than one group of {t} frames")
         return np.linspace(0, total - 1, n).round().astype(int).tolist()
@@ -229,12 +232,7 @@ def _read_frames(source: str | Path | list[str | Path], spec: VideoSpec, fps: fl
     if not paths:
         raise ValueError(f"no frame images ({', '.join(_FRAME_SUFFIXES)}) in {source}")
     rate = float(fps) if fps is not None else spec._fps()
-    t = spec.temporal_patch_size
-    keep = min(len(paths), spec.max_frames)
-    if spec.family == "qwen2":
-        keep = keep // t * t
-    if keep < t:
-        raise ValueError(f"{len(paths)} frame(s): fewer than one group of {t}")
+    keep = min(len(paths), spec.max_frames)  # as transformers takes frames already sampled: all of them
     wanted = np.linspace(0, len(paths) - 1, keep).round().astype(int).tolist() if keep < len(paths) \
         else list(range(len(paths)))
     frames = []

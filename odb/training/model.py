@@ -176,7 +176,7 @@ def vision_spec(model, data_config, source: str | Path | None = None) -> VisionS
 
     Args:
         model: the model (PEFT-wrapped or not).
-        data_config: its ``min_pixels`` / ``max_pixels`` (None: the model's own).
+        data_config: its ``min_pixels`` / ``max_pixels`` and video settings (None: the model's own).
         source: the run's ``--model`` (a folder: its preprocessor_config.json; a config JSON: the
             family's processor). Default: the folder the model was loaded from, where it was. Pass
             it in a run: a rank that builds the model from its config alone does not know the folder.
@@ -185,7 +185,8 @@ def vision_spec(model, data_config, source: str | Path | None = None) -> VisionS
     if source is None:
         loaded_from = getattr(config, "_name_or_path", "") or ""
         source = loaded_from if loaded_from and Path(loaded_from).is_dir() else None
-    return vision_spec_for(config, source, min_pixels=data_config.min_pixels, max_pixels=data_config.max_pixels)
+    return vision_spec_for(config, source, min_pixels=data_config.min_pixels, max_pixels=data_config.max_pixels,
+                           video=data_config.video_settings())
 
 
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "H20": 148e12, "A100": 312e12, "A800": 312e12,

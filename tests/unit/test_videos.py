@@ -1,0 +1,323 @@
+"""Videos in the data: odb/data/videos.py against transformers' own video processing code, and
+video records through SampleDataset into the model's own forward.
+
+transformers' Qwen-VL video processors import torchvision, which cannot be installed beside this
+machine's torch; their functions (frame sampling, smart_resize, patchify, Qwen3-VL's timestamps)
+and class defaults are read here from transformers' installed source with ``ast`` and run on their
+own. The resize and normalization against the whole processor: tools/check_video_processor.py
+(docs/vision.md)."""
+
+import ast
+import copy
+import importlib.util
+import json
+import math
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import av
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from tokenizers import AddedToken
+from transformers import AutoConfig, AutoModelForImageTextToText
+
+from conftest import bundled_tokenizer
+from launch import ROOT
+from odb.data.feed import DataError, SampleFeed
+from odb.data.processing import DataConfig, SampleDataset, sample_sizes
+from odb.data.videos import VIDEO_FAMILIES, Clip, VideoSpec, process_video, read_video
+from odb.training.model import build_model, vision_spec
+
+TRANSFORMERS = Path(importlib.util.find_spec("transformers").origin).parent
+QWEN2 = TRANSFORMERS / "models" / "qwen2_vl" / "video_processing_qwen2_vl.py"
+QWEN3 = TRANSFORMERS / "models" / "qwen3_vl" / "video_processing_qwen3_vl.py"
+
+
+def their(path: Path, name: str, cls: str | None = None):
+    """transformers' function ``name`` (a method of ``cls``), compiled alone from its source."""
+    tree = ast.parse(path.read_text())
+    scope = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body if cls else tree.body
+    node = copy.deepcopy(next(n for n in scope if isinstance(n, ast.FunctionDef) and n.name == name))
+    for sub in ast.walk(node):  # annotations name classes this namespace does not import
+        if isinstance(sub, ast.arg):
+            sub.annotation = None
+        if isinstance(sub, ast.FunctionDef):
+            sub.returns = None
+    namespace = {"math": math, "np": np, "torch": torch, "logger": SimpleNamespace(warning=print)}
+    exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace)
+    return namespace[name]
+
+
+def their_defaults(path: Path, cls: str) -> dict:
+    from transformers import image_utils
+
+    tree = ast.parse(path.read_text())
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
+    out = {}
+    for node in body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            try:
+                out[node.targets[0].id] = eval(compile(ast.Expression(node.value), "", "eval"), vars(image_utils))
+            except NameError:
+                pass
+    return out
+
+
+@pytest.mark.parametrize("family, path, cls", [("qwen2", QWEN2, "Qwen2VLVideoProcessor"),
+                                               ("qwen3", QWEN3, "Qwen3VLVideoProcessor")])
+def test_family_defaults_are_transformers_own(family, path, cls):
+    theirs = their_defaults(path, cls)
+    ours = VIDEO_FAMILIES[family]
+    assert (ours["min_pixels"], ours["max_pixels"]) == (theirs["size"]["shortest_edge"], theirs["size"]["longest_edge"])
+    assert ours["image_mean"] == tuple(theirs["image_mean"]) and ours["image_std"] == tuple(theirs["image_std"])
+    for key in ("patch_size", "temporal_patch_size", "merge_size", "min_frames", "max_frames", "max_video_tokens"):
+        assert ours[key] == theirs[key], key
+    assert ours["fps"] == theirs.get("fps") and ours["num_frames"] == theirs.get("num_frames")
+
+
+@pytest.mark.parametrize("family, path, cls", [("qwen2", QWEN2, "Qwen2VLVideoProcessor"),
+                                               ("qwen3", QWEN3, "Qwen3VLVideoProcessor")])
+def test_frame_indices_are_transformers_own(family, path, cls):
+    sample_frames = their(path, "sample_frames", cls)
+    checked = 0
+    for total in (5, 8, 31, 240, 1000):
+        for native in (3.0, 24.0, 29.97):
+            for fps, num_frames, low, high in ((2.0, None, 4, 768), (0.5, None, 4, 768), (8.0, None, 2, 16),
+                                               (None, 6, 4, 768), (None, 9, 4, 768)):
+                spec = VideoSpec(family=family, fps=fps, num_frames=num_frames, min_frames=low, max_frames=high)
+                me = SimpleNamespace(fps=fps, num_frames=num_frames, min_frames=low, max_frames=high,
+                                     temporal_patch_size=2)
+                metadata = SimpleNamespace(total_num_frames=total, fps=native)
+                try:
+                    expected = [int(i) for i in sample_frames(me, metadata, fps=fps, num_frames=num_frames)]
+                except (ValueError, ZeroDivisionError):
+                    with pytest.raises(ValueError):
+                        spec.frame_indices(total, native)
+                    continue
+                assert spec.frame_indices(total, native) == expected, (total, native, fps, num_frames, low, high)
+                checked += 1
+    assert checked > 60  # of 75: the rest are too short for the rule, and raise in both
+
+
+@pytest.mark.parametrize("family, path", [("qwen2", QWEN2), ("qwen3", QWEN3)])
+def test_clip_sizes_are_transformers_smart_resize(family, path):
+    smart_resize = their(path, "smart_resize")
+    factor = 28 if family == "qwen2" else 32
+    for frames in (2, 4, 7, 64):
+        for height, width in ((60, 90), (224, 224), (1080, 1920), (20, 500), (480, 36)):
+            for low, high in ((128 * factor ** 2, 768 * factor ** 2), (4 * factor ** 2, 12 * factor ** 2),
+                              (4 * factor ** 2, 64 * 12 * factor ** 2)):
+                spec = VideoSpec(family=family, patch_size=factor // 2, min_pixels=low, max_pixels=high)
+                if family == "qwen2":
+                    expected = smart_resize(height, width, factor=factor, min_pixels=low, max_pixels=high)
+                else:
+                    expected = smart_resize(frames, height, width, 2, factor, low, high)
+                assert spec.resized(frames, height, width) == expected, (frames, height, width, low, high)
+
+
+@pytest.mark.parametrize("family, path", [("qwen2", QWEN2), ("qwen3", QWEN3)])
+@pytest.mark.parametrize("frames", [4, 5])
+def test_patches_and_times_are_transformers_own(family, path, frames):
+    """A clip already at its resized size: normalize by hand, then transformers' patchify."""
+    patchify = their(path, "patchify", "Qwen2VLVideoProcessor" if family == "qwen2" else "Qwen3VLVideoProcessor")
+    spec = VideoSpec(family=family, **{**VIDEO_FAMILIES[family], "fps": 2.0, "min_pixels": 1, "max_pixels": 10 ** 9},
+                     seconds=True)
+    size = 4 * spec.patch_size * spec.merge_size
+    pixels = np.random.default_rng(0).integers(0, 256, (frames, size, size, 3), dtype=np.uint8)
+    clip = Clip(pixels, [0, 3, 7, 10, 13][:frames], 6.0, 15)
+    assert spec.resized(frames, size, size) == (size, size)
+    video = process_video(clip, spec)
+    mean, std = torch.tensor(spec.image_mean).view(1, 1, 3, 1, 1), torch.tensor(spec.image_std).view(1, 1, 3, 1, 1)
+    normalized = (torch.from_numpy(pixels).permute(0, 3, 1, 2)[None].float() / 255 - mean) / std
+    expected, t, h, w = patchify(None, normalized, spec.patch_size, spec.merge_size, spec.temporal_patch_size)
+    assert video.grid.tolist() == [t, h, w]
+    torch.testing.assert_close(video.pixel_values, expected[0], atol=1e-5, rtol=0)
+    calculate = their(TRANSFORMERS / "models" / "qwen3_vl" / "processing_qwen3_vl.py", "_calculate_timestamps",
+                      "Qwen3VLProcessor")
+    assert video.group_seconds == pytest.approx(calculate(None, list(clip.indices), clip.fps, 2))
+    assert video.second_per_grid == pytest.approx(2 / (frames / 15 * 6.0))  # Qwen2.5-VL's processor
+
+
+def write_clip(path: Path, frames: int = 12, height: int = 60, width: int = 90, fps: int = 6) -> list[np.ndarray]:
+    """An MPEG-4 clip of random frames; returns the frames as decoded back."""
+    rng = np.random.default_rng(frames)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for _ in range(frames):
+            image = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    with av.open(str(path)) as container:
+        return [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+
+
+def test_read_video_keeps_the_sampled_frames_of_a_file_and_a_folder(tmp_path):
+    decoded = write_clip(tmp_path / "clip.mp4", frames=12)
+    spec = VideoSpec(family="qwen2", fps=2.0)
+    clip = read_video(tmp_path / "clip.mp4", spec)
+    assert (clip.total, clip.fps, clip.indices) == (12, 6.0, [0, 3, 6, 9])
+    assert all(np.array_equal(frame, decoded[i]) for frame, i in zip(clip.frames, clip.indices, strict=True))
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    for i, frame in enumerate(decoded[:7]):
+        Image.fromarray(frame).save(folder / f"{i:03d}.png")
+    clip = read_video(folder, VideoSpec(family="qwen2", max_frames=768), fps=1.0)
+    assert (clip.total, clip.fps, clip.indices) == (7, 1.0, list(range(7)))  # all: already sampled
+    assert process_video(clip, VideoSpec(family="qwen2", min_pixels=1)).grid[0] == 4  # the last frame repeated
+    clip = read_video(folder, VideoSpec(family="qwen2", max_frames=4))
+    assert clip.indices == [0, 2, 4, 6]
+    assert all(np.array_equal(frame, decoded[i]) for frame, i in zip(clip.frames, clip.indices, strict=True))
+    clip = read_video([folder / "000.png", folder / "001.png", folder / "002.png"], VideoSpec(family="qwen3"))
+    assert (clip.total, clip.fps, clip.indices) == (3, 2.0, [0, 1, 2])
+
+
+# --- video records through SampleDataset, into the model's own forward
+
+TOKENIZER = bundled_tokenizer()
+VIDEO_TOKENIZER = copy.deepcopy(TOKENIZER)
+VIDEO_TOKENIZER.add_tokens([AddedToken("<|video_pad|>", special=True, normalized=False)])
+VIDEO_ID = VIDEO_TOKENIZER.convert_tokens_to_ids("<|video_pad|>")
+IDS = {"image_token_id": 7, "video_token_id": VIDEO_ID, "vision_start_token_id": 5, "vision_end_token_id": 6}
+TEXT = {"vocab_size": len(VIDEO_TOKENIZER), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "pad_token_id": 0, "eos_token_id": 1,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
+VISION = {"depth": 1, "hidden_size": 64, "num_heads": 4, "patch_size": 14, "spatial_merge_size": 2,
+          "temporal_patch_size": 2, "in_channels": 3}
+FAMILIES = {
+    "qwen2_vl": ({"model_type": "qwen2_vl_text"}, {"model_type": "qwen2_vl", "embed_dim": 64, "mlp_ratio": 2}),
+    "qwen2_5_vl": ({"model_type": "qwen2_5_vl_text"}, {"model_type": "qwen2_5_vl", "intermediate_size": 128,
+                                                       "out_hidden_size": 64, "window_size": 56,
+                                                       "fullatt_block_indexes": [0]}),
+    "qwen3_vl": ({"model_type": "qwen3_vl_text"}, {"model_type": "qwen3_vl", "intermediate_size": 128,
+                                                   "out_hidden_size": 64, "num_position_embeddings": 64,
+                                                   "deepstack_visual_indexes": [0]}),
+}
+SMALL = DataConfig(video_fps=2.0, video_min_pixels=4 * 28 * 28, video_max_pixels=8 * 28 * 28, min_pixels=4 * 28 * 28,
+                   max_pixels=8 * 28 * 28)
+
+
+def vl_model(family: str):
+    text, vision = FAMILIES[family]
+    config = AutoConfig.for_model(model_type=family, text_config={**TEXT, **text}, vision_config={**VISION, **vision},
+                                  **IDS)
+    torch.manual_seed(0)
+    return AutoModelForImageTextToText.from_config(config, attn_implementation="eager").eval()
+
+
+def media(tmp_path: Path) -> None:
+    write_clip(tmp_path / "clip.mp4", frames=12)
+    write_clip(tmp_path / "long.mp4", frames=30, height=40, width=70, fps=10)
+    (tmp_path / "frames").mkdir()
+    rng = np.random.default_rng(3)
+    for i in range(4):
+        Image.fromarray(rng.integers(0, 256, (56, 56, 3), dtype=np.uint8)).save(tmp_path / "frames" / f"{i}.jpg")
+    Image.new("RGB", (56, 84), (200, 10, 10)).save(tmp_path / "red.png")
+
+
+def video_part(path=None, **extra):
+    return {"type": "video", **({"video": path} if path is not None else {}), **extra}
+
+
+RECORDS = [
+    {"messages": [{"role": "user", "content": [video_part("clip.mp4"), {"type": "text", "text": "What moves?"}]},
+                  {"role": "assistant", "content": "A square."}]},
+    {"conversations": [{"from": "human", "value": "<video>\nDescribe."}, {"from": "gpt", "value": "Noise."}],
+     "video": "frames"},
+    {"messages": [{"role": "user", "content": [{"type": "image", "image": "red.png"}, video_part(),
+                                               {"type": "text", "text": "Same?"}, video_part()]},
+                  {"role": "assistant", "content": "No."}], "videos": ["long.mp4", ["frames/0.jpg", "frames/1.jpg"]]},
+]
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_video_records_become_samples_the_model_takes(tmp_path, family):
+    """Every video style gives a sample whose video tokens match its grids as the family lays
+    them out, unlabelled, with its patches counted, and which the model's own forward takes (it
+    raises where tokens and video features differ, and builds its M-RoPE from them)."""
+    media(tmp_path)
+    model = vl_model(family)
+    vision = vision_spec(model, SMALL, source=None)
+    dataset = SampleDataset(write_jsonl(tmp_path / "d.jsonl", RECORDS), VIDEO_TOKENIZER, SMALL, vision=vision)
+    for index, videos in enumerate((1, 1, 2)):
+        sample = dataset[index]
+        assert "skip" not in sample, sample
+        grids = sample["video_grid_thw"]
+        assert len(grids) == videos and len(sample["pixel_values_videos"]) == int(grids.prod(dim=1).sum())
+        ids = sample["input_ids"]
+        assert int((ids == VIDEO_ID).sum()) == int(grids.prod(dim=1).sum()) // 4
+        assert bool((sample["labels"][ids == VIDEO_ID] == -100).all())
+        images = int(sample["image_grid_thw"].prod(dim=1).sum()) if "image_grid_thw" in sample else 0
+        assert sample["patches"] == images + int(grids.prod(dim=1).sum())
+        text = VIDEO_TOKENIZER.decode(ids)
+        assert (" seconds>" in text) == (family == "qwen3_vl")
+        assert ("second_per_grid_ts" in sample) == (family == "qwen2_5_vl")
+        inputs = {k: sample[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+                                         "second_per_grid_ts") if k in sample}
+        inputs["mm_token_type_ids"] = ((ids == 7).long() + 2 * (ids == VIDEO_ID).long())[None]
+        with torch.no_grad():
+            out = model(input_ids=ids[None], labels=sample["labels"][None], **inputs)
+        assert torch.isfinite(out.loss)
+    assert dataset[1]["video_grid_thw"][0, 0] == 2  # 4 frame images: 2 groups of 2
+
+
+def test_bad_videos_are_skipped_with_their_reason_and_strict_names_them(tmp_path):
+    media(tmp_path)
+    (tmp_path / "broken.mp4").write_bytes(b"not a video at all" * 20)
+    answer = {"role": "assistant", "content": "x"}
+    rows = [
+        {"messages": [{"role": "user", "content": [video_part("gone.mp4")]}, answer]},
+        {"messages": [{"role": "user", "content": [video_part("broken.mp4")]}, answer]},
+        {"messages": [{"role": "user", "content": [video_part(), video_part()]}, answer], "videos": ["clip.mp4"]},
+        {"messages": [{"role": "user", "content": [video_part("clip.mp4")]}, answer], "videos": ["clip.mp4"]},
+        {"messages": [{"role": "user", "content": "hi"}, answer]},
+    ]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    vision = vision_spec(vl_model("qwen2_vl"), SMALL)
+    feed = SampleFeed(SampleDataset(path, VIDEO_TOKENIZER, SMALL, vision=vision), sample_sizes, num_workers=0)
+    feed.deal(list(range(5)))
+    costs = feed.fetch(list(range(5)))
+    assert [c is None for c in costs] == [True, True, True, True, False]
+    assert feed.skipped == Counter(missing_video=1, unreadable_video=1, video_placeholder_mismatch=1,
+                                   mixed_video_sources=1)
+    # a text model, and a VL model whose tokenizer has no video token of its own (the bundled one)
+    text_model = build_model(ROOT / "configs" / "tiny_model.json", seed=0, vocab_size=len(TOKENIZER))
+    for tokenizer, model in ((TOKENIZER, text_model), (TOKENIZER, build_model(ROOT / "configs" / "tiny_vl_model.json",
+                                                                               seed=0, vocab_size=len(TOKENIZER)))):
+        dataset = SampleDataset(path, tokenizer, SMALL, vision=vision_spec(model, SMALL))
+        skipped = dataset[0]
+        assert skipped["skip"] == "video_not_supported", skipped
+    strict = SampleFeed(SampleDataset(path, VIDEO_TOKENIZER, DataConfig(strict=True, video_fps=2.0), vision=vision),
+                        sample_sizes, num_workers=0)
+    strict.deal([1])
+    with pytest.raises(DataError, match=r"d\.jsonl:2: unreadable_video: broken\.mp4"):
+        strict.fetch([1])
+
+
+def test_truncation_by_turns_drops_the_videos_of_the_turns_it_cuts(tmp_path):
+    media(tmp_path)
+    record = {"messages": [{"role": "user", "content": [video_part("frames"), {"type": "text", "text": "One?"}]},
+                           {"role": "assistant", "content": "Yes."},
+                           {"role": "user", "content": [video_part("long.mp4"), {"type": "text", "text": "Two?"}]},
+                           {"role": "assistant", "content": "Also."}]}
+    path = write_jsonl(tmp_path / "d.jsonl", [record])
+    vision = vision_spec(vl_model("qwen2_5_vl"), SMALL)
+    whole = SampleDataset(path, VIDEO_TOKENIZER, SMALL, vision=vision)[0]
+    assert len(whole["video_grid_thw"]) == 2
+    cap = len(whole["input_ids"]) - 1
+    cut = SampleDataset(path, VIDEO_TOKENIZER, SMALL, vision=vision, truncate_to=cap)[0]
+    first = whole["video_grid_thw"][:1]
+    assert torch.equal(cut["video_grid_thw"], first) and len(cut["second_per_grid_ts"]) == 1
+    assert torch.equal(cut["pixel_values_videos"], whole["pixel_values_videos"][:int(first.prod())])
+    assert cut["patches"] == int(first.prod()) and cut["truncated_tokens"] > 0
+    assert int((cut["input_ids"] == VIDEO_ID).sum()) == int(first.prod()) // 4
