@@ -5,7 +5,7 @@ transformers' Qwen-VL video processors import torchvision, which cannot be insta
 machine's torch; their functions (frame sampling, smart_resize, patchify, Qwen3-VL's timestamps)
 and class defaults are read here from transformers' installed source with ``ast`` and run on their
 own. The resize and normalization against the whole processor: tools/check_video_processor.py
-(docs/vision.md)."""
+(docs/training.md#videos)."""
 
 import ast
 import copy
