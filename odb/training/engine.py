@@ -73,7 +73,7 @@ from odb.training.loss import (
 )
 from odb.training.model import hf_model
 from odb.training.moe import router_loss
-from odb.training.mrope import mm_token_types, packed_position_ids
+from odb.training.mrope import packed_position_ids, padded_position_ids, videos_as_images
 from odb.training.sequence_parallel import SequenceParallel, receive
 
 __all__ = ["OdbEngine", "StepResult", "StepTally", "sample_source", "token_loss_sum", "BLANK_IMAGE_TOKENS"]
@@ -323,9 +323,10 @@ class OdbEngine:
             batch["position_ids"] = packed_position_ids(self.model, batch["input_ids"], batch["cu_seq_lens_q"],
                                                         batch.get("image_grid_thw"), batch.get("video_grid_thw"),
                                                         batch.get("second_per_grid_ts"))
-        elif self.vision is not None:  # padded rows: the model derives its rotary positions from the mask
-            del batch["position_ids"]
-            batch["mm_token_type_ids"] = mm_token_types(batch["input_ids"], self.model.config)
+        elif self.vision is not None:  # padded rows: the model's own positions, made here from the videos' tokens
+            batch["position_ids"] = padded_position_ids(self.model, batch)
+        if self.vision is not None:  # one vision-tower call per micro-batch (odb.training.mrope)
+            videos_as_images(batch, self.model.config)
         # a dummy (the blank image alone) has no real token: its router loss over every token, weighed 0
         real = None if is_dummy else _real_tokens(batch, blank=blank)
         summed, aux = self._call(batch, labels, router=router, real_tokens=real, split=split)
@@ -413,11 +414,12 @@ class OdbEngine:
         return summed
 
     def _needs_blank(self, samples: Sequence[dict[str, Any]]) -> bool:
-        """A micro-batch without images gets one tiny blank image as a sample of its own, the last
+        """A micro-batch without images or videos gets one tiny blank image as a sample of its own, the last
         (its labels all -100, its attention its own): every rank then runs the model's modules in the
         same order in every micro-batch (embeddings, vision tower, language model), which ZeRO-3's and
         FSDP2's per-module parameter gathers need, and every rank has vision gradients to reduce."""
-        return self.vision is not None and not any(s.get("pixel_values") is not None for s in samples)
+        return self.vision is not None and not any(s.get("pixel_values") is not None or
+                                                   s.get("pixel_values_videos") is not None for s in samples)
 
     def _blank_image(self) -> dict[str, torch.Tensor]:
         if self._blank is None:

@@ -4,6 +4,15 @@ Packed rows need each sample's M-RoPE computed on its own: :func:`packed_positio
 ``[4, 1, T]`` positions transformers' Qwen2-VL family accepts for packed input (row 0: text
 positions restarting per sample; rows 1-3: M-RoPE). :func:`supports_packing` says whether odb
 knows a model's rotary positions (else the run trains padded micro-batches).
+:func:`padded_position_ids` is the model's own computation for padded rows, made before the call.
+
+Once the positions are known, :func:`videos_as_images` hands a micro-batch's videos to the model
+as images: one vision-tower call per micro-batch whatever it holds. The tower treats an image and
+a video alike (patches and their ``(t, h, w)`` grid; attention within each); what differs is only
+the positions (made above from the video tokens) and which embeddings the features replace (now
+the image tokens, which were the video tokens, in the same order). Every rank then calls the
+tower once per micro-batch, as ZeRO-3's and FSDP2's per-module gathers need, with or without
+videos (a micro-batch with neither gets the blank image, :mod:`odb.training.engine`).
 """
 
 from __future__ import annotations
@@ -12,7 +21,7 @@ import torch
 
 from odb.training.model import hf_model
 
-__all__ = ["mm_token_types", "packed_position_ids", "supports_packing"]
+__all__ = ["mm_token_types", "packed_position_ids", "padded_position_ids", "supports_packing", "videos_as_images"]
 
 
 def supports_packing(model) -> bool:
@@ -75,3 +84,42 @@ def packed_position_ids(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor
         text = torch.arange(end - start, device=input_ids.device)[None, None]
         rows.append(torch.cat([text, mrope.to(input_ids.device)], dim=0))
     return torch.cat(rows, dim=2)
+
+
+def padded_position_ids(model, batch: dict) -> torch.Tensor:
+    """``[3, B, L]`` M-RoPE positions of padded rows: the model's own ``get_rope_index`` over the
+    batch, with the arguments its forward gives it (Qwen2.5-VL: the videos' seconds too)."""
+    extra = {"second_per_grid_ts": batch["second_per_grid_ts"]} if batch.get("second_per_grid_ts") is not None else {}
+    positions, _ = model.model.get_rope_index(
+        batch["input_ids"], mm_token_type_ids=mm_token_types(batch["input_ids"], model.config),
+        image_grid_thw=batch.get("image_grid_thw"), video_grid_thw=batch.get("video_grid_thw"),
+        attention_mask=batch.get("attention_mask"), **extra)
+    return positions
+
+
+def videos_as_images(batch: dict, config) -> None:
+    """Moves ``batch``'s videos into its images, in place (the module docstring): their patches and
+    grids join the images' in the order their tokens come in the rows, and their tokens become
+    image tokens. Call it after the positions are made."""
+    if batch.get("pixel_values_videos") is None:
+        return
+    ids, merge = batch["input_ids"], config.vision_config.spatial_merge_size
+    items = []  # (first token, patches, grid) of every image and video
+    for pixels, grids, token in (("pixel_values", "image_grid_thw", config.image_token_id),
+                                 ("pixel_values_videos", "video_grid_thw", config.video_token_id)):
+        if batch.get(grids) is None:
+            continue
+        at = (ids.flatten() == token).nonzero().flatten().tolist()
+        sizes = batch[grids].prod(dim=1).tolist()
+        token_at = patch_at = 0
+        for grid, size in zip(batch[grids], sizes):
+            if token_at >= len(at):
+                raise ValueError(f"the micro-batch has fewer tokens {token} than its {grids} hold")
+            items.append((at[token_at], batch[pixels][patch_at:patch_at + size], grid))
+            token_at, patch_at = token_at + size // (merge * merge), patch_at + size
+    items.sort(key=lambda item: item[0])
+    batch["pixel_values"] = torch.cat([patches for _, patches, _ in items])
+    batch["image_grid_thw"] = torch.stack([grid for _, _, grid in items])
+    batch["input_ids"] = torch.where(ids == config.video_token_id, config.image_token_id, ids)
+    for key in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+        batch.pop(key, None)

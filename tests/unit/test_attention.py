@@ -313,6 +313,21 @@ def test_packed_row_with_videos_matches_eager_on_each_sample_alone(family):
 
 
 @pytest.mark.parametrize("family", sorted(VL_FAMILIES))
+def test_the_vision_tower_runs_once_per_micro_batch_whatever_it_holds(family):
+    """ZeRO-3 and FSDP2 gather the tower's parameters per call: every rank must call it as often
+    as its peers in every micro-batch. Images and videos, videos alone, images alone and text
+    alone (the blank image) each make one call."""
+    model = build(family, attention.register())
+    calls = []
+    model.model.visual.register_forward_hook(lambda *_: calls.append(1))
+    videos = video_samples(family)
+    for samples in (videos, videos[:1], [image_sample((1, 4, 4), 5, 7)], text_samples((12,), 3)):
+        calls.clear()
+        engine_logits(model, samples)
+        assert len(calls) == 1, (len(samples), len(calls))
+
+
+@pytest.mark.parametrize("family", sorted(VL_FAMILIES))
 def test_a_vision_models_micro_batch_without_images_matches_eager(family):
     """odb adds a blank image to a vision model's micro-batch that has none (the vision tower runs
     on every rank alike): the text samples' logits, loss and gradients stay each sample's alone;
