@@ -293,14 +293,14 @@ def normalize(record: dict[str, Any], fmt: str = "auto", *, text_only: bool = Fa
 def _listed_videos(record: dict[str, Any]) -> list[dict[str, Any]]:
     """The record's top-level videos: ``"videos"`` (a list, each a file path or a list of frame
     paths) or ``"video"`` (one: a file path or a list of frame paths)."""
-    if record.get("videos") is not None:
+    if record.get("videos") not in (None, "", []):
         found = record["videos"]
         listed = [found] if isinstance(found, str) else found
         if not isinstance(listed, list):
             raise SkipSample("bad_content", f"'videos' must be a list of videos, not {found!r:.60}")
-    elif record.get("video") is not None:
+    elif record.get("video") not in (None, "", []):
         listed = [record["video"]]
-    else:
+    else:  # absent, null (as Parquet fills absent fields) or empty
         return []
     return [{"video": _video_path(video, video) or _bad_video(video), "fps": None} for video in listed]
 

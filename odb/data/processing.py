@@ -4,26 +4,30 @@ The true cost of a sample (tokens after templating, augmentation and image -> vi
 expansion; vision patches) is known only here; the batcher sees it through :func:`sample_sizes`.
 A record that cannot be a sample is skipped and counted by reason (:data:`odb.data.formats.SKIP_REASONS`); with
 ``strict`` it stops the run with its file, line and reason instead, on every rank. A text model
-(``vision=None``) skips records with images (``image_for_text_model``) rather than training on
-their text alone, and reads ``<image>`` as text.
+(``vision=None``) skips records with images (``image_for_text_model``) or videos
+(``video_not_supported``) rather than training on their text alone, and reads ``<image>`` as text.
+Videos (:mod:`odb.data.videos`) are read, sampled and processed here too, as the model's own video
+processor does.
 
 Labels come from :mod:`odb.data.labels`, which finds the assistant turns (their tool calls and
 reasoning too) with any chat template (``DataConfig.train_on``); a record's ``tools`` reach the
 template. A template that rewrites past turns is skipped per record as ``template_mismatch`` (the
 detail says where the renderings part and names the fallback: ``train_on`` 'last' or 'all', or
 moving the system message); a sample left with no label token (template, ``train_on`` or
-truncation) as ``no_labels``: it would cost a slot and teach nothing. For a vision-language model,
-a tokenized sample must hold exactly its images' visual tokens (the model's image token, counted)
-and no video token: a literal ``<|image_pad|>`` in a record's text would stop the model's forward
-on every rank, so it is that record's ``image_token_mismatch``.
+truncation) as ``no_labels``: it would cost a slot and teach nothing. An image's or a video's
+tokens (with their vision start and end tokens and, for Qwen3-VL, the group times between) are
+never labels. For a vision-language model, a tokenized sample must hold exactly its images' and
+videos' visual tokens (the model's image and video tokens, counted): a literal ``<|image_pad|>``
+in a record's text would stop the model's forward on every rank, so it is that record's
+``image_token_mismatch`` (a video's too).
 
 Truncation (only with ``truncate_to``, the run's over_cap policy 'truncate'): under
 ``DataConfig.truncation`` 'turns' a long sample keeps its longest run of leading tokens that ends
-at the end of an assistant turn and fits, and the images of the turns it drops go with them
-(``pixel_values`` and ``image_grid_thw`` rows, ``patches``); if even the first assistant turn does
-not fit, or under 'tokens', it is cut at ``truncate_to`` tokens, unless that would cut an image
-(``over_cap``). Every sample carries ``truncated_tokens``, the tokens cut (0 when none), which
-:class:`odb.data.feed.SampleFeed` counts.
+at the end of an assistant turn and fits, and the images and videos of the turns it drops go with
+them (their ``pixel_values`` / ``pixel_values_videos`` and grid rows, ``patches``); if even the
+first assistant turn does not fit, or under 'tokens', it is cut at ``truncate_to`` tokens, unless
+that would cut an image or a video (``over_cap``). Every sample carries ``truncated_tokens``, the
+tokens cut (0 when none), which :class:`odb.data.feed.SampleFeed` counts.
 """
 
 from __future__ import annotations
@@ -267,9 +271,8 @@ class SampleDataset(Dataset):
         keep = torch.zeros_like(input_ids, dtype=torch.bool)
         for start, end in chat.label_spans:
             keep[start:end] = True
-        for pad_id in (self.image_pad_id, self.video_pad_id):
-            if pad_id is not None:
-                keep &= input_ids != pad_id
+        if self.vision is not None:  # an image's or a video's tokens are never labels, wherever they are
+            keep &= ~self._media_tokens(input_ids)
         labels = torch.where(keep, input_ids, torch.full_like(input_ids, -100))
         if self.truncate_to is not None and len(input_ids) > self.truncate_to:
             kept = self._cut(sample, input_ids, chat)
@@ -343,6 +346,23 @@ class SampleDataset(Dataset):
                     f"{0 if found_grids is None else len(found_grids)} {name}(s) make {expected}; the record's text "
                     "holds the model's image or video token literally (or the chat template adds one): remove it, "
                     "or write images as <image> placeholders (videos as <video>) or content parts"))
+
+    def _media_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Where the sample's images and videos are: their visual tokens and, around them, the vision
+        start and end tokens and what lies between (Qwen3-VL's group times), pair by pair (nested:
+        Qwen3-VL's groups sit inside their video's outer pair)."""
+        pads = [i for i in (self.image_pad_id, self.video_pad_id) if i is not None]
+        media = torch.isin(input_ids, torch.tensor(pads))
+        start, end = (self.tokenizer.convert_tokens_to_ids(self.vision_tokens[i]) for i in (0, 2))
+        ids, opened = input_ids.tolist(), []
+        for at, token in enumerate(ids):
+            if token == start:
+                opened.append(at)
+            elif token == end and opened:
+                first = opened.pop()
+                if not opened and bool(media[first:at].any()):  # an outermost pair around visual tokens
+                    media[first:at + 1] = True
+        return media
 
     def _no_labels(self, chat: LabelledChat, keep: torch.Tensor) -> str:
         """Why a sample has no label token, for the skip's detail."""
@@ -456,7 +476,7 @@ def _video_token(tokenizer, vision: VisionSpec) -> tuple[str | None, str]:
         return None, "odb knows no video processor for its model type (Qwen2-VL, Qwen2.5-VL and Qwen3-VL take videos)"
     token_id = vision.video_token_id
     name = tokenizer.convert_ids_to_tokens(token_id) if token_id is not None else None
-    if token_id is None or name is None or token_id == vision.image_token_id or \
+    if token_id is None or name is None or token_id in (vision.image_token_id, tokenizer.unk_token_id) or \
             tokenizer.convert_tokens_to_ids(name) != token_id:
         return None, (f"its video token (video_token_id {token_id}) is not a token of its own in the tokenizer "
                       f"(which spells it {name!r}; the image token is {vision.image_token_id}): use the model's own "

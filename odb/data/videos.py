@@ -15,7 +15,7 @@ family's processor step by step:
   that many. odb always samples (a 10-minute clip decoded whole would be tens of thousands of
   frames): at the data config's ``video_fps``, else the processor's own ``fps``, else 2 (the
   Qwen-VL reference, qwen-vl-utils). A list of frame images is taken as already sampled, at
-  the part's ``fps`` (else ``video_fps``, else 2), every frame (the last repeated to fill a group),
+  the part's ``fps`` (else the rate above), every frame (the last repeated to fill a group),
   thinned only to ``max_frames``.
 * **Size**: one ``smart_resize`` for the whole clip (``size`` bounds: per frame for Qwen2-VL, per
   clip for Qwen3-VL, as each processor means them; ``cap_pixels_per_frame`` as the folder sets it),
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,42 +185,49 @@ def read_video(source: str | Path | list[str | Path], spec: VideoSpec, fps: floa
     path = Path(source)
     if not path.is_file():
         raise FileNotFoundError(str(path))
-    import av
-
+    try:
+        import av
+    except ImportError:
+        raise ValueError("reading video files needs PyAV: pip install 'odb[video]' (or pip install av)") from None
     try:
         with av.open(str(path)) as container:
             if not container.streams.video:
                 raise ValueError("no video stream")
             stream = container.streams.video[0]
             rate = stream.average_rate or stream.guessed_rate
-            native = float(rate) if rate else None
-            total = stream.frames or sum(1 for _ in container.decode(stream))
-            if native is None:
+            if not rate:
                 raise ValueError("the video stream has no frame rate")
-            wanted = spec.frame_indices(total, native)
-            container.seek(0)
-            frames = _decode(container.decode(stream), wanted)
+            native = float(rate)
+            # the container's count, else its packets counted (no decoding)
+            total = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
+            for _ in range(2):  # a count the stream over-reports: sampled again over the frames decoded
+                wanted = spec.frame_indices(total, native)
+                container.seek(0)
+                frames, decoded = _decode(container.decode(stream), wanted)
+                if len(frames) == len(wanted):
+                    return Clip(np.stack(frames), wanted, native, total)
+                total = decoded
     except (av.error.FFmpegError, UnicodeDecodeError) as err:
         raise ValueError(f"{type(err).__name__}: {err}") from None
-    if len(frames) < len(wanted):  # the container's frame count was wrong: sample what is there
-        raise ValueError(f"the stream says {total} frames but {len(frames)} of the {len(wanted)} sampled decoded")
-    return Clip(np.stack(frames), wanted, native, total)
+    raise ValueError(f"{len(frames)} of the {len(wanted)} sampled frames decoded")
 
 
-def _decode(decoded, wanted: list[int]) -> list[np.ndarray]:
-    """The frames at the indices ``wanted`` (sorted, repeats allowed) of a decoder's frames, as RGB."""
+def _decode(decoded, wanted: list[int]) -> tuple[list[np.ndarray], int]:
+    """The frames at the indices ``wanted`` (sorted, repeats allowed) of a decoder's frames, as RGB,
+    and how many frames were decoded (all of them where some of ``wanted`` were missing)."""
     out: list[np.ndarray] = []
-    at = 0
+    at = count = 0
     for index, frame in enumerate(decoded):
-        if at == len(wanted):
-            break
+        count = index + 1
         if wanted[at] != index:
             continue
         image = frame.to_ndarray(format="rgb24")
         while at < len(wanted) and wanted[at] == index:
             out.append(image)
             at += 1
-    return out
+        if at == len(wanted):
+            break
+    return out, count
 
 
 def _read_frames(source: str | Path | list[str | Path], spec: VideoSpec, fps: float | None) -> Clip:
@@ -228,7 +236,7 @@ def _read_frames(source: str | Path | list[str | Path], spec: VideoSpec, fps: fl
     if isinstance(source, (list, tuple)):
         paths = [Path(p) for p in source]
     else:
-        paths = sorted(p for p in Path(source).iterdir() if p.suffix.lower() in _FRAME_SUFFIXES)
+        paths = sorted((p for p in Path(source).iterdir() if p.suffix.lower() in _FRAME_SUFFIXES), key=_natural)
     if not paths:
         raise ValueError(f"no frame images ({', '.join(_FRAME_SUFFIXES)}) in {source}")
     rate = float(fps) if fps is not None else spec._fps()
@@ -239,11 +247,19 @@ def _read_frames(source: str | Path | list[str | Path], spec: VideoSpec, fps: fl
     for index in wanted:
         if not paths[index].is_file():
             raise FileNotFoundError(str(paths[index]))
-        with Image.open(paths[index]) as image:
-            frames.append(np.asarray(image.convert("RGB")))
+        try:
+            with Image.open(paths[index]) as image:
+                frames.append(np.asarray(image.convert("RGB")))
+        except (OSError, Image.DecompressionBombError) as err:
+            raise ValueError(f"{paths[index]}: {err}") from None
     if len({frame.shape for frame in frames}) > 1:
         raise ValueError(f"frames of different sizes: {sorted({frame.shape[:2] for frame in frames})}")
     return Clip(np.stack(frames), wanted, rate, len(paths))
+
+
+def _natural(path: Path) -> list:
+    """A sort key that orders ``2.jpg`` before ``10.jpg`` (digit runs compared as numbers)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path.name)]
 
 
 def process_video(clip: Clip, spec: VideoSpec) -> Video:
@@ -304,12 +320,14 @@ def video_spec_for(config, source: str | Path | None = None, **overrides: Any) -
     settings = dict(VIDEO_FAMILIES[family])
     folder = Path(source) if source is not None and Path(source).is_dir() else None
     own = _folder_settings(folder) if folder is not None else {}
-    if folder is None:
+    if not own:  # no processor settings: the family's defaults with the vision tower's geometry
         settings.update(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
                         merge_size=vision.spatial_merge_size)
     size = own.get("size") or {}
-    for key, value in (("min_pixels", own.get("min_pixels", size.get("shortest_edge"))),  # as transformers'
-                       ("max_pixels", own.get("max_pixels", size.get("longest_edge")))):  # __init__ reads them
+    low, high = size.get("shortest_edge"), size.get("longest_edge")
+    if family == "qwen2":  # Qwen2VLVideoProcessor's __init__ lets min_pixels / max_pixels override size
+        low, high = own.get("min_pixels", low), own.get("max_pixels", high)
+    for key, value in (("min_pixels", low), ("max_pixels", high)):
         if value is not None:
             settings[key] = int(value)
     for key in ("image_mean", "image_std"):
@@ -320,17 +338,22 @@ def video_spec_for(config, source: str | Path | None = None, **overrides: Any) -
         if own.get(key) is not None:
             settings[key] = own[key]
     settings.update({k: v for k, v in overrides.items() if v is not None})
-    if settings["fps"] is not None and overrides.get("num_frames") is not None:
+    if overrides.get("num_frames") is not None:
         settings["fps"] = None  # the data config's frame count wins over the processor's rate
+    elif overrides.get("fps") is not None:
+        settings["num_frames"] = None  # and its rate over the processor's frame count
     for key, tower in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
                        ("merge_size", "spatial_merge_size")):
         if getattr(vision, tower, settings[key]) != settings[key]:
             raise ValueError(f"the video processor of {folder or config.model_type} has {key} {settings[key]} but "
                              f"the vision tower has {tower} {getattr(vision, tower)}: fix the model's "
-                             "video_preprocessor_config.json (or the data config)")
+                             "video_preprocessor_config.json")
     if settings["min_pixels"] > settings["max_pixels"]:
         raise ValueError(f"need video min_pixels <= max_pixels, got {settings['min_pixels']} > "
                          f"{settings['max_pixels']} (the data config's video_min_pixels / video_max_pixels)")
+    if settings["num_frames"] is not None and settings["num_frames"] < settings["temporal_patch_size"]:
+        raise ValueError(f"video num_frames {settings['num_frames']} is under one group of "
+                         f"{settings['temporal_patch_size']} frames (the data config's video_num_frames)")
     if settings["min_frames"] > settings["max_frames"]:
         raise ValueError(f"need video min_frames <= max_frames, got {settings['min_frames']} > "
                          f"{settings['max_frames']} (the data config's video_min_frames / video_max_frames)")
@@ -339,7 +362,12 @@ def video_spec_for(config, source: str | Path | None = None, **overrides: Any) -
 
 
 def _folder_settings(folder: Path) -> dict[str, Any]:
-    """The folder's video processor settings (its image processor's where it has no video one)."""
+    """The folder's video processor settings, where transformers looks: ``processor_config.json``'s
+    ``video_processor``, ``video_preprocessor_config.json``, else its image processor's."""
+    if (folder / "processor_config.json").is_file():
+        nested = json.loads((folder / "processor_config.json").read_text()).get("video_processor")
+        if isinstance(nested, dict):
+            return nested
     for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
         if (folder / name).is_file():
             return json.loads((folder / name).read_text())

@@ -321,3 +321,50 @@ def test_truncation_by_turns_drops_the_videos_of_the_turns_it_cuts(tmp_path):
     assert torch.equal(cut["pixel_values_videos"], whole["pixel_values_videos"][:int(first.prod())])
     assert cut["patches"] == int(first.prod()) and cut["truncated_tokens"] > 0
     assert int((cut["input_ids"] == VIDEO_ID).sum()) == int(first.prod()) // 4
+
+
+def test_frame_folders_in_number_order_and_the_decoded_count_wins(tmp_path):
+    rng = np.random.default_rng(5)
+    frames = {i: rng.integers(0, 256, (28, 28, 3), dtype=np.uint8) for i in (1, 2, 10)}
+    for i, frame in frames.items():
+        Image.fromarray(frame).save(tmp_path / f"{i}.png")  # as text: 1, 10, 2
+    clip = read_video(tmp_path, VideoSpec(family="qwen3"))
+    assert all(np.array_equal(a, frames[i]) for a, i in zip(clip.frames, (1, 2, 10), strict=True))
+    from odb.data.videos import _decode
+
+    decoded = [SimpleNamespace(to_ndarray=lambda format, i=i: np.full((2, 2, 3), i)) for i in range(5)]
+    out, count = _decode(iter(decoded), [0, 2, 4, 6])  # the container said 7 frames; 5 decode
+    assert (len(out), count) == (3, 5)
+    out, count = _decode(iter(decoded), [0, 0, 3])
+    assert [int(a[0, 0, 0]) for a in out] == [0, 0, 3] and count == 4
+
+
+def test_video_settings_from_a_folder_and_the_data_config(tmp_path):
+    from odb.data.videos import video_spec_for
+
+    model = vl_model("qwen3_vl")
+    config = model.config
+    config.vision_config.patch_size = 16
+    assert video_spec_for(config, tmp_path).patch_size == 16  # no processor file: the tower's geometry
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(
+        {"num_frames": 8, "min_pixels": 1, "patch_size": 16, "size": {"shortest_edge": 4096, "longest_edge": 9999}}))
+    spec = video_spec_for(config, tmp_path, fps=4.0)
+    assert (spec.fps, spec.num_frames, spec.min_pixels, spec.max_pixels) == (4.0, None, 4096, 9999)  # Qwen3 ignores
+    assert video_spec_for(config, tmp_path).num_frames == 8  # its top-level min_pixels, as transformers does
+    (tmp_path / "processor_config.json").write_text(json.dumps({"video_processor": {"patch_size": 16, "fps": 1}}))
+    assert video_spec_for(config, tmp_path).fps == 1
+    with pytest.raises(ValueError, match="num_frames 1 is under one group of 2"):
+        video_spec_for(config, tmp_path, num_frames=1)
+
+
+def test_a_video_in_an_answer_is_never_a_label_and_empty_video_fields_are_absent(tmp_path):
+    media(tmp_path)
+    answer = [video_part("clip.mp4"), {"type": "text", "text": "Here"}]
+    record = {"messages": [{"role": "user", "content": "Show me."}, {"role": "assistant", "content": answer}],
+              "video": []}
+    vision = vision_spec(vl_model("qwen3_vl"), SMALL)
+    sample = SampleDataset(write_jsonl(tmp_path / "d.jsonl", [record]), VIDEO_TOKENIZER, SMALL, vision=vision)[0]
+    tokens = VIDEO_TOKENIZER.convert_ids_to_tokens(sample["input_ids"].tolist())
+    labelled = [t for t, label in zip(tokens, sample["labels"].tolist()) if label != -100]
+    assert "seconds" not in "".join(labelled) and "<|vision_start|>" not in labelled
+    assert "<|vision_end|>" not in labelled and "Here" in VIDEO_TOKENIZER.convert_tokens_to_string(labelled)
