@@ -16,12 +16,10 @@ from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
-import av
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tokenizers import AddedToken
 from transformers import AutoConfig, AutoModelForImageTextToText
 
 from conftest import bundled_tokenizer
@@ -30,6 +28,18 @@ from odb.data.feed import DataError, SampleFeed
 from odb.data.processing import DataConfig, SampleDataset, sample_sizes
 from odb.data.videos import VIDEO_FAMILIES, Clip, VideoSpec, process_video, read_video
 from odb.training.model import build_model, vision_spec
+from video_data import (
+    FAMILIES,
+    SMALL,
+    VIDEO_ID,
+    VIDEO_TOKENIZER,
+    config_dict,
+    media,
+    model_inputs,
+    video_part,
+    write_clip,
+    write_records,
+)
 
 TRANSFORMERS = Path(importlib.util.find_spec("transformers").origin).parent
 QWEN2 = TRANSFORMERS / "models" / "qwen2_vl" / "video_processing_qwen2_vl.py"
@@ -141,22 +151,6 @@ def test_patches_and_times_are_transformers_own(family, path, frames):
     assert video.second_per_grid == pytest.approx(2 / (frames / 15 * 6.0))  # Qwen2.5-VL's processor
 
 
-def write_clip(path: Path, frames: int = 12, height: int = 60, width: int = 90, fps: int = 6) -> list[np.ndarray]:
-    """An MPEG-4 clip of random frames; returns the frames as decoded back."""
-    rng = np.random.default_rng(frames)
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("mpeg4", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for _ in range(frames):
-            image = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    with av.open(str(path)) as container:
-        return [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
-
-
 def test_read_video_keeps_the_sampled_frames_of_a_file_and_a_folder(tmp_path):
     decoded = write_clip(tmp_path / "clip.mp4", frames=12)
     spec = VideoSpec(family="qwen2", fps=2.0)
@@ -180,64 +174,17 @@ def test_read_video_keeps_the_sampled_frames_of_a_file_and_a_folder(tmp_path):
 # --- video records through SampleDataset, into the model's own forward
 
 TOKENIZER = bundled_tokenizer()
-VIDEO_TOKENIZER = copy.deepcopy(TOKENIZER)
-VIDEO_TOKENIZER.add_tokens([AddedToken("<|video_pad|>", special=True, normalized=False)])
-VIDEO_ID = VIDEO_TOKENIZER.convert_tokens_to_ids("<|video_pad|>")
-IDS = {"image_token_id": 7, "video_token_id": VIDEO_ID, "vision_start_token_id": 5, "vision_end_token_id": 6}
-TEXT = {"vocab_size": len(VIDEO_TOKENIZER), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "pad_token_id": 0, "eos_token_id": 1,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
-VISION = {"depth": 1, "hidden_size": 64, "num_heads": 4, "patch_size": 14, "spatial_merge_size": 2,
-          "temporal_patch_size": 2, "in_channels": 3}
-FAMILIES = {
-    "qwen2_vl": ({"model_type": "qwen2_vl_text"}, {"model_type": "qwen2_vl", "embed_dim": 64, "mlp_ratio": 2}),
-    "qwen2_5_vl": ({"model_type": "qwen2_5_vl_text"}, {"model_type": "qwen2_5_vl", "intermediate_size": 128,
-                                                       "out_hidden_size": 64, "window_size": 56,
-                                                       "fullatt_block_indexes": [0]}),
-    "qwen3_vl": ({"model_type": "qwen3_vl_text"}, {"model_type": "qwen3_vl", "intermediate_size": 128,
-                                                   "out_hidden_size": 64, "num_position_embeddings": 64,
-                                                   "deepstack_visual_indexes": [0]}),
-}
-SMALL = DataConfig(video_fps=2.0, video_min_pixels=4 * 28 * 28, video_max_pixels=8 * 28 * 28, min_pixels=4 * 28 * 28,
-                   max_pixels=8 * 28 * 28)
-
-
-def vl_model(family: str):
-    text, vision = FAMILIES[family]
-    config = AutoConfig.for_model(model_type=family, text_config={**TEXT, **text}, vision_config={**VISION, **vision},
-                                  **IDS)
-    torch.manual_seed(0)
-    return AutoModelForImageTextToText.from_config(config, attn_implementation="eager").eval()
-
-
-def media(tmp_path: Path) -> None:
-    write_clip(tmp_path / "clip.mp4", frames=12)
-    write_clip(tmp_path / "long.mp4", frames=30, height=40, width=70, fps=10)
-    (tmp_path / "frames").mkdir()
-    rng = np.random.default_rng(3)
-    for i in range(4):
-        Image.fromarray(rng.integers(0, 256, (56, 56, 3), dtype=np.uint8)).save(tmp_path / "frames" / f"{i}.jpg")
-    Image.new("RGB", (56, 84), (200, 10, 10)).save(tmp_path / "red.png")
-
-
-def video_part(path=None, **extra):
-    return {"type": "video", **({"video": path} if path is not None else {}), **extra}
-
-
-RECORDS = [
-    {"messages": [{"role": "user", "content": [video_part("clip.mp4"), {"type": "text", "text": "What moves?"}]},
-                  {"role": "assistant", "content": "A square."}]},
-    {"conversations": [{"from": "human", "value": "<video>\nDescribe."}, {"from": "gpt", "value": "Noise."}],
-     "video": "frames"},
-    {"messages": [{"role": "user", "content": [{"type": "image", "image": "red.png"}, video_part(),
-                                               {"type": "text", "text": "Same?"}, video_part()]},
-                  {"role": "assistant", "content": "No."}], "videos": ["long.mp4", ["frames/0.jpg", "frames/1.jpg"]]},
-]
 
 
 def write_jsonl(path: Path, rows) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+def vl_model(family: str):
+    torch.manual_seed(0)
+    return AutoModelForImageTextToText.from_config(AutoConfig.for_model(**config_dict(family)),
+                                                   attn_implementation="eager").eval()
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -248,7 +195,7 @@ def test_video_records_become_samples_the_model_takes(tmp_path, family):
     media(tmp_path)
     model = vl_model(family)
     vision = vision_spec(model, SMALL, source=None)
-    dataset = SampleDataset(write_jsonl(tmp_path / "d.jsonl", RECORDS), VIDEO_TOKENIZER, SMALL, vision=vision)
+    dataset = SampleDataset(write_records(tmp_path), VIDEO_TOKENIZER, SMALL, vision=vision)
     for index, videos in enumerate((1, 1, 2)):
         sample = dataset[index]
         assert "skip" not in sample, sample
@@ -262,11 +209,8 @@ def test_video_records_become_samples_the_model_takes(tmp_path, family):
         text = VIDEO_TOKENIZER.decode(ids)
         assert (" seconds>" in text) == (family == "qwen3_vl")
         assert ("second_per_grid_ts" in sample) == (family == "qwen2_5_vl")
-        inputs = {k: sample[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
-                                         "second_per_grid_ts") if k in sample}
-        inputs["mm_token_type_ids"] = ((ids == 7).long() + 2 * (ids == VIDEO_ID).long())[None]
         with torch.no_grad():
-            out = model(input_ids=ids[None], labels=sample["labels"][None], **inputs)
+            out = model(labels=sample["labels"][None], **model_inputs(sample))
         assert torch.isfinite(out.loss)
     assert dataset[1]["video_grid_thw"][0, 0] == 2  # 4 frame images: 2 groups of 2
 
