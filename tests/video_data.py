@@ -23,6 +23,7 @@ IMAGE_ID = 7
 IDS = {"image_token_id": IMAGE_ID, "video_token_id": VIDEO_ID, "vision_start_token_id": 5, "vision_end_token_id": 6}
 TEXT = {"vocab_size": len(VIDEO_TOKENIZER), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "pad_token_id": 0, "eos_token_id": 1,
+        "bos_token_id": 1,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
 VISION = {"depth": 1, "hidden_size": 64, "num_heads": 4, "patch_size": 14, "spatial_merge_size": 2,
           "temporal_patch_size": 2, "in_channels": 3}
