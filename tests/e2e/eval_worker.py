@@ -2,7 +2,9 @@
 
 Usage: torchrun --nproc_per_node W tests/e2e/eval_worker.py SCENARIO.json
 
-The scenario: ``model`` (a config JSON), ``data``, ``max_samples``, ``image_folder`` (or null),
+The scenario: ``model`` (a config JSON), ``tokenizer`` (optional: a folder; default the bundled
+one), ``data``, ``max_samples``, ``image_folder`` (or null), ``data_config`` (optional: more
+:class:`DataConfig` fields),
 ``evals`` (each ``{"name", "batching": odb settings over configs/odb.json, "num_workers"}``),
 ``train_lr`` (or null) and ``out``. The rank builds the model (seed 0) under ZeRO-3, builds a
 training batcher, runs every eval in order through :class:`odb.training.evaluate.Evaluator`; with
@@ -74,9 +76,9 @@ def deepspeed_engine(model, world: int):
 
 
 def run(scenario: dict, rank: int, world: int) -> dict:
-    tokenizer = load_tokenizer(ROOT / "data" / "tokenizer")
+    tokenizer = load_tokenizer(scenario.get("tokenizer") or ROOT / "data" / "tokenizer")
     model = build_model(scenario["model"], seed=0, vocab_size=len(tokenizer))
-    data_config = DataConfig(image_folder=scenario.get("image_folder"))
+    data_config = DataConfig(image_folder=scenario.get("image_folder"), **scenario.get("data_config", {}))
     vision = vision_spec(model, data_config)
     engine = deepspeed_engine(model, world)
     comm = TorchCommunicator(timeout_s=120)

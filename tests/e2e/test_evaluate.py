@@ -31,6 +31,7 @@ from odb.data.processing import DataConfig, SampleDataset
 from odb.training.engine import OdbEngine
 from odb.training.evaluate import Evaluator
 from odb.training.model import build_model, vision_spec
+from video_data import model_inputs
 
 TOKENIZER = bundled_tokenizer()
 TINY, VL = ROOT / "configs" / "tiny_model.json", ROOT / "configs" / "tiny_vl_model.json"
@@ -55,11 +56,14 @@ def oracle(model_path: Path, weights: dict[str, torch.Tensor], samples: list[dic
     with torch.no_grad():
         for sample in samples:
             ids, labels = sample["input_ids"][:max_tokens][None], sample["labels"][:max_tokens]
-            images = {}
-            if sample.get("pixel_values") is not None:
-                images = {"pixel_values": sample["pixel_values"], "image_grid_thw": sample["image_grid_thw"],
-                          "mm_token_type_ids": (ids == IMAGE_TOKEN).int()}
-            logits = model(input_ids=ids, use_cache=False, **images).logits[0].double()
+            inputs = {"input_ids": ids}
+            if sample.get("pixel_values_videos") is not None:
+                assert max_tokens is None
+                inputs = model_inputs(sample)  # (with its images)
+            elif sample.get("pixel_values") is not None:
+                inputs.update(pixel_values=sample["pixel_values"], image_grid_thw=sample["image_grid_thw"],
+                              mm_token_type_ids=(ids == IMAGE_TOKEN).int())
+            logits = model(**inputs, use_cache=False).logits[0].double()
             total += float(F.cross_entropy(logits[:-1], labels[1:], ignore_index=-100, reduction="sum"))
             tokens += int((labels[1:] != -100).sum())
     return (total / tokens if tokens else math.nan), tokens
@@ -295,5 +299,38 @@ def test_vision_language_eval_on_two_zero3_ranks_equals_the_oracle(tmp_path):
     assert sum(s.get("pixel_values") is not None for s in samples) == 11
     assert max(len(s["input_ids"]) for s in samples) <= 1021  # no truncation (1024 - the blank image)
     expected = oracle(VL, weights, samples)
+    losses = check_launch(ranks, {"packed": expected, "single": expected}, size)
+    assert abs(losses["packed"] - losses["single"]) <= TOLERANCE
+
+
+def test_video_eval_on_two_zero3_ranks_equals_the_oracle(tmp_path):
+    """A tiny Qwen3-VL with a video token: a video file, a frame folder, an image with two videos,
+    an image and text, twice over with chats between; packed and one sample per micro-batch. The
+    oracle scores each sample alone with its videos as videos (the model's own M-RoPE)."""
+    from video_data import (
+        RECORDS,
+        SMALL,
+        VIDEO_TOKENIZER,
+        config_file,
+        data_config_file,
+        tokenizer_folder,
+        write_records,
+    )
+
+    data = write_records(tmp_path, RECORDS + RECORDS[::-1])
+    lines = data.read_text().splitlines() + CHATS.read_text().splitlines()[:3]
+    data.write_text("\n".join(lines) + "\n")
+    size, model_path = len(lines), config_file(tmp_path, "qwen3_vl")
+    evals = [{"name": "packed", "batching": {"max_tokens": 1024, "window": 16}},
+             {"name": "single", "batching": {"policy": "fixed", "batch_size": 1, "window": 4, "sharding": "static"}}]
+    settings = json.loads(data_config_file(tmp_path).read_text())
+    ranks = launch(tmp_path, {"model": str(model_path), "tokenizer": str(tokenizer_folder(tmp_path)),
+                              "data": str(data), "max_samples": size, "image_folder": None, "data_config": settings,
+                              "train_lr": None, "evals": evals}, 2)
+    model = build_model(model_path, seed=0, vocab_size=len(VIDEO_TOKENIZER))
+    dataset = SampleDataset(data, VIDEO_TOKENIZER, SMALL, vision=vision_spec(model, SMALL))
+    samples = [dataset[i] for i in range(size)]
+    assert sum(s.get("pixel_values_videos") is not None for s in samples) == 6
+    expected = oracle(model_path, model.state_dict(), samples)
     losses = check_launch(ranks, {"packed": expected, "single": expected}, size)
     assert abs(losses["packed"] - losses["single"]) <= TOLERANCE
