@@ -63,6 +63,7 @@ VIDEO_FAMILIES: dict[str, dict[str, Any]] = {
 }
 """Each family's video processor defaults (transformers 5.24's ``Qwen2VLVideoProcessor`` and
 ``Qwen3VLVideoProcessor`` class attributes; tests/unit/test_videos.py reads them from its source)."""
+_CLASSES = {"qwen2": "Qwen2VLVideoProcessor", "qwen3": "Qwen3VLVideoProcessor"}
 _FAMILY = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3"}
 _DEFAULT_FPS = 2.0
 _FRAME_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
@@ -113,6 +114,19 @@ class VideoSpec:
 
     def _fps(self) -> float:
         return float(self.fps) if self.fps is not None else _DEFAULT_FPS
+
+    def processor_config(self) -> dict[str, Any]:
+        """These settings as transformers' ``video_preprocessor_config.json`` of the family's video
+        processor, sampling on (at the rate odb sampled at), so that it processes videos as odb did."""
+        return {"video_processor_type": _CLASSES[self.family], "do_resize": True, "do_rescale": True,
+                "do_normalize": True, "do_convert_rgb": True, "resample": 3,  # bicubic
+                "size": {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
+                "image_mean": list(self.image_mean), "image_std": list(self.image_std),
+                "rescale_factor": self.rescale_factor, "patch_size": self.patch_size,
+                "temporal_patch_size": self.temporal_patch_size, "merge_size": self.merge_size,
+                "do_sample_frames": True, "fps": None if self.num_frames is not None else self._fps(),
+                "num_frames": self.num_frames, "min_frames": self.min_frames, "max_frames": self.max_frames,
+                "cap_pixels_per_frame": self.cap_pixels_per_frame, "max_video_tokens": self.max_video_tokens}
 
     def resized(self, frames: int, height: int, width: int) -> tuple[int, int]:
         """The height and width every frame of a clip of ``frames`` frames is resized to."""

@@ -21,9 +21,9 @@ Two doors, one writer:
   so the head gets its own tensor and the saved config says ``tie_word_embeddings: false``.
 
   plus the tokenizer, and for a vision-language model (its config has ``vision_config``) the image
-  processor odb trained with (``AutoImageProcessor.from_pretrained(out)``). A full
-  ``AutoProcessor`` (tokenizer + image + video processor) is not written: transformers builds
-  Qwen2-VL's video processor only with torchvision installed.
+  processor odb trained with (``AutoImageProcessor.from_pretrained(out)``) and, for one that takes
+  videos, its video processor settings (``video_preprocessor_config.json``: frames sampled, pixel
+  bounds, as the run had them; ``AutoVideoProcessor`` loads it where torchvision is installed).
 
 The saved config has ``use_cache`` back on (training turns it off) and no attention implementation:
 the model loads with transformers' default attention, not odb's ``"odb_varlen"``.
@@ -251,8 +251,14 @@ def _save_tokenizer(tokenizer: Any, out: Path) -> None:
 def _save_image_processor(config, vision: VisionSpec | None, out: Path, model_path: str | Path) -> None:
     """The image processor the run used: the model's own (``vision``, else built again from
     ``model_path``, with its own pixel bounds), saved so ``AutoImageProcessor.from_pretrained(out)``
-    gives the pixel values the model was trained on."""
-    (vision or vision_spec_for(config, model_path)).build().save_pretrained(str(out))
+    gives the pixel values the model was trained on; and for a model that takes videos its video
+    processor's settings as odb used them (``AutoVideoProcessor.from_pretrained(out)``, where
+    torchvision is installed, samples and processes videos as the run did)."""
+    vision = vision or vision_spec_for(config, model_path)
+    vision.build().save_pretrained(str(out))
+    if vision.video is not None:
+        settings = vision.video.processor_config()
+        (out / "video_preprocessor_config.json").write_text(json.dumps(settings, indent=2) + "\n")
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -319,8 +325,11 @@ def export_checkpoint(checkpoint_dir: str | Path, out: str | Path, *, adapter_on
         raise FileNotFoundError(f"tokenizer {tokenizer} (model.tokenizer in {tag_folder / 'run_config.json'}) "
                                 "does not exist here; pass --tokenizer")
     processing = run["data"]["processing"]
+    video = {key: processing.get(f"video_{key}") for key in ("fps", "num_frames", "min_frames", "max_frames",
+                                                             "min_pixels", "max_pixels")}
     vision = vision_spec_for(_export_config(model_path or model["path"]), model_path or model["path"],
-                             min_pixels=processing.get("min_pixels"), max_pixels=processing.get("max_pixels"))
+                             min_pixels=processing.get("min_pixels"), max_pixels=processing.get("max_pixels"),
+                             video=video)
     state_dict = consolidated_state_dict(tag_folder, run=run, model_path=model_path or model["path"],
                                          exclude_frozen=adapter_only)
     return write_hf(state_dict, model_path=model_path or model["path"],

@@ -235,7 +235,8 @@ def test_save_hf_in_a_live_zero3_run(tmp_path):
 
 def test_vision_language_export_keeps_the_image_processor(tmp_path):
     """A ZeRO-0-style checkpoint written here (no launch): the model, and the image processor the run
-    used (its pixel range, not the default), load with transformers' auto classes."""
+    used (its pixel range, not the default), load with transformers' auto classes; the video
+    processor's settings are the run's."""
     from PIL import Image
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
@@ -244,13 +245,22 @@ def test_vision_language_export_keeps_the_image_processor(tmp_path):
     tag.mkdir(parents=True)
     torch.save({"module": model.state_dict()}, tag / "mp_rank_00_model_states.pt")
     pixels = {"min_pixels": 28 * 28, "max_pixels": 112 * 112}
+    video = {"video_fps": 1.5, "video_max_frames": 64, "video_max_pixels": 200000}
     run = {"model": {"path": str(TINY_VL), "tokenizer": str(ROOT / "data" / "tokenizer"), "lora": None},
-           "data": {"processing": pixels}, "optimization": {"deepspeed": {"bf16": {"enabled": False}}}}
+           "data": {"processing": {**pixels, **video}}, "optimization": {"deepspeed": {"bf16": {"enabled": False}}}}
     (tag / "run_config.json").write_text(json.dumps(run))
     (tag.parent / "latest").write_text("step5")
     out = export_checkpoint(tag.parent, tmp_path / "hf")
     check_folder(out)
     assert json.loads((out / "config.json").read_text())["text_config"]["use_cache"] is True
+    # the video processor as the run had it: odb reads it back the same (transformers' AutoVideoProcessor
+    # reads it the same too, where torchvision is installed: tools/check_video_processor.py --folder)
+    from odb.data.videos import video_spec_for
+
+    saved = json.loads((out / "video_preprocessor_config.json").read_text())
+    assert saved["video_processor_type"] == "Qwen2VLVideoProcessor" and saved["fps"] == 1.5
+    assert video_spec_for(model.config, out) == video_spec_for(model.config, None, fps=1.5, max_frames=64,
+                                                               max_pixels=200000)
     loaded = AutoModelForImageTextToText.from_pretrained(str(out)).eval()
     processor = AutoImageProcessor.from_pretrained(str(out))
     image = Image.new("RGB", (300, 200), (120, 30, 200))
