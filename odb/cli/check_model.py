@@ -64,7 +64,9 @@ def _text(report) -> str:
                   f"grad rel diff: {report.grad_rel_diff}",
                   f"router loss included: {router}",
                   f"image processor max diff: {report.image_processor_max_diff}",
+                  f"video processor max diff: {report.video_processor_max_diff}",
                   "labels of the first sample: " + " | ".join(report.label_preview)]
         lines += [f"OFF: {problem}" for problem in report.problems]
+        lines += [f"note: {note}" for note in report.notes]
     lines.append("ok" if report.ok else "NOT OK")
     return "\n".join(lines)

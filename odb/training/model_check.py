@@ -15,7 +15,10 @@ attention (``eager`` or ``sdpa``) and its own loss (``model(labels=..., output_r
   (largest entry difference over the reference gradient's largest entry);
 * **labels**: the label runs of the first sample, decoded (what the run would train on);
 * **image processor** (VL models): odb's ``pixel_values`` against the folder's own processor on
-  the same images, with the same pixel bounds.
+  the same images, with the same pixel bounds;
+* **video processor** (models that take videos, where torchvision is installed: transformers'
+  video processors need it): odb's ``pixel_values_videos`` and grids against the folder's own
+  ``AutoVideoProcessor`` on the same frames, with the same settings.
 
 The model runs in eval mode (dropout off, so both sides are deterministic), in ``dtype`` on
 ``device``. A model odb refuses (:func:`odb.training.support.packing_refusal`, or an attention
@@ -37,10 +40,11 @@ from odb.batching.plan import MicroBatch, StepPlan
 from odb.data.images import ImageProcessor, VisionSpec
 from odb.data.labels import label_runs
 from odb.data.processing import DataConfig, SampleDataset
+from odb.data.videos import Clip, VideoSpec, process_video
 from odb.training.backends import LocalBackend
 from odb.training.engine import BLANK_IMAGE_TOKENS, OdbEngine
 from odb.training.model import build_model, load_tokenizer, vision_spec
-from odb.training.mrope import supports_packing
+from odb.training.mrope import mm_token_types, supports_packing
 from odb.training.support import packing_refusal, skeleton
 
 __all__ = ["ModelReport", "Tolerances", "check_model"]
@@ -77,8 +81,11 @@ class ModelReport:
     skipped: dict[str, int] = field(default_factory=dict)
     label_preview: list[str] = field(default_factory=list)
     image_processor_max_diff: float | None = None
+    video_processor_max_diff: float | None = None
     tolerances: dict[str, float] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """What was not checked, and why (not a fault)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -136,6 +143,8 @@ def check_model(path: str | Path, *, data: str | Path, num_samples: int = 8, max
         report.label_preview = _label_runs(tok, samples[0])
     if vision is not None:
         report.image_processor_max_diff = _image_processor_diff(path, vision, report)
+    if vision is not None and vision.video is not None:
+        report.video_processor_max_diff = _video_processor_diff(path, vision.video, report)
     _judge(report, tolerances)
     return report
 
@@ -186,11 +195,13 @@ def _alone(model, sample: dict[str, Any], device: torch.device, **extra: Any):
     """The model's own call on one sample: the plain transformers way."""
     ids = torch.as_tensor(sample["input_ids"], device=device)[None]
     kwargs: dict[str, Any] = {}
-    if sample.get("pixel_values") is not None:
-        kwargs.update(pixel_values=sample["pixel_values"].to(device, model.dtype),
-                      image_grid_thw=sample["image_grid_thw"].to(device))
-    if getattr(model.config, "vision_config", None) is not None:  # M-RoPE from the image tokens
-        kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+    for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+        if sample.get(pixels) is not None:
+            kwargs.update({pixels: sample[pixels].to(device, model.dtype), grid: sample[grid].to(device)})
+    if sample.get("second_per_grid_ts") is not None:
+        kwargs["second_per_grid_ts"] = sample["second_per_grid_ts"].to(device)
+    if getattr(model.config, "vision_config", None) is not None:  # M-RoPE from the image and video tokens
+        kwargs["mm_token_type_ids"] = mm_token_types(ids, model.config)
     return model(input_ids=ids, use_cache=False, **kwargs, **extra)
 
 
@@ -348,9 +359,41 @@ def _image_processor_diff(path: str | Path, vision: VisionSpec, report: ModelRep
     return float((mine - theirs["pixel_values"]).abs().max())
 
 
+def _video_processor_diff(path: str | Path, video: VideoSpec, report: ModelReport) -> float | None:
+    """Max |odb's pixel_values_videos - the folder's own video processor's| on two clips of seeded
+    noise frames, with odb's settings; None where there is no folder, or no torchvision to run
+    transformers' video processor (said in ``notes``)."""
+    from transformers.utils import is_torchvision_available
+
+    folder = Path(path)
+    if not folder.is_dir():
+        return None
+    if not is_torchvision_available():
+        report.notes.append("video processor not compared: transformers' video processors need torchvision, which "
+                            "is not installed here (tools/check_video_processor.py compares odb's with them)")
+        return None
+    from transformers import AutoVideoProcessor
+
+    own = AutoVideoProcessor.from_pretrained(str(folder))
+    own.size = {"shortest_edge": video.min_pixels, "longest_edge": video.max_pixels}
+    own.cap_pixels_per_frame, own.max_video_tokens = video.cap_pixels_per_frame, video.max_video_tokens
+    gen, worst = torch.Generator().manual_seed(0), 0.0
+    for frames, height, width in ((5, 210, 330), (8, 90, 500)):
+        pixels = torch.randint(0, 256, (frames, height, width, 3), generator=gen, dtype=torch.uint8)
+        mine = process_video(Clip(pixels.numpy(), list(range(frames)), 2.0, frames), video)
+        theirs = own(videos=[pixels.permute(0, 3, 1, 2)], do_sample_frames=False, return_tensors="pt")
+        if theirs["video_grid_thw"][0].tolist() != mine.grid.tolist():
+            report.problems.append(f"odb's video grid {mine.grid.tolist()} differs from the folder processor's "
+                                   f"{theirs['video_grid_thw'][0].tolist()}")
+            return float("inf")
+        worst = max(worst, float((mine.pixel_values - theirs["pixel_values_videos"]).abs().max()))
+    return worst
+
+
 def _judge(report: ModelReport, tolerances: Tolerances) -> None:
     checks = [("max_logit_diff", report.max_logit_diff, tolerances.logits),
               ("image_processor_max_diff", report.image_processor_max_diff, 1e-5),
+              ("video_processor_max_diff", report.video_processor_max_diff, 1e-5),
               ("loss_rel_diff", report.loss_rel_diff, tolerances.loss),
               ("grad_rel_diff", report.grad_rel_diff, tolerances.grad)]
     for name, value, limit in checks:

@@ -77,6 +77,30 @@ def test_a_vl_model_passes_with_its_own_image_processor(tmp_path, capsys, family
     assert report["max_logit_diff"] < 1e-4 and report["grad_rel_diff"] < 1e-4
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_model_that_takes_videos_passes_on_video_records(tmp_path, capsys, family):
+    """Video files, a frame folder, an image with two videos, an image and text through odb's packed
+    rows against the model's own forward with its videos as videos. transformers' video processor
+    needs torchvision, which this machine cannot install beside its torch: the report says so."""
+    from odb.data.images import vision_spec_for
+    from video_data import SMALL, VIDEO_TOKENIZER, config_dict, data_config_file, write_records
+
+    path = tmp_path / family
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(**config_dict(family))
+    AutoModelForImageTextToText.from_config(config).save_pretrained(path)
+    VIDEO_TOKENIZER.save_pretrained(path)
+    vision_spec_for(config).build().save_pretrained(path)  # the family's image processor, the tower's geometry
+    argv = [str(path), "--data", str(write_records(tmp_path)), "--data_config", str(data_config_file(tmp_path, SMALL)),
+            "--samples", "5", "--max_tokens", "1024", "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    print(report)
+    assert report["ok"] and report["samples"] == 5 and not report["skipped"]
+    assert report["max_logit_diff"] < 1e-4 and report["loss_rel_diff"] < 1e-5 and report["grad_rel_diff"] < 1e-4
+    assert report["video_processor_max_diff"] is None and "torchvision" in report["notes"][0]
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_an_moe_model_passes_with_its_router_loss_included(tmp_path, capsys, family):
     """Qwen3-MoE, and gpt-oss with its attention sinks and sliding windows: the model's own loss
