@@ -115,6 +115,13 @@ class VideoSpec:
     def _fps(self) -> float:
         return float(self.fps) if self.fps is not None else _DEFAULT_FPS
 
+    def _rate(self) -> dict[str, Any]:
+        """How the exported processor samples: a frame count or a rate (Qwen3-VL's processor cannot
+        store a count: its class rate takes over a null fps, and a rate with a count is refused)."""
+        if self.num_frames is not None and self.family == "qwen2":
+            return {"fps": None, "num_frames": self.num_frames}
+        return {"fps": self._fps(), "num_frames": None}
+
     def processor_config(self) -> dict[str, Any]:
         """These settings as transformers' ``video_preprocessor_config.json`` of the family's video
         processor, sampling on (at the rate odb sampled at), so that it processes videos as odb did."""
@@ -124,8 +131,7 @@ class VideoSpec:
                 "image_mean": list(self.image_mean), "image_std": list(self.image_std),
                 "rescale_factor": self.rescale_factor, "patch_size": self.patch_size,
                 "temporal_patch_size": self.temporal_patch_size, "merge_size": self.merge_size,
-                "do_sample_frames": True, "fps": None if self.num_frames is not None else self._fps(),
-                "num_frames": self.num_frames, "min_frames": self.min_frames, "max_frames": self.max_frames,
+                "do_sample_frames": True, **self._rate(), "min_frames": self.min_frames, "max_frames": self.max_frames,
                 "cap_pixels_per_frame": self.cap_pixels_per_frame, "max_video_tokens": self.max_video_tokens}
 
     def resized(self, frames: int, height: int, width: int) -> tuple[int, int]:

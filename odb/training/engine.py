@@ -73,7 +73,7 @@ from odb.training.loss import (
 )
 from odb.training.model import hf_model
 from odb.training.moe import router_loss
-from odb.training.mrope import packed_position_ids, padded_position_ids, videos_as_images
+from odb.training.mrope import mm_token_types, packed_position_ids, padded_position_ids, videos_as_images
 from odb.training.sequence_parallel import SequenceParallel, receive
 
 __all__ = ["OdbEngine", "StepResult", "StepTally", "sample_source", "token_loss_sum", "BLANK_IMAGE_TOKENS"]
@@ -323,10 +323,13 @@ class OdbEngine:
             batch["position_ids"] = packed_position_ids(self.model, batch["input_ids"], batch["cu_seq_lens_q"],
                                                         batch.get("image_grid_thw"), batch.get("video_grid_thw"),
                                                         batch.get("second_per_grid_ts"))
-        elif self.vision is not None:  # padded rows: the model's own positions, made here from the videos' tokens
-            batch["position_ids"] = padded_position_ids(self.model, batch)
-        if self.vision is not None:  # one vision-tower call per micro-batch (odb.training.mrope)
-            videos_as_images(batch, self.model.config)
+        elif self.vision is not None and hasattr(self.model.model, "get_rope_index"):
+            batch["position_ids"] = padded_position_ids(self.model, batch)  # padded rows: the model's own, made here
+        elif self.vision is not None:  # a vision model whose positions odb does not make: the model derives them
+            del batch["position_ids"]
+            batch["mm_token_type_ids"] = mm_token_types(batch["input_ids"], self.model.config)
+        if self.vision is not None and "mm_token_type_ids" not in batch:  # one vision-tower call per micro-batch
+            videos_as_images(batch, self.model.config)  # (odb.training.mrope), once the positions are made
         # a dummy (the blank image alone) has no real token: its router loss over every token, weighed 0
         real = None if is_dummy else _real_tokens(batch, blank=blank)
         summed, aux = self._call(batch, labels, router=router, real_tokens=real, split=split)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +258,11 @@ def _save_image_processor(config, vision: VisionSpec | None, out: Path, model_pa
     vision = vision or vision_spec_for(config, model_path)
     vision.build().save_pretrained(str(out))
     if vision.video is not None:
+        if vision.video.family == "qwen3" and vision.video.num_frames is not None:
+            warnings.warn(f"the run sampled {vision.video.num_frames} frames per video, which transformers' Qwen3-VL "
+                          "video processor cannot store (its class rate, 2 frames a second, takes over a null fps): "
+                          f"the export samples at 2 frames a second; to process as the run did, call it with "
+                          f"num_frames={vision.video.num_frames}, fps=None", stacklevel=2)
         settings = vision.video.processor_config()
         (out / "video_preprocessor_config.json").write_text(json.dumps(settings, indent=2) + "\n")
 

@@ -368,6 +368,11 @@ def _video_processor_diff(path: str | Path, video: VideoSpec, report: ModelRepor
     folder = Path(path)
     if not folder.is_dir():
         return None
+    if not any((folder / name).is_file() for name in ("video_preprocessor_config.json", "processor_config.json",
+                                                      "preprocessor_config.json")):
+        report.notes.append(f"video processor not compared: {folder} has no processor config for transformers' "
+                            "AutoVideoProcessor to load")
+        return None
     if not is_torchvision_available():
         report.notes.append("video processor not compared: transformers' video processors need torchvision, which "
                             "is not installed here (tools/check_video_processor.py compares odb's with them)")

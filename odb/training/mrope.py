@@ -117,6 +117,9 @@ def videos_as_images(batch: dict, config) -> None:
                 raise ValueError(f"the micro-batch has fewer tokens {token} than its {grids} hold")
             items.append((at[token_at], batch[pixels][patch_at:patch_at + size], grid))
             token_at, patch_at = token_at + size // (merge * merge), patch_at + size
+        if token_at != len(at) or patch_at != len(batch[pixels]):
+            raise ValueError(f"the micro-batch has {len(at)} tokens {token} and {len(batch[pixels])} {pixels} rows, "
+                             f"but its {grids} make {token_at} and {patch_at}")
     items.sort(key=lambda item: item[0])
     batch["pixel_values"] = torch.cat([patches for _, patches, _ in items])
     batch["image_grid_thw"] = torch.stack([grid for _, _, grid in items])

@@ -145,7 +145,7 @@ def video_sample(family: str, grid: tuple[int, int, int], num_text: int, seed: i
 
 def video_samples(family: str) -> list[dict]:
     """Videos of different lengths and seconds beside an image, an image-and-video sample, a sample
-    with two videos, one without seconds (Qwen2.5-VL's default 1.0) and text."""
+    with two videos, one without seconds (Qwen2.5-VL's default 1.0), a video-then-image sample and text."""
     both = image_sample((1, 4, 4), 5, 7)
     mixed = video_sample(family, (2, 4, 6), 12, 8, seconds=0.5)
     both = {**mixed, "input_ids": both["input_ids"] + mixed["input_ids"], "pixel_values": both["pixel_values"],
@@ -154,8 +154,12 @@ def video_samples(family: str) -> list[dict]:
     two = {"input_ids": two[0]["input_ids"] + two[1]["input_ids"],
            **{k: torch.cat([two[0][k], two[1][k]]) for k in two[0] if k != "input_ids"}}
     unset = {k: v for k, v in video_sample(family, (1, 6, 4), 8, 10).items() if k != "second_per_grid_ts"}
+    first = video_sample(family, (1, 4, 4), 3, 13, seconds=0.75)  # a video, then an image, in one sample
+    after = image_sample((1, 4, 4), 4, 14)
+    first = {**first, "input_ids": first["input_ids"] + after["input_ids"], "pixel_values": after["pixel_values"],
+             "image_grid_thw": after["image_grid_thw"]}
     return [video_sample(family, (3, 4, 4), 20, 5, seconds=2.0), image_sample((1, 4, 6), 9, 6),
-            *text_samples((15,), 9), both, two, unset]
+            *text_samples((15,), 9), both, two, unset, first]
 
 
 def vl_samples() -> list[dict]:
@@ -323,8 +327,12 @@ def test_the_vision_tower_runs_once_per_micro_batch_whatever_it_holds(family):
     videos = video_samples(family)
     for samples in (videos, videos[:1], [image_sample((1, 4, 4), 5, 7)], text_samples((12,), 3)):
         calls.clear()
-        engine_logits(model, samples)
+        odb = engine(model, loss_chunk_tokens=None)
+        odb.eval_step(one_step_plan([labelled(samples)]), [labelled(samples)])
         assert len(calls) == 1, (len(samples), len(calls))
+        blank = not any("pixel_values" in s or "pixel_values_videos" in s for s in samples)
+        rows = len(odb.backend.last_batch["cu_seq_lens_q"]) - 1
+        assert rows == len(samples) + blank, (len(samples), rows)  # the blank image only where nothing else
 
 
 @pytest.mark.parametrize("family", sorted(VL_FAMILIES))

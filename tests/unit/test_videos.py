@@ -312,3 +312,23 @@ def test_a_video_in_an_answer_is_never_a_label_and_empty_video_fields_are_absent
     labelled = [t for t, label in zip(tokens, sample["labels"].tolist()) if label != -100]
     assert "seconds" not in "".join(labelled) and "<|vision_start|>" not in labelled
     assert "<|vision_end|>" not in labelled and "Here" in VIDEO_TOKENIZER.convert_tokens_to_string(labelled)
+
+
+def annotated_names(path: Path, cls: str) -> set[str]:
+    """The keys a transformers TypedDict of kwargs declares (read from its source)."""
+    body = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == cls).body
+    return {n.target.id for n in body if isinstance(n, ast.AnnAssign)}
+
+
+@pytest.mark.parametrize("family, path, kwargs", [("qwen2", QWEN2, "Qwen2VLVideoProcessorInitKwargs"),
+                                                  ("qwen3", QWEN3, "Qwen3VLVideoProcessorInitKwargs")])
+def test_the_exported_video_processor_has_only_keys_transformers_takes(family, path, kwargs):
+    """The export's video_preprocessor_config.json (VideoSpec.processor_config): every key one the
+    family's video processor takes, and a frame count only where transformers can keep it."""
+    allowed = annotated_names(TRANSFORMERS / "processing_utils.py", "VideosKwargs") | annotated_names(path, kwargs)
+    config = VideoSpec(family=family, fps=3.0).processor_config()
+    assert set(config) - {"video_processor_type"} <= allowed, sorted(set(config) - allowed)
+    assert (config["fps"], config["num_frames"], config["do_sample_frames"]) == (3.0, None, True)
+    counted = VideoSpec(family=family, num_frames=8).processor_config()
+    # Qwen3-VL's class rate (2) takes over a null fps, and a rate with a count is refused: it keeps the rate
+    assert (counted["fps"], counted["num_frames"]) == ((None, 8) if family == "qwen2" else (2.0, None))
