@@ -17,8 +17,9 @@ counts with is the processor's own.
 
 :class:`VisionSpec` holds all of it as plain values (the processor as its class name and JSON), so
 it pickles into DataLoader workers, which build the processor on first use; the export writes that
-same processor (:mod:`odb.training.export`). (The rotary positions of packed multimodal rows are
-the model's business: odb/training/mrope.py.)
+same processor (:mod:`odb.training.export`). A model that takes videos carries its video
+processor's settings too (``VisionSpec.video``, :mod:`odb.data.videos`). (The rotary positions of
+packed multimodal rows are the model's business: odb/training/mrope.py.)
 """
 
 from __future__ import annotations

@@ -101,6 +101,11 @@ class DataConfig:
     video_max_pixels: int | None = None
     """Video frames are resized to at most this many pixels (per frame for Qwen2-VL / Qwen2.5-VL, per
     clip for Qwen3-VL); None: the model's video processor's own."""
+    video_max_tokens: int | None = None
+    """The other bound (the processor's cap_pixels_per_frame with this max_video_tokens): Qwen2-VL /
+    Qwen2.5-VL bound a whole video to 0.9 x this many visual tokens' pixels, shared by its frames
+    (at least 1.05 x video_min_pixels each); Qwen3-VL bound each frame to this many patches' pixels.
+    None: the model's video processor's own setting."""
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -121,7 +126,7 @@ class DataConfig:
         if self.image_folder is not None:
             check_str("image_folder", self.image_folder)
         for name in ("min_pixels", "max_pixels", "video_num_frames", "video_min_frames", "video_max_frames",
-                     "video_min_pixels", "video_max_pixels"):
+                     "video_min_pixels", "video_max_pixels", "video_max_tokens"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
         if self.video_fps is not None:
@@ -138,7 +143,8 @@ class DataConfig:
         """The video processor overrides (:func:`odb.data.videos.video_spec_for`)."""
         return {"fps": self.video_fps, "num_frames": self.video_num_frames, "min_frames": self.video_min_frames,
                 "max_frames": self.video_max_frames, "min_pixels": self.video_min_pixels,
-                "max_pixels": self.video_max_pixels}
+                "max_pixels": self.video_max_pixels, "max_video_tokens": self.video_max_tokens,
+                "cap_pixels_per_frame": True if self.video_max_tokens is not None else None}
 
 
 def load_data_config(path: ConfigSource | None, **overrides: Any) -> DataConfig:

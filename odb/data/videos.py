@@ -328,7 +328,8 @@ def video_spec_for(config, source: str | Path | None = None, **overrides: Any) -
             ``preprocessor_config.json`` (transformers' own fallback), over the family's defaults;
             None or a config JSON: the defaults with the vision tower's geometry.
         overrides: the data config's ``fps``, ``num_frames``, ``min_frames``, ``max_frames``,
-            ``min_pixels``, ``max_pixels`` (None keeps the processor's).
+            ``min_pixels``, ``max_pixels``, ``max_video_tokens`` with ``cap_pixels_per_frame`` (None
+            keeps the processor's).
 
     Raises:
         ValueError: the processor's geometry differs from the vision tower's, or the bounds are inverted.

@@ -333,6 +333,8 @@ def export_checkpoint(checkpoint_dir: str | Path, out: str | Path, *, adapter_on
     processing = run["data"]["processing"]
     video = {key: processing.get(f"video_{key}") for key in ("fps", "num_frames", "min_frames", "max_frames",
                                                              "min_pixels", "max_pixels")}
+    if processing.get("video_max_tokens") is not None:
+        video.update(max_video_tokens=processing["video_max_tokens"], cap_pixels_per_frame=True)
     vision = vision_spec_for(_export_config(model_path or model["path"]), model_path or model["path"],
                              min_pixels=processing.get("min_pixels"), max_pixels=processing.get("max_pixels"),
                              video=video)

@@ -332,3 +332,25 @@ def test_the_exported_video_processor_has_only_keys_transformers_takes(family, p
     counted = VideoSpec(family=family, num_frames=8).processor_config()
     # Qwen3-VL's class rate (2) takes over a null fps, and a rate with a count is refused: it keeps the rate
     assert (counted["fps"], counted["num_frames"]) == ((None, 8) if family == "qwen2" else (2.0, None))
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_video_max_tokens_bounds_a_video_or_its_frames(family):
+    """The data config's video_max_tokens turns on the processor's cap: Qwen2-VL bounds the whole
+    clip (0.9 x the tokens), Qwen3-VL each frame (the tokens in patches). The maths of the cap is
+    transformers' own (tools/check_video_processor.py's cap_per_frame cases: 0 difference)."""
+    from odb.data.videos import video_spec_for
+
+    config = AutoConfig.for_model(**config_dict(family))
+    settings = DataConfig(video_max_tokens=64, video_min_pixels=4 * 28 * 28).video_settings()
+    spec = video_spec_for(config, None, **settings)
+    assert spec.cap_pixels_per_frame and spec.max_video_tokens == 64
+    unbounded = video_spec_for(config, None, **DataConfig(video_min_pixels=4 * 28 * 28).video_settings())
+    for frames in (2, 8):  # (Qwen3-VL's own per-clip bound takes over from 24 frames of this size)
+        height, width = spec.resized(frames, 480, 640)
+        assert (height, width) != unbounded.resized(frames, 480, 640)
+        per_frame = height * width // (28 * 28)  # visual tokens of one frame
+        if family == "qwen2_vl":
+            assert frames // 2 * per_frame <= 0.9 * 64 or height * width <= 1.05 * 4 * 28 * 28 + 2 * 28 * 28
+        else:
+            assert height * width <= 64 * 28 * 28
