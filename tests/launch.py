@@ -234,6 +234,22 @@ def write_json(path: Path, value) -> Path:
     return path
 
 
+def sgd_step_errors(model, before: dict, after: dict, lr: float) -> tuple[dict, float, float]:
+    """A run's one SGD step against the gradients in ``model`` (one process, after ``backward``):
+    ``(moved, worst, still)``: every parameter name (tied weights: each of their names) with its
+    step ``lr x grad``; the largest relative error of ``after - before`` against ``-step``; the
+    largest change of a tensor of ``after`` without gradient."""
+    import torch
+
+    with torch.no_grad():
+        steps = {id(p): lr * p.grad for p in model.parameters() if p.grad is not None and p.grad.any()}
+        moved = {n: steps[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if id(p) in steps}
+        assert set(moved) <= set(after), sorted(set(moved) - set(after))[:4]
+        worst = max(float(((after[n] - before[n]) + step).abs().max() / step.abs().max()) for n, step in moved.items())
+        still = max((float((after[n] - before[n]).abs().max()) for n in after if n not in moved), default=0.0)
+    return moved, worst, still
+
+
 def ds_config(tmp: Path, stage: int, **overrides) -> Path:
     config = json.loads((ROOT / "configs" / f"ds_zero{stage}.json").read_text())
     config.update(overrides)

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import bundled_tokenizer
-from launch import ROOT, Run, audit, deepspeed, ds_config, fsdp2, odb_config, steps_trained, write_json
+from launch import ROOT, Run, audit, deepspeed, ds_config, fsdp2, odb_config, sgd_step_errors, steps_trained, write_json
 from odb.data.processing import DataConfig, SampleDataset
 from odb.training.engine import token_loss_sum
 from odb.training.export import export_checkpoint
@@ -102,13 +102,7 @@ def test_one_step_on_two_ranks_equals_one_process(tmp_path, case):
         total = total + token_loss_sum(logits, sample["labels"][None])
         label_tokens += int((sample["labels"][1:] != -100).sum())
     (total / label_tokens).backward()
-    with torch.no_grad():
-        # every name of a parameter (tied embeddings: two names, one tensor) -> its gradient step
-        steps = {id(p): lr * p.grad for p in model.parameters() if p.grad is not None and p.grad.any()}
-        moved = {n: steps[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if id(p) in steps}
-        assert set(moved) <= set(after), sorted(set(moved) - set(after))[:4]
-        worst = max(float(((after[n] - before[n]) + step).abs().max() / step.abs().max()) for n, step in moved.items())
-        still = max((float((after[n] - before[n]).abs().max()) for n in after if n not in moved), default=0.0)
+    moved, worst, still = sgd_step_errors(model, before, after, lr)
     print(f"FSDP2 {case}: {len(moved)} tensors moved, worst relative error {worst:.2e}; largest change of a "
           f"tensor without gradient {still:.2e}; {len(after)} tensors in the checkpoint")
     assert worst <= 1e-5 and still == 0.0

@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
-from launch import ROOT, audit, deepspeed, ds_config, fsdp2, odb_config, write_json
+from launch import ROOT, audit, deepspeed, ds_config, fsdp2, odb_config, sgd_step_errors, write_json
 from odb.data.processing import SampleDataset
 from odb.training.engine import token_loss_sum
 from odb.training.model import build_model, vision_spec
@@ -74,12 +74,8 @@ def test_a_step_with_videos_on_two_ranks_equals_one_process(tmp_path, backend):
         total = total + token_loss_sum(logits, sample["labels"][None])
         label_tokens += int((sample["labels"][1:] != -100).sum())
     (total / label_tokens).backward()
-    with torch.no_grad():
-        steps = {id(p): lr * p.grad for p in model.parameters() if p.grad is not None and p.grad.any()}
-        moved = {n: steps[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if id(p) in steps}
-        assert any(n.startswith("model.visual") for n in moved)  # the vision tower trained
-        worst = max(float(((after[n] - before[n]) + step).abs().max() / step.abs().max()) for n, step in moved.items())
-        still = max((float((after[n] - before[n]).abs().max()) for n in after if n not in moved), default=0.0)
+    moved, worst, still = sgd_step_errors(model, before, after, lr)
+    assert any(n.startswith("model.visual") for n in moved)  # the vision tower trained
     print(f"{backend} {family} with videos: {len(moved)} tensors moved, worst relative error {worst:.2e}; largest "
           f"change of a tensor without gradient {still:.2e}")
     assert worst <= 1e-5 and still == 0.0
