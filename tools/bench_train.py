@@ -315,23 +315,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
+def bench(name: str, args: argparse.Namespace, prepare_runs, head, run_one, table) -> dict:
+    """Every system of ``args.systems`` in turn in one work folder (``--keep``, else a temporary
+    one): ``prepare_runs(args, work)`` makes what the runs share, ``head(shared)`` the result's own
+    fields, ``run_one(system, shared, work)`` one system's figures; prints ``table(result)`` (and
+    the JSON with ``--json``) and returns the result."""
+    with tempfile.TemporaryDirectory(prefix=f"{name}_") as tmp:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        shared = prepare(args, work)
-        result = {"trace": str(args.trace.name if args.trace else args.data.name), "samples": shared["dataset_size"],
-                  "world_size": args.world_size, "max_tokens": args.max_tokens, "length_scale": args.length_scale,
-                  "systems": {}}
+        shared = prepare_runs(args, work)
+        result = {**head(shared), "world_size": args.world_size, "max_tokens": args.max_tokens,
+                  "length_scale": args.length_scale, "systems": {}}
         for system in args.systems:
-            print(f"bench_train: {system} ...", file=sys.stderr, flush=True)
-            out = run_paper(args, shared, work) if system == "paper_pkg" else run_project(system, args, shared, work)
-            result["systems"][system] = figures(system, out, shared)
-    print(markdown(result))
+            print(f"{name}: {system} ...", file=sys.stderr, flush=True)
+            result["systems"][system] = run_one(system, shared, work)
+    print(table(result))
     if args.json:
         print(json.dumps(result))
     return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+
+    def run_one(system: str, shared: dict, work: Path) -> dict:
+        out = run_paper(args, shared, work) if system == "paper_pkg" else run_project(system, args, shared, work)
+        return figures(system, out, shared)
+
+    return bench("bench_train", args, prepare, lambda shared: {
+        "trace": str(args.trace.name if args.trace else args.data.name), "samples": shared["dataset_size"]},
+        run_one, markdown)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ import json
 import math
 import random
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from bench_train import figures, micro_batches, parse_run_arguments, run_project  # noqa: E402
+from bench_train import bench, figures, micro_batches, parse_run_arguments, run_project  # noqa: E402
 from make_video_trace import trace  # noqa: E402
 
 SYSTEMS = ("fixed", "gmt", "odb")
@@ -174,22 +173,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="bench_video_") as tmp:
-        work = args.keep or Path(tmp)
-        work.mkdir(parents=True, exist_ok=True)
-        shared = prepare(args, work)
-        result = {"trace": "make_video_trace", "samples": shared["dataset_size"], "kinds": shared["kinds"],
-                  "world_size": args.world_size, "max_tokens": args.max_tokens, "length_scale": args.length_scale,
-                  "systems": {}}
-        for system in args.systems:
-            print(f"bench_video: {system} ...", file=sys.stderr, flush=True)
-            out = run_project(system, args, shared, work, ["--data_config", str(shared["data_config"])])
-            result["systems"][system] = {**figures(system, out, shared), **patch_figures(out, shared)}
-    print(markdown(result))
-    if args.json:
-        print(json.dumps(result))
-    return result
 
+    def run_one(system: str, shared: dict, work: Path) -> dict:
+        out = run_project(system, args, shared, work, ["--data_config", str(shared["data_config"])])
+        return {**figures(system, out, shared), **patch_figures(out, shared)}
+
+    return bench("bench_video", args, prepare, lambda shared: {
+        "trace": "make_video_trace", "samples": shared["dataset_size"], "kinds": shared["kinds"]}, run_one, markdown)
 
 if __name__ == "__main__":
     main()
