@@ -90,6 +90,11 @@ class VideoSpec:
     max_video_tokens: int = 128000
     seconds: bool = False
     """Qwen2.5-VL: the model takes ``second_per_grid_ts``."""
+    layout: str = ""
+    """How the model's processor lays out a video's tokens: 'qwen2' (one run) or 'qwen3' (a run
+    per temporal group after its time), by model type; '' : as ``family``. (A Qwen3-VL folder
+    without a video processor config gets, as in transformers, Qwen2-VL's video processor, and
+    keeps Qwen3-VL's layout.)"""
 
     def frame_indices(self, total: int, native_fps: float) -> list[int]:
         """Which of a video's ``total`` frames (at ``native_fps``) the family's processor keeps."""
@@ -313,7 +318,7 @@ def expand_video(video: Video, spec: VideoSpec, tokens: tuple[str, str, str]) ->
     start, pad, end = tokens
     t, h, w = (int(x) for x in video.grid)
     per_group = h * w // (spec.merge_size * spec.merge_size)
-    if spec.family == "qwen2":
+    if (spec.layout or spec.family) == "qwen2":
         return start + pad * (t * per_group) + end
     return start + "".join(f"<{s:.1f} seconds>" + start + pad * per_group + end for s in video.group_seconds) + end
 
@@ -334,13 +339,14 @@ def video_spec_for(config, source: str | Path | None = None, **overrides: Any) -
     Raises:
         ValueError: the processor's geometry differs from the vision tower's, or the bounds are inverted.
     """
-    family = _FAMILY.get(getattr(config, "model_type", ""))
+    layout = _FAMILY.get(getattr(config, "model_type", ""))
     vision = getattr(config, "vision_config", None)
-    if family is None or vision is None:
+    if layout is None or vision is None:
         return None
-    settings = dict(VIDEO_FAMILIES[family])
     folder = Path(source) if source is not None and Path(source).is_dir() else None
     own = _folder_settings(folder) if folder is not None else {}
+    family = _processor_family(own) or layout
+    settings = dict(VIDEO_FAMILIES[family])
     if not own:  # no processor settings: the family's defaults with the vision tower's geometry
         settings.update(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
                         merge_size=vision.spatial_merge_size)
@@ -378,8 +384,18 @@ def video_spec_for(config, source: str | Path | None = None, **overrides: Any) -
     if settings["min_frames"] > settings["max_frames"]:
         raise ValueError(f"need video min_frames <= max_frames, got {settings['min_frames']} > "
                          f"{settings['max_frames']} (the data config's video_min_frames / video_max_frames)")
-    return VideoSpec(family=family, seconds=config.model_type == "qwen2_5_vl",
+    return VideoSpec(family=family, layout=layout, seconds=config.model_type == "qwen2_5_vl",
                      cap_pixels_per_frame=bool(settings.pop("cap_pixels_per_frame", False)), **settings)
+
+
+def _processor_family(own: dict[str, Any]) -> str | None:
+    """The family of the video processor class transformers' ``AutoVideoProcessor`` picks from these
+    settings: their ``video_processor_type``, else their image processor's type with "Image" read as
+    "Video"; None: neither names a family odb knows (the model type decides)."""
+    name = own.get("video_processor_type")
+    if name is None and own.get("image_processor_type"):
+        name = own["image_processor_type"].replace("ImageProcessor", "VideoProcessor")
+    return {cls: family for family, cls in _CLASSES.items()}.get(name)
 
 
 def _folder_settings(folder: Path) -> dict[str, Any]:

@@ -92,8 +92,7 @@ def test_a_model_that_takes_videos_passes_on_video_records(tmp_path, capsys, fam
     VIDEO_TOKENIZER.save_pretrained(path)
     vision = vision_spec_for(config)
     vision.build().save_pretrained(path)  # the family's image processor, the tower's geometry
-    # and its video processor, as real Qwen2-VL/Qwen3-VL folders carry one (without it, transformers
-    # derives the video processor from the image processor's type: Qwen2-VL's for a Qwen3-VL folder)
+    # and its video processor, as published Qwen2-VL/Qwen3-VL folders carry one
     (path / "video_preprocessor_config.json").write_text(json.dumps(vision.video.processor_config()))
     argv = [str(path), "--data", str(write_records(tmp_path)), "--data_config", str(data_config_file(tmp_path, SMALL)),
             "--samples", "5", "--max_tokens", "1024", "--json"]

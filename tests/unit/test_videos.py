@@ -354,3 +354,23 @@ def test_video_max_tokens_bounds_a_video_or_its_frames(family):
             assert frames // 2 * per_frame <= 0.9 * 64 or height * width <= 1.05 * 4 * 28 * 28 + 2 * 28 * 28
         else:
             assert height * width <= 64 * 28 * 28
+
+
+def test_a_folder_without_a_video_config_gets_the_video_processor_transformers_infers(tmp_path):
+    """transformers' AutoVideoProcessor reads an image-only folder's image processor type with
+    "Image" as "Video" (Qwen2VLImageProcessor -> Qwen2VLVideoProcessor, also for a Qwen3-VL model);
+    the token layout stays the model's (Qwen3-VL's group times)."""
+    from odb.data.images import vision_spec_for
+    from odb.data.videos import Video, expand_video, video_spec_for
+
+    config = AutoConfig.for_model(**config_dict("qwen3_vl"))
+    vision_spec_for(config).build().save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "preprocessor_config.json").read_text())["image_processor_type"] == \
+        "Qwen2VLImageProcessor"
+    spec = video_spec_for(config, tmp_path)
+    assert (spec.family, spec.layout) == ("qwen2", "qwen3")
+    video = Video(torch.zeros(16, 1), torch.tensor([2, 2, 4]), [0.25, 1.25], 1.0)
+    assert expand_video(video, spec, ("S", "V", "E")) == "S<0.2 seconds>SVVE<1.2 seconds>SVVEE"
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(video_spec_for(config, None)
+                                                                       .processor_config()))
+    assert (video_spec_for(config, tmp_path).family, video_spec_for(config, tmp_path).layout) == ("qwen3", "qwen3")
