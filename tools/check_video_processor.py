@@ -104,7 +104,11 @@ def check(model_type: str, folder: str | None, name: str, settings: dict, path: 
     if theirs_idx != clip.indices:
         print(f"  {model_type} {name} {clip_info}: indices odb {clip.indices} transformers {theirs_idx}")
         return float("inf")
-    frames = torch.from_numpy(clip.frames).permute(0, 3, 1, 2)
+    import av
+
+    with av.open(str(path)) as container:  # the sampled frames as decoded, full size: transformers resizes them
+        decoded = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+    frames = torch.from_numpy(np.stack([decoded[i] for i in clip.indices])).permute(0, 3, 1, 2)
     out = processor(videos=[frames], do_sample_frames=False, return_tensors="pt")
     ours = process_video(clip, spec)
     if out["video_grid_thw"][0].tolist() != ours.grid.tolist():

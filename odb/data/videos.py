@@ -179,12 +179,14 @@ def _smart_resize(frames: int, temporal: int, height: int, width: int, factor: i
 @dataclass
 class Clip:
     """A video's sampled frames ``[n, H, W, 3]`` uint8, their indices among its ``total`` frames,
-    and its frames per second."""
+    and its frames per second. ``resized``: :func:`read_video` resized each frame as it was read
+    (a clip's frames at full size would hold, for 768 sampled 4K frames, 19 GB in a worker)."""
 
     frames: np.ndarray
     indices: list[int]
     fps: float
     total: int
+    resized: bool = False
 
 
 @dataclass
@@ -228,18 +230,19 @@ def read_video(source: str | Path | list[str | Path], spec: VideoSpec, fps: floa
             for _ in range(2):  # a count the stream over-reports: sampled again over the frames decoded
                 wanted = spec.frame_indices(total, native)
                 container.seek(0)
-                frames, decoded = _decode(container.decode(stream), wanted)
+                frames, decoded = _decode(container.decode(stream), wanted, spec)
                 if len(frames) == len(wanted):
-                    return Clip(np.stack(frames), wanted, native, total)
+                    return Clip(np.stack(frames), wanted, native, total, resized=True)
                 total = decoded
     except (av.error.FFmpegError, UnicodeDecodeError) as err:
         raise ValueError(f"{type(err).__name__}: {err}") from None
     raise ValueError(f"{len(frames)} of the {len(wanted)} sampled frames decoded")
 
 
-def _decode(decoded, wanted: list[int]) -> tuple[list[np.ndarray], int]:
-    """The frames at the indices ``wanted`` (sorted, repeats allowed) of a decoder's frames, as RGB,
-    and how many frames were decoded (all of them where some of ``wanted`` were missing)."""
+def _decode(decoded, wanted: list[int], spec: VideoSpec | None = None) -> tuple[list[np.ndarray], int]:
+    """The frames at the indices ``wanted`` (sorted, repeats allowed) of a decoder's frames, as RGB
+    (resized for ``spec`` as they come, where given), and how many frames were decoded (all of them
+    where some of ``wanted`` were missing)."""
     out: list[np.ndarray] = []
     at = count = 0
     for index, frame in enumerate(decoded):
@@ -247,6 +250,8 @@ def _decode(decoded, wanted: list[int]) -> tuple[list[np.ndarray], int]:
         if wanted[at] != index:
             continue
         image = frame.to_ndarray(format="rgb24")
+        if spec is not None:
+            image = _resize(image, spec.resized(len(wanted), *image.shape[:2]))
         while at < len(wanted) and wanted[at] == index:
             out.append(image)
             at += 1
@@ -268,18 +273,31 @@ def _read_frames(source: str | Path | list[str | Path], spec: VideoSpec, fps: fl
     keep = min(len(paths), spec.max_frames)  # as transformers takes frames already sampled: all of them
     wanted = np.linspace(0, len(paths) - 1, keep).round().astype(int).tolist() if keep < len(paths) \
         else list(range(len(paths)))
-    frames = []
+    frames: list[np.ndarray] = []
+    first = None
     for index in wanted:
         if not paths[index].is_file():
             raise FileNotFoundError(str(paths[index]))
         try:
             with Image.open(paths[index]) as image:
-                frames.append(np.asarray(image.convert("RGB")))
+                frame = np.asarray(image.convert("RGB"))
         except (OSError, Image.DecompressionBombError) as err:
             raise ValueError(f"{paths[index]}: {err}") from None
-    if len({frame.shape for frame in frames}) > 1:
-        raise ValueError(f"frames of different sizes: {sorted({frame.shape[:2] for frame in frames})}")
-    return Clip(np.stack(frames), wanted, rate, len(paths))
+        if frames and frame.shape != first:
+            raise ValueError(f"frames of different sizes: {first[:2]} and {frame.shape[:2]} ({paths[index]})")
+        first = frame.shape
+        frames.append(_resize(frame, spec.resized(len(wanted), *frame.shape[:2])))
+    return Clip(np.stack(frames), wanted, rate, len(paths), resized=True)
+
+
+def _resize(frame: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """One ``[H, W, 3]`` uint8 frame at ``size``: torchvision's resize of 8-bit frames on the CPU
+    (torch's own bicubic with antialiasing), which gives each frame of a batch what it gives alone."""
+    if frame.shape[:2] == tuple(size):
+        return frame
+    image = torch.from_numpy(np.ascontiguousarray(frame)).permute(2, 0, 1)[None]
+    image = torch.nn.functional.interpolate(image, size=size, mode="bicubic", align_corners=False, antialias=True)
+    return image[0].permute(1, 2, 0).numpy()
 
 
 def _natural(path: Path) -> list:
@@ -290,7 +308,7 @@ def _natural(path: Path) -> list:
 def process_video(clip: Clip, spec: VideoSpec) -> Video:
     """A clip's sampled frames -> the model's video inputs (the module docstring's steps)."""
     n, height, width, _ = clip.frames.shape
-    new_h, new_w = spec.resized(n, height, width)
+    new_h, new_w = (height, width) if clip.resized else spec.resized(n, height, width)
     video = torch.from_numpy(np.ascontiguousarray(clip.frames)).permute(0, 3, 1, 2)
     if (new_h, new_w) != (height, width):  # torchvision's resize of 8-bit frames on the CPU: torch's own
         video = torch.nn.functional.interpolate(video, size=(new_h, new_w), mode="bicubic", align_corners=False,

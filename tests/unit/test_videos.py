@@ -151,20 +151,31 @@ def test_patches_and_times_are_transformers_own(family, path, frames):
     assert video.second_per_grid == pytest.approx(2 / (frames / 15 * 6.0))  # Qwen2.5-VL's processor
 
 
+WIDE = {"min_pixels": 1, "max_pixels": 10 ** 9}
+"""Bounds that leave a frame whose sides are multiples of 28 as it is."""
+
+
 def test_read_video_keeps_the_sampled_frames_of_a_file_and_a_folder(tmp_path):
-    decoded = write_clip(tmp_path / "clip.mp4", frames=12)
-    spec = VideoSpec(family="qwen2", fps=2.0)
+    decoded = write_clip(tmp_path / "clip.mp4", frames=12, height=56, width=84)
+    spec = VideoSpec(family="qwen2", fps=2.0, **WIDE)
     clip = read_video(tmp_path / "clip.mp4", spec)
     assert (clip.total, clip.fps, clip.indices) == (12, 6.0, [0, 3, 6, 9])
     assert all(np.array_equal(frame, decoded[i]) for frame, i in zip(clip.frames, clip.indices, strict=True))
+    # resized as they are read, each frame as the whole clip at once would be
+    tight = VideoSpec(family="qwen2", fps=2.0, min_pixels=1, max_pixels=28 * 56)
+    small = read_video(tmp_path / "clip.mp4", tight)
+    whole = torch.from_numpy(np.stack([decoded[i] for i in small.indices])).permute(0, 3, 1, 2)
+    assert tight.resized(4, 56, 84) == (28, 28)
+    whole = torch.nn.functional.interpolate(whole, size=(28, 28), mode="bicubic", antialias=True)
+    assert small.resized and torch.equal(torch.from_numpy(small.frames).permute(0, 3, 1, 2), whole)
     folder = tmp_path / "frames"
     folder.mkdir()
     for i, frame in enumerate(decoded[:7]):
         Image.fromarray(frame).save(folder / f"{i:03d}.png")
-    clip = read_video(folder, VideoSpec(family="qwen2", max_frames=768), fps=1.0)
+    clip = read_video(folder, VideoSpec(family="qwen2", max_frames=768, **WIDE), fps=1.0)
     assert (clip.total, clip.fps, clip.indices) == (7, 1.0, list(range(7)))  # all: already sampled
     assert process_video(clip, VideoSpec(family="qwen2", min_pixels=1)).grid[0] == 4  # the last frame repeated
-    clip = read_video(folder, VideoSpec(family="qwen2", max_frames=4))
+    clip = read_video(folder, VideoSpec(family="qwen2", max_frames=4, **WIDE))
     assert clip.indices == [0, 2, 4, 6]
     assert all(np.array_equal(frame, decoded[i]) for frame, i in zip(clip.frames, clip.indices, strict=True))
     clip = read_video([folder / "000.png", folder / "001.png", folder / "002.png"], VideoSpec(family="qwen3"))
@@ -272,7 +283,7 @@ def test_frame_folders_in_number_order_and_the_decoded_count_wins(tmp_path):
     frames = {i: rng.integers(0, 256, (28, 28, 3), dtype=np.uint8) for i in (1, 2, 10)}
     for i, frame in frames.items():
         Image.fromarray(frame).save(tmp_path / f"{i}.png")  # as text: 1, 10, 2
-    clip = read_video(tmp_path, VideoSpec(family="qwen3"))
+    clip = read_video(tmp_path, VideoSpec(family="qwen3", patch_size=14, **WIDE))
     assert all(np.array_equal(a, frames[i]) for a, i in zip(clip.frames, (1, 2, 10), strict=True))
     from odb.data.videos import _decode
 
