@@ -280,7 +280,7 @@ def _read_frames(source: str | Path | list[str | Path], spec: VideoSpec, fps: fl
             raise FileNotFoundError(str(paths[index]))
         try:
             with Image.open(paths[index]) as image:
-                frame = np.asarray(image.convert("RGB"))
+                frame = np.array(image.convert("RGB"))  # (a writable copy)
         except (OSError, Image.DecompressionBombError) as err:
             raise ValueError(f"{paths[index]}: {err}") from None
         if frames and frame.shape != first:
