@@ -181,5 +181,6 @@ def main(argv: list[str] | None = None) -> dict:
     return bench("bench_video", args, prepare, lambda shared: {
         "trace": "make_video_trace", "samples": shared["dataset_size"], "kinds": shared["kinds"]}, run_one, markdown)
 
+
 if __name__ == "__main__":
     main()

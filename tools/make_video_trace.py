@@ -13,10 +13,9 @@ per sample (tokens: text plus visual tokens; patches: vision-encoder patches, 4 
   pixels at 28 pixels per token), and a lognormal text part (median 150, sigma 0.8, 10..2000).
 * **video** (25%): a clip of lognormal duration (median 30 s, sigma 0.9, within 2..300 s)
   sampled at 2 frames a second, at most 64 frames (the common cap of video SFT recipes), at
-  least 4, an even count; each frame at one of 360p / 480p / 720p (16:9) resized within
-  ``256 x 28 x 28`` pixels per frame (``video_max_pixels``, 12 x 21 visual tokens); two frames
-  make one temporal group, so a clip has ``frames / 2 x 12 x 21`` visual tokens; a lognormal text
-  part (median 120, sigma 0.7, 10..1500).
+  least 4, an even count; every frame 12 x 21 visual tokens (a 16:9 frame within ``256 x 28 x
+  28`` pixels, ``video_max_pixels``); two frames make one temporal group, so a clip has
+  ``frames / 2 x 12 x 21`` visual tokens; a lognormal text part (median 120, sigma 0.7, 10..1500).
 
 A 64-frame clip is then 8064 visual tokens (32256 patches) next to a 30-token text turn: the
 spread a fixed batch sizes for its longest sample.

@@ -104,8 +104,9 @@ class DataConfig:
     video_max_tokens: int | None = None
     """The other bound (the processor's cap_pixels_per_frame with this max_video_tokens): Qwen2-VL /
     Qwen2.5-VL bound a whole video to 0.9 x this many visual tokens' pixels, shared by its frames
-    (at least 1.05 x video_min_pixels each); Qwen3-VL bound each frame to this many patches' pixels.
-    None: the model's video processor's own setting."""
+    (at least 1.05 x video_min_pixels each); Qwen3-VL bound each frame to this many visual tokens'
+    pixels (and to its share of video_max_pixels; at least 1.05 x video_min_pixels, a per-clip
+    figure, per frame). None: the model's video processor's own setting."""
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:

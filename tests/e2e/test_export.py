@@ -245,7 +245,7 @@ def test_vision_language_export_keeps_the_image_processor(tmp_path):
     tag.mkdir(parents=True)
     torch.save({"module": model.state_dict()}, tag / "mp_rank_00_model_states.pt")
     pixels = {"min_pixels": 28 * 28, "max_pixels": 112 * 112}
-    video = {"video_fps": 1.5, "video_max_frames": 64, "video_max_pixels": 200000}
+    video = {"video_fps": 1.5, "video_max_frames": 64, "video_max_pixels": 200000, "video_max_tokens": 512}
     run = {"model": {"path": str(TINY_VL), "tokenizer": str(ROOT / "data" / "tokenizer"), "lora": None},
            "data": {"processing": {**pixels, **video}}, "optimization": {"deepspeed": {"bf16": {"enabled": False}}}}
     (tag / "run_config.json").write_text(json.dumps(run))
@@ -259,8 +259,10 @@ def test_vision_language_export_keeps_the_image_processor(tmp_path):
 
     saved = json.loads((out / "video_preprocessor_config.json").read_text())
     assert saved["video_processor_type"] == "Qwen2VLVideoProcessor" and saved["fps"] == 1.5
+    assert saved["cap_pixels_per_frame"] is True and saved["max_video_tokens"] == 512
     assert video_spec_for(model.config, out) == video_spec_for(model.config, None, fps=1.5, max_frames=64,
-                                                               max_pixels=200000)
+                                                               max_pixels=200000, max_video_tokens=512,
+                                                               cap_pixels_per_frame=True)
     loaded = AutoModelForImageTextToText.from_pretrained(str(out)).eval()
     processor = AutoImageProcessor.from_pretrained(str(out))
     image = Image.new("RGB", (300, 200), (120, 30, 200))
