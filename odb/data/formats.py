@@ -128,9 +128,10 @@ def _video_source(part: dict[str, Any]) -> dict[str, Any]:
     return {"video": _video_path(source, part), "fps": fps}
 
 
-def _video_path(source: Any, where: Any) -> str | list[str] | None:
-    """A video's file path or its frame images' paths, checked."""
-    if source is None or (isinstance(source, str) and source):
+def _video_path(source: Any, where: Any, *, optional: bool = True) -> str | list[str] | None:
+    """A video's file path or its frame images' paths, checked (None only where ``optional``: a part
+    that carries none)."""
+    if (source is None and optional) or (isinstance(source, str) and source):
         return source
     if isinstance(source, list) and source and all(isinstance(p, str) and p for p in source):
         return source
@@ -302,11 +303,7 @@ def _listed_videos(record: dict[str, Any]) -> list[dict[str, Any]]:
         listed = [record["video"]]
     else:  # absent, null (as Parquet fills absent fields) or empty
         return []
-    return [{"video": _video_path(video, video) or _bad_video(video), "fps": None} for video in listed]
-
-
-def _bad_video(video: Any):
-    raise SkipSample("bad_content", f"a video that is not a path or a list of frame paths: {video!r:.60}")
+    return [{"video": _video_path(video, video, optional=False), "fps": None} for video in listed]
 
 
 def _placed(kind: str, placeholder: str, listed: list, parts: list, messages: list[dict[str, Any]]) -> list:

@@ -2,7 +2,7 @@
 
 :class:`MediaSamples` is the part of :class:`odb.data.processing.SampleDataset` that handles
 visual inputs (its attributes: ``vision``, ``tokenizer``, ``image_folder``, ``vision_tokens``,
-``image_pad_id``, ``video_pad``, ``video_pad_id``): images through the model's own image processor
+``vision_ids``, ``image_pad_id``, ``video_pad``, ``video_pad_id``): images through the model's own image processor
 (:mod:`odb.data.images`), videos read, sampled and processed as the model's video processor does
 (:mod:`odb.data.videos`), each laid out in the text as the family's processor lays it out; the
 checks that a tokenized sample holds exactly their visual tokens; which tokens are never labels;
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from odb.data.formats import VIDEO_PLACEHOLDER, SkipSample, text_of
-from odb.data.images import IMAGE_PAD, VISION_END, VISION_START, ImageProcessor, VisionSpec
+from odb.data.formats import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, SkipSample, text_of
+from odb.data.images import IMAGE_PAD, VISION_END, VISION_START, ImageProcessor, VisionSpec, expand_placeholders
 from odb.data.videos import Video, expand_video, process_video, read_video
 
 __all__ = ["MEDIA", "Media", "MediaSamples", "video_token", "vision_tokens"]
@@ -66,10 +66,10 @@ class MediaSamples:
         for name, token_id, found_grids in (("image", self.image_pad_id, grids), ("video", video, video_grids)):
             if token_id is None:
                 continue
-            spelled = self.tokenizer.convert_ids_to_tokens(token_id)
             expected = sum(self.vision.visual_tokens(grid) for grid in found_grids) if found_grids is not None else 0
             found = int((input_ids == token_id).sum())
             if found != expected:
+                spelled = self.tokenizer.convert_ids_to_tokens(token_id)
                 raise SkipSample("image_token_mismatch", (
                     f"{found} {name} token(s) {spelled!r} in the tokenized sample but its "
                     f"{0 if found_grids is None else len(found_grids)} {name}(s) make {expected}; the record's text "
@@ -82,7 +82,9 @@ class MediaSamples:
         Qwen3-VL's groups sit inside their video's outer pair)."""
         pads = [i for i in (self.image_pad_id, self.video_pad_id) if i is not None]
         media = torch.isin(input_ids, torch.tensor(pads))
-        start, end = (self.tokenizer.convert_tokens_to_ids(self.vision_tokens[i]) for i in (0, 2))
+        if not bool(media.any()):  # no image or video: nothing around them to find
+            return media
+        start, _, end = self.vision_ids
         ids, opened = input_ids.tolist(), []
         for at, token in enumerate(ids):
             if token == start:
@@ -92,6 +94,23 @@ class MediaSamples:
                 if not opened and bool(media[first:at].any()):  # an outermost pair around visual tokens
                     media[first:at + 1] = True
         return media
+
+    def _add_images(self, sample: dict[str, Any], messages: list[dict[str, Any]], paths: list[str]
+                    ) -> list[dict[str, Any]]:
+        """Each ``<image>`` placeholder -> its image's tokens; the images' tensors into ``sample``."""
+        assert self.vision is not None
+        pixel_values, grids = self._load_images(paths)
+        grid_list, expanded = list(grids), []
+        for message in messages:
+            count = text_of(message).count(IMAGE_PLACEHOLDER)
+            if count:
+                message = {**message, "content": expand_placeholders(
+                    message["content"], grid_list[:count], self.vision.merge_size, IMAGE_PLACEHOLDER,
+                    self.vision_tokens)}
+            grid_list = grid_list[count:]
+            expanded.append(message)
+        sample.update(pixel_values=pixel_values, image_grid_thw=grids, patches=int(grids.prod(dim=1).sum()))
+        return expanded
 
     def _add_videos(self, sample: dict[str, Any], messages: list[dict[str, Any]], videos: list[Video]
                     ) -> list[dict[str, Any]]:
@@ -116,8 +135,7 @@ class MediaSamples:
 
     def _load_video(self, video: dict[str, Any]) -> Video:
         source = video["video"]
-        resolve = (lambda name: Path(name) if Path(name).is_absolute() else self.image_folder / name)  # noqa: E731
-        path = [resolve(name) for name in source] if isinstance(source, list) else resolve(source)
+        path = [self._path(name) for name in source] if isinstance(source, list) else self._path(source)
         assert self.vision is not None and self.vision.video is not None
         try:
             return process_video(read_video(path, self.vision.video, video.get("fps")), self.vision.video)
@@ -131,7 +149,7 @@ class MediaSamples:
 
         images = []
         for name in paths:
-            path = Path(name) if Path(name).is_absolute() else self.image_folder / name
+            path = self._path(name)
             if not path.is_file():
                 raise SkipSample("missing_image", str(path))
             try:
@@ -142,6 +160,10 @@ class MediaSamples:
         if self._images is None:
             self._images = ImageProcessor(self.vision)
         return self._images(images)
+
+    def _path(self, name: str) -> Path:
+        """A record's image or video path: as it is where absolute, else under ``image_folder``."""
+        return Path(name) if Path(name).is_absolute() else self.image_folder / name
 
 
 @dataclass(frozen=True)
@@ -156,8 +178,8 @@ class Media:
 
 
 MEDIA = (Media("an image", "image_pad_id", "image_grid_thw", "pixel_values", ("pixel_values", "image_grid_thw")),
-          Media("a video", "video_pad_id", "video_grid_thw", "pixel_values_videos",
-                 ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")))
+         Media("a video", "video_pad_id", "video_grid_thw", "pixel_values_videos",
+               ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")))
 
 
 def video_token(tokenizer, vision: VisionSpec) -> tuple[str | None, str]:

@@ -46,7 +46,7 @@ from torch.utils.data import Dataset
 
 from odb.batching.cost import count_label_tokens
 from odb.data.formats import FORMATS, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, SkipSample, normalize, text_of
-from odb.data.images import ImageProcessor, VisionSpec, expand_placeholders
+from odb.data.images import ImageProcessor, VisionSpec
 from odb.data.labels import TRAIN_ON, LabelledChat, TemplateDropsFields, TemplateMismatch, encode_chat
 from odb.data.media import MEDIA, MediaSamples, video_token, vision_tokens
 from odb.data.sources import Source
@@ -211,6 +211,8 @@ class SampleDataset(MediaSamples, Dataset):
         self.image_pad_id = tokenizer.convert_tokens_to_ids(self.vision_tokens[1]) if vision is not None else None
         self.video_pad, self.no_video = video_token(tokenizer, vision) if vision is not None else (None, "")
         self.video_pad_id = tokenizer.convert_tokens_to_ids(self.video_pad) if self.video_pad is not None else None
+        self.vision_ids = tuple(tokenizer.convert_tokens_to_ids(list(self.vision_tokens))) if vision is not None \
+            else None  # the vision start, image and vision end token ids
 
     def __len__(self) -> int:
         return self.size
@@ -250,19 +252,7 @@ class SampleDataset(MediaSamples, Dataset):
         sample: dict[str, Any] = {"uid": uid, "index": index, "source": 0, "patches": 0, "truncated_tokens": 0}
         if images:
             assert self.vision is not None, "normalize(text_only=True) lets no image through"
-            pixel_values, grids = self._load_images(images)
-            grid_list = list(grids)
-            expanded = []
-            for message in messages:
-                count = text_of(message).count(IMAGE_PLACEHOLDER)
-                if count:
-                    message = {**message, "content": expand_placeholders(
-                        message["content"], grid_list[:count], self.vision.merge_size, IMAGE_PLACEHOLDER,
-                        self.vision_tokens)}
-                grid_list = grid_list[count:]
-                expanded.append(message)
-            messages = expanded
-            sample.update(pixel_values=pixel_values, image_grid_thw=grids, patches=int(grids.prod(dim=1).sum()))
+            messages = self._add_images(sample, messages, images)
         if videos:
             messages = self._add_videos(sample, messages, [self._load_video(video) for video in videos])
         try:

@@ -245,13 +245,15 @@ def _decode(decoded, wanted: list[int], spec: VideoSpec | None = None) -> tuple[
     where some of ``wanted`` were missing)."""
     out: list[np.ndarray] = []
     at = count = 0
+    size = None  # the clip's size, from its first frame (every frame of a stream has the same)
     for index, frame in enumerate(decoded):
         count = index + 1
         if wanted[at] != index:
             continue
         image = frame.to_ndarray(format="rgb24")
         if spec is not None:
-            image = _resize(image, spec.resized(len(wanted), *image.shape[:2]))
+            size = size or spec.resized(len(wanted), *image.shape[:2])
+            image = _resize(image, size)
         while at < len(wanted) and wanted[at] == index:
             out.append(image)
             at += 1
@@ -283,10 +285,11 @@ def _read_frames(source: str | Path | list[str | Path], spec: VideoSpec, fps: fl
                 frame = np.array(image.convert("RGB"))  # (a writable copy)
         except (OSError, Image.DecompressionBombError) as err:
             raise ValueError(f"{paths[index]}: {err}") from None
-        if frames and frame.shape != first:
+        if first is None:
+            first, size = frame.shape, spec.resized(len(wanted), *frame.shape[:2])
+        elif frame.shape != first:
             raise ValueError(f"frames of different sizes: {first[:2]} and {frame.shape[:2]} ({paths[index]})")
-        first = frame.shape
-        frames.append(_resize(frame, spec.resized(len(wanted), *frame.shape[:2])))
+        frames.append(_resize(frame, size))
     return Clip(np.stack(frames), wanted, rate, len(paths), resized=True)
 
 

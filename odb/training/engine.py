@@ -319,17 +319,8 @@ class OdbEngine:
             del batch["sources"]  # not the model's
         batch = _to_device(batch, self.device)
         labels = batch.pop("labels")
-        if self.vision is not None and "cu_seq_lens_q" in batch:  # each sample's own M-RoPE, text in row 0
-            batch["position_ids"] = packed_position_ids(self.model, batch["input_ids"], batch["cu_seq_lens_q"],
-                                                        batch.get("image_grid_thw"), batch.get("video_grid_thw"),
-                                                        batch.get("second_per_grid_ts"))
-        elif self.vision is not None and hasattr(self.model.model, "get_rope_index"):
-            batch["position_ids"] = padded_position_ids(self.model, batch)  # padded rows: the model's own, made here
-        elif self.vision is not None:  # a vision model whose positions odb does not make: the model derives them
-            del batch["position_ids"]
-            batch["mm_token_type_ids"] = mm_token_types(batch["input_ids"], self.model.config)
-        if self.vision is not None and "mm_token_type_ids" not in batch:  # one vision-tower call per micro-batch
-            videos_as_images(batch, self.model.config)  # (odb.training.mrope), once the positions are made
+        if self.vision is not None:
+            self._vision_inputs(batch)
         # a dummy (the blank image alone) has no real token: its router loss over every token, weighed 0
         real = None if is_dummy else _real_tokens(batch, blank=blank)
         summed, aux = self._call(batch, labels, router=router, real_tokens=real, split=split)
@@ -415,6 +406,23 @@ class OdbEngine:
                                  "odb cannot train it (check it with tools/check_model.py)")
             self._attention_seen = True
         return summed
+
+    def _vision_inputs(self, batch: dict[str, Any]) -> None:
+        """A vision model's rotary positions, in ``batch``: each packed sample's own M-RoPE (text in row
+        0), or the model's own over padded rows, made here; then its videos handed over as images, one
+        vision-tower call per micro-batch (:mod:`odb.training.mrope`). A model whose positions odb does
+        not make derives them itself (from ``mm_token_type_ids``), its videos as videos."""
+        if "cu_seq_lens_q" in batch:
+            batch["position_ids"] = packed_position_ids(self.model, batch["input_ids"], batch["cu_seq_lens_q"],
+                                                        batch.get("image_grid_thw"), batch.get("video_grid_thw"),
+                                                        batch.get("second_per_grid_ts"))
+        elif hasattr(self.model.model, "get_rope_index"):
+            batch["position_ids"] = padded_position_ids(self.model, batch)
+        else:
+            del batch["position_ids"]
+            batch["mm_token_type_ids"] = mm_token_types(batch["input_ids"], self.model.config)
+            return
+        videos_as_images(batch, self.model.config)
 
     def _needs_blank(self, samples: Sequence[dict[str, Any]]) -> bool:
         """A micro-batch without images or videos gets one tiny blank image as a sample of its own, the last

@@ -32,6 +32,7 @@ the model loads with transformers' default attention, not odb's ``"odb_varlen"``
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import warnings
 from pathlib import Path
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 
 from odb.data.images import VisionSpec, vision_spec_for
+from odb.data.processing import DataConfig
 from odb.training import backends
 from odb.training.model import load_tokenizer
 
@@ -330,14 +332,11 @@ def export_checkpoint(checkpoint_dir: str | Path, out: str | Path, *, adapter_on
     if not tokenizer.is_dir():
         raise FileNotFoundError(f"tokenizer {tokenizer} (model.tokenizer in {tag_folder / 'run_config.json'}) "
                                 "does not exist here; pass --tokenizer")
-    processing = run["data"]["processing"]
-    video = {key: processing.get(f"video_{key}") for key in ("fps", "num_frames", "min_frames", "max_frames",
-                                                             "min_pixels", "max_pixels")}
-    if processing.get("video_max_tokens") is not None:
-        video.update(max_video_tokens=processing["video_max_tokens"], cap_pixels_per_frame=True)
+    processing = run["data"]["processing"]  # the run's pixel and video settings (a run before videos: none)
+    data = DataConfig(**{f.name: processing[f.name] for f in dataclasses.fields(DataConfig)
+                         if f.name in processing and (f.name.endswith("_pixels") or f.name.startswith("video_"))})
     vision = vision_spec_for(_export_config(model_path or model["path"]), model_path or model["path"],
-                             min_pixels=processing.get("min_pixels"), max_pixels=processing.get("max_pixels"),
-                             video=video)
+                             min_pixels=data.min_pixels, max_pixels=data.max_pixels, video=data.video_settings())
     state_dict = consolidated_state_dict(tag_folder, run=run, model_path=model_path or model["path"],
                                          exclude_frozen=adapter_only)
     return write_hf(state_dict, model_path=model_path or model["path"],
