@@ -7,7 +7,7 @@ from setuptools.command.build_py import build_py
 HERE = Path(__file__).resolve().parent
 BUNDLED = ("configs", "data/tokenizer", "data/chat.jsonl", "launch/train.py", "launch/slurm.sbatch")
 """What an installed odb carries besides its code, copied into the package as odb/_bundled by the
-build (the checkout's own files stay where they are; odb.training.cli.bundled_root finds either):
+build (the checkout's own files stay where they are; odb.recipe.bundled_root finds either):
 the default configs and the recipes (configs/recipes: `odb train demo`), the demo's tiny model
 configs, the bundled tokenizer, the bundled chat data (data/chat.jsonl whole: 2000 chats, 1.7 MB;
 data/mm, the multimodal sample, stays in the checkout), and launch/slurm.sbatch with the
@@ -48,7 +48,7 @@ setup(
     install_requires=[
         "numpy>=1.24",
         # A range: users bring the build for their GPUs (CI pins the CPU wheel). The floor is the oldest
-        # release everything odb calls has (odb/training/startup.py refuses older ones at start, naming it):
+        # release everything odb calls has (odb/training/run/startup.py refuses older ones at start, naming it):
         # transformers 5.24 disables torch < 2.6; FSDP2's fully_shard / FSDPModule / MixedPrecisionPolicy
         # are public in torch.distributed.fsdp from 2.6; SDPA's enable_gqa (odb's CPU path) is 2.5;
         # DCP's StateDictOptions(broadcast_from_rank0=) is 2.4; DeepSpeed 0.17+ asks torch>=2.0, PEFT

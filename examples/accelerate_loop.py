@@ -15,7 +15,7 @@ from accelerate import Accelerator
 from common import odb_settings, parser
 
 from odb.integrations.accelerate import backward, odb_run, set_lr
-from odb.training.model import build_model, load_tokenizer
+from odb.training.model.build import build_model, load_tokenizer
 
 
 def parse():

@@ -10,7 +10,7 @@ sys.path.insert(0, str(REPO))
 
 from odb.batching.config import load_odb_config  # noqa: E402
 from odb.integrations import OdbSettings  # noqa: E402
-from odb.training.config import DataSettings  # noqa: E402
+from odb.training.config.settings import DataSettings  # noqa: E402
 
 
 def parser(description: str) -> argparse.ArgumentParser:

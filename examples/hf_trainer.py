@@ -18,7 +18,7 @@ from common import odb_settings, parser
 from transformers import TrainingArguments
 
 from odb.integrations.hf import OdbTrainer, with_odb
-from odb.training.model import build_model, load_tokenizer
+from odb.training.model.build import build_model, load_tokenizer
 
 
 def parse():

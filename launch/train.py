@@ -8,7 +8,7 @@
 With no flags: the bundled tiny model on the bundled chat data, one epoch (CPU ranks on gloo
 where there is no GPU). ``python launch/train.py --help`` lists the flags; ``odb train RECIPE``
 (an installed odb's command) starts the same run from a recipe. The run itself:
-:func:`odb.training.main.main`.
+:func:`odb.training.launch.main.main`.
 """
 
 import sys
@@ -17,8 +17,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from odb.training.cli import FileDefaults  # noqa: E402
-from odb.training.main import main  # noqa: E402
+from odb.training.launch.flags import FileDefaults  # noqa: E402
+from odb.training.launch.main import main  # noqa: E402
 
 DEFAULTS = FileDefaults.bundled(REPO)
 

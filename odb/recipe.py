@@ -3,9 +3,9 @@
 A recipe's keys are ``launch/train.py``'s flags without their dashes, so a recipe, the overrides
 after it on ``odb train``'s command line and the flags are one vocabulary (``docs/settings.md``
 lists it), and a recipe is read by the same parser as the flags
-(:func:`odb.training.cli.parse_config`): :meth:`Recipe.arguments` turns its values into that
+(:func:`odb.training.launch.flags.parse_config`): :meth:`Recipe.arguments` turns its values into that
 parser's arguments, which go before the command line's (a flag given there wins). A recipe and
-the equivalent flags therefore give the same :class:`~odb.training.config.RunConfig`::
+the equivalent flags therefore give the same :class:`~odb.training.config.settings.RunConfig`::
 
     model: /models/Qwen2.5-7B-Instruct
     data: /data/sft.jsonl

@@ -47,7 +47,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 def train_defaults():
     """The default files of launch/train.py, as it names them (for tests that call parse_config)."""
-    from odb.training.cli import FileDefaults
+    from odb.training.launch.flags import FileDefaults
 
     return FileDefaults.bundled(ROOT)
 
@@ -82,7 +82,7 @@ def tool_module(name: str):
 @functools.cache
 def bundled_tokenizer():
     """The bundled tokenizer (data/tokenizer), loaded once per test session."""
-    from odb.training.model import load_tokenizer
+    from odb.training.model.build import load_tokenizer
 
     return load_tokenizer(ROOT / "data" / "tokenizer")
 

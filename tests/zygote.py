@@ -68,11 +68,11 @@ def _imports() -> None:
     sys.path.insert(0, os.getcwd())
     import odb.training.backends.deepspeed  # noqa: F401
     import odb.training.backends.fsdp2  # noqa: F401
-    import odb.training.cli  # noqa: F401
-    import odb.training.environment  # noqa: F401
-    import odb.training.run  # noqa: F401
-    import odb.training.startup  # noqa: F401
-    import odb.training.support  # noqa: F401
+    import odb.training.config.environment  # noqa: F401
+    import odb.training.launch.flags  # noqa: F401
+    import odb.training.model.capability  # noqa: F401
+    import odb.training.run.loop  # noqa: F401
+    import odb.training.run.startup  # noqa: F401
     sys.path.remove(os.getcwd())
 
 

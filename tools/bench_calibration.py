@@ -11,7 +11,7 @@ rank computing at a time, so each rank's times are its own), and each rank train
 of its plan for real: a forward and backward of a small model (the bundled tiny Llama; the tiny
 Qwen2-VL where the trace has vision patches) through odb's engine, on synthetic samples of the
 trace's lengths (and images of its patch counts), its forward timed as the trainer times it
-(:class:`odb.training.engine.ForwardClock`). The fit sees those times; the sync efficiency is
+(:class:`odb.training.step.clock.ForwardClock`). The fit sees those times; the sync efficiency is
 measured from them, as a run measures it: over the steps, the ranks' mean forward time of a step
 over the slowest rank's (``micro_batch_sync_efficiency``: the same per micro-batch position, the
 pace of ZeRO-3's and FSDP2's per-layer gathers). ``seconds``: the sum over steps of the slowest
@@ -44,14 +44,14 @@ sys.path.insert(0, str(ROOT / "tools"))  # (bench_batching, also when this file 
 
 from bench_batching import read_lengths  # noqa: E402
 
-from odb.batching.batcher import features  # noqa: E402
 from odb.batching.config import OdbConfig  # noqa: E402
-from odb.batching.plan import StepPlan  # noqa: E402
+from odb.batching.fit import features  # noqa: E402
+from odb.batching.plan import StepPlan
 from odb.batching.simulate import simulate  # noqa: E402
 from odb.training.backends import LocalBackend  # noqa: E402
-from odb.training.engine import OdbEngine  # noqa: E402
-from odb.training.model import build_model  # noqa: E402
-from odb.training.preflight import image_sample, special_token_ids  # noqa: E402
+from odb.training.model.build import build_model  # noqa: E402
+from odb.training.run.worst_case import image_sample, special_token_ids  # noqa: E402
+from odb.training.step.engine import OdbEngine  # noqa: E402
 
 TEXT_MODEL = ROOT / "configs" / "tiny_model.json"
 VISION_MODEL = ROOT / "configs" / "tiny_vl_model.json"

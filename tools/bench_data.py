@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from odb.data.feed import SampleFeed  # noqa: E402
 from odb.data.processing import DataConfig, SampleDataset, sample_sizes  # noqa: E402
-from odb.training.model import build_model, load_tokenizer, vision_spec  # noqa: E402
+from odb.training.model.build import build_model, load_tokenizer, vision_spec  # noqa: E402
 
 
 def measure(dataset: SampleDataset, workers: int, epochs: int, window: int) -> float:

@@ -93,7 +93,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from odb.training.backends.deepspeed import build_model, initialize_deepspeed, release
-    from odb.training.config import OptimizationSettings
+    from odb.training.config.optimization import OptimizationSettings
 
     out = Path(args.worker)
     setup = json.loads((out / "setup.json").read_text())
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     import torch
 
-    from odb.training.backends.deepspeed import load_ds_config, resolve_ds_config
+    from odb.training.backends.deepspeed_config import load_ds_config, resolve_ds_config
 
     ds_config = resolve_ds_config(load_ds_config(args.deepspeed_config), gas=1, world_size=args.nproc,
                                   use_bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),

@@ -9,7 +9,7 @@ From a random ``hidden [tokens, hidden]`` (requiring grad) and an LM head ``weig
 forward and backward of the head and the summed next-token cross entropy, once each way:
 
 * full: ``token_loss_sum(head(hidden))``, the row's logits and their fp32 copy (odb's old loss);
-* chunked: :func:`odb.training.loss.chunked_token_loss_sum`, ``ceil(tokens / chunk)`` chunks.
+* chunked: :func:`odb.training.step.loss.chunked_token_loss_sum`, ``ceil(tokens / chunk)`` chunks.
 
 Each path runs in a fresh process, so one path's freed memory cannot hide the other's. On CPU the
 peak is the process's peak resident set (``getrusage(RUSAGE_SELF).ru_maxrss``) minus its resident
@@ -49,11 +49,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from odb.training.engine import token_loss_sum  # noqa: E402
-from odb.training.loss import (  # noqa: E402
+from odb.training.step.loss import (
     DEFAULT_LOSS_CHUNK_TOKENS,
     chunked_token_loss_sum,
     softcap_logits,
+    token_loss_sum,  # noqa: E402
 )
 
 PATHS = ("full", "chunked")
@@ -93,7 +93,7 @@ def resident_kb() -> int:
 def run_model_path(args: argparse.Namespace) -> dict:
     """``--checkpointing``, one path in this process: the model, then the measured forward and backward."""
     from odb.data.collate import collate_packed
-    from odb.training.model import build_model
+    from odb.training.model.build import build_model
 
     config = {"model_type": "llama", "vocab_size": args.vocab, "hidden_size": args.hidden,
               "intermediate_size": args.hidden * 11 // 4, "num_hidden_layers": args.layers,

@@ -17,7 +17,7 @@ equal number of optimizer steps. The samples themselves differ by system only in
 
 Validation: ``--val_samples`` held-out records (the ones after the training samples), scored every
 ``eval_steps`` optimizer steps (the same for every system, ``--eval_points`` scores a run) and at the
-end by odb's exact evaluator (:class:`odb.training.evaluate.Evaluator`: every label token of the set
+end by odb's exact evaluator (:class:`odb.training.run.evaluate.Evaluator`: every label token of the set
 weighs the same, however the samples are packed): in the run for the project's systems
 (launch/train.py ``--eval_data``), and for paper_pkg on the weights it saved at the same steps
 (tools/eval_snapshots.py, the same evaluator on the same samples). Time is training time: the sum

@@ -65,7 +65,7 @@ def prepare(args: argparse.Namespace, work: Path) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from odb.data.processing import SampleDataset
-    from odb.training.model import load_tokenizer
+    from odb.training.model.build import load_tokenizer
 
     if args.trace is not None:
         from bench_batching import read_lengths

@@ -85,7 +85,7 @@ def prepare(args: argparse.Namespace, work: Path) -> dict:
 
     from odb.data.images import vision_spec_for
     from odb.data.processing import DataConfig, SampleDataset
-    from odb.training.model import load_tokenizer, vision_spec
+    from odb.training.model.build import load_tokenizer, vision_spec
 
     tokenizer = load_tokenizer(ROOT / "data" / "tokenizer")
     tokenizer.add_tokens([AddedToken("<|video_pad|>", special=True, normalized=False)])

@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import torch
 
-from odb.data.videos import VIDEO_FAMILIES, VideoSpec, process_video, read_video, video_spec_for
+from odb.data.video_decode import read_video
+from odb.data.videos import VIDEO_FAMILIES, VideoSpec, process_video, video_spec_for
 
 CLIPS = ((12, 60, 90, 6.0), (31, 100, 70, 10.0), (9, 224, 224, 3.0), (48, 36, 200, 24.0))
 """(frames, height, width, fps) of the synthetic clips."""

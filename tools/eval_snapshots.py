@@ -11,7 +11,7 @@ One rank under the deepspeed launcher (tools/bench_quality.py runs it)::
 
 It builds launch/train.py's trainer on the initial model (``--max_tokens`` and the bundled odb
 settings), then for the initial weights and each snapshot in ``snapshots.json`` loads them into the
-trainer's model and runs its :class:`~odb.training.evaluate.Evaluator`: the same evaluator, the
+trainer's model and runs its :class:`~odb.training.run.evaluate.Evaluator`: the same evaluator, the
 same validation samples, as the project's own runs. Writes ``[{"step", "trained_s",
 "samples_done", "eval_loss", "eval_label_tokens"}, ...]`` (step 0: the initial weights).
 """
@@ -41,9 +41,9 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int, default=0)  # the deepspeed launcher's
     args = parser.parse_args()
 
-    from odb.training.cli import FileDefaults, parse_config
-    from odb.training.run import Trainer
-    from odb.training.startup import check_startup
+    from odb.training.launch.flags import FileDefaults, parse_config
+    from odb.training.run.loop import Trainer
+    from odb.training.run.startup import check_startup
 
     with tempfile.TemporaryDirectory(prefix="eval_snapshots_") as tmp:
         config = parse_config(["--model", str(args.model), "--data", str(args.data), "--eval_data", str(args.eval_data),

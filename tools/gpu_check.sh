@@ -43,14 +43,14 @@ prepare() {
 
 if [ "$MODE" = "--prepare" ]; then prepare; exit 0; fi
 
-# the attention path, first: torch alone, no wheel installed yet (odb.training.attention imports only torch)
+# the attention path, first: torch alone, no wheel installed yet (odb.training.attention.varlen imports only torch)
 $PY - <<'EOF'
 import inspect
 
 import torch
 
 from odb.training.attention import attention_path
-from odb.training.cuda_varlen import torch_varlen_api
+from odb.training.attention.kernels import torch_varlen_api
 
 api = torch_varlen_api()
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -2,7 +2,7 @@
 """odb's varlen attention on packed rows against each sample run alone, on the GPU (part of
 tools/gpu_check.sh; also runs on CPU, where it checks odb's grouped SDPA path).
 
-First, before any model: :func:`odb.training.attention.attention_path` names the path this
+First, before any model: :func:`odb.training.attention.cuda.attention_path` names the path this
 device takes (flash-attn, or torch's ``varlen_attn`` called by its installed signature, or SDPA
 per group) after one checked packed call; a path that cannot run is reported (``refused``, the
 fix in its message) instead of failing later. Then, for tiny random-init models of four families
@@ -35,7 +35,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from odb.data.collate import collate_packed  # noqa: E402
-from odb.training import attention, cuda_varlen  # noqa: E402
+from odb.training import attention  # noqa: E402
+from odb.training.attention import kernels as cuda_varlen  # noqa: E402
 
 WINDOW = 64
 BASE = {"vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,

@@ -93,7 +93,7 @@ class PadCollate:
 
 
 def project_schedule():
-    """odb.training.schedule.ProgressSchedule, the other systems' learning-rate schedule, loaded from
+    """odb.training.run.schedule.ProgressSchedule, the other systems' learning-rate schedule, loaded from
     its file: ``import odb`` here is the paper's package, and the module needs nothing but ``math``."""
     spec = importlib.util.spec_from_file_location("project_schedule", Path(__file__).resolve().parent.parent
                                                   / "odb" / "training" / "schedule.py")

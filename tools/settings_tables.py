@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Writes the settings tables of docs/settings.md (between its marker lines) from the code: the
 flags of launch/train.py and the keys of odb's, the data's and FSDP2's JSON, with their defaults
-and docstrings (odb/training/settings_docs.py).
+and docstrings (odb/training/launch/settings_docs.py).
 
     python tools/settings_tables.py            # rewrite the tables
     python tools/settings_tables.py --check    # exit 1 if they differ from the code
@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from odb.training.settings_docs import BEGIN, END, settings_tables  # noqa: E402
+from odb.training.launch.settings_docs import BEGIN, END, settings_tables  # noqa: E402
 
 PAGE = ROOT / "docs" / "settings.md"
 

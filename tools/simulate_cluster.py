@@ -88,9 +88,10 @@ sys.path.insert(0, str(ROOT / "tools"))
 from bench_batching import read_lengths  # noqa: E402
 
 from odb.batching import align, stream  # noqa: E402
-from odb.batching.batcher import OnlineBatcher, features  # noqa: E402
+from odb.batching.batcher import OnlineBatcher  # noqa: E402
 from odb.batching.config import OdbConfig, load_odb_config  # noqa: E402
-from odb.batching.plan import MicroBatch  # noqa: E402
+from odb.batching.fit import features  # noqa: E402
+from odb.batching.plan import MicroBatch
 from odb.batching.simulate import SimulatedFeed, SimulationResult, run_ranks, simulate  # noqa: E402
 
 __all__ = ["Cluster", "Model", "fixed_batch_for", "main", "plan", "plan_arrays", "policy_configs", "step_times",
@@ -440,7 +441,7 @@ def _run(folder: Path) -> tuple[dict, list[dict]]:
 def data_lengths(config: dict) -> list[tuple[int, int]]:
     """``(tokens, patches)`` of every training sample of a text run, processed as the trainer does."""
     from odb.data.processing import DataConfig, SampleDataset, sample_sizes
-    from odb.training.model import load_tokenizer
+    from odb.training.model.build import load_tokenizer
 
     data, batching = config["data"], config["batching"]
     if data["val_ratio"] or json.loads(Path(config["model"]["path"]).read_text()).get("vision_config"):

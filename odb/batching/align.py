@@ -40,7 +40,8 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from odb.batching.plan import Decision, decide
+from odb.batching.decide import decide
+from odb.batching.plan import Decision
 from odb.batching.wire import Layout, Proposal
 
 __all__ = ["Aligner", "Communicator", "PeerStopped", "SequenceGroups", "SettingsMismatch", "SimulatedGroup",

@@ -9,7 +9,7 @@ Usage on every rank (the same calls, in lockstep)::
 A uid is ``epoch * dataset_size + dataset_index``. The batcher talks to the other ranks through
 its :class:`~odb.batching.align.Communicator` and to the data through a :class:`Feed`; which uids
 this rank trains is :class:`~odb.batching.stream.UidStream`'s business, how they are packed the
-packer's, and what every rank does in a round :func:`~odb.batching.plan.decide`'s.
+packer's, and what every rank does in a round :func:`~odb.batching.decide.decide`'s.
 
 Resume: ``batcher.load_state_dict(state)``, then ``feed.restore(batcher.held_uids())`` (the
 samples of the window and of the planned steps, processed again by the caller), nothing else:
@@ -21,92 +21,24 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from odb.batching.align import Aligner, Communicator, PeerStopped
 from odb.batching.config import OdbConfig
 from odb.batching.cost import CostModel, sequence_parallel_degrees
-from odb.batching.fit import CostFit, Fitted, Observation
+from odb.batching.feed import Feed
+from odb.batching.fit import CostFit, Fitted, Observation, features
 from odb.batching.mixture import Mixture
 from odb.batching.packer import make_packer
 from odb.batching.plan import Decision, MicroBatch, Shared, StepPlan
 from odb.batching.state import Snapshot, decode_state, encode_state
-from odb.batching.stream import Reader, UidStream, epoch_order
+from odb.batching.stats import BatcherStats
+from odb.batching.stream import Reader, UidStream
 from odb.batching.wire import Layout, Proposal
 
-__all__ = ["BatcherStats", "Feed", "OnlineBatcher", "epoch_order", "features"]  # (epoch_order: odb.batching.stream)
-
-
-class Feed(Protocol):
-    """Where the uids go and the processed samples come from (e.g. :class:`odb.data.feed.SampleFeed`)."""
-
-    def deal(self, uids: list[int]) -> None:
-        """These uids will be fetched, after all dealt before them, in this order: start on them."""
-
-    def fetch(self, uids: list[int]) -> list[tuple[int, int, int] | None]:
-        """The next dealt ``uids``, processed: ``(tokens, label_tokens, patches)`` each, in order, or
-        ``None`` for a record the data layer skipped. An exception stops every rank, with it."""
-
-    def forget(self, uids: list[int]) -> None:
-        """Fetched uids that will not be trained (skipped, or dropped over the cap)."""
-
-
-@dataclass(frozen=True)
-class BatcherStats:
-    """What a rank's batcher has counted so far (:attr:`OnlineBatcher.stats`): this rank's, over
-    the run (resumes included) unless said otherwise."""
-
-    rounds: int
-    """The run's rounds (the same on every rank)."""
-    fetch_s: float
-    """This process's seconds waiting for processed samples."""
-    plan_s: float
-    """This process's seconds in odb's own planning: packing, decisions, dealing."""
-    collective_s: float
-    """This process's seconds inside odb's collectives."""
-    observed_samples: int
-    """Samples admitted into the window."""
-    skipped: int
-    """Records the data workers could not make a sample of."""
-    dropped: int
-    """Samples over the cap dropped (``over_cap: "drop"``)."""
-    truncated: int
-    """Samples the cost model cut to ``max_tokens``, and the tokens it cut (``truncated_tokens``)."""
-    truncated_tokens: int
-    long: int = 0
-    """Samples over ``max_tokens`` admitted whole, for a group of ranks to train together
-    (over_cap 'sequence_parallel')."""
-
-    @property
-    def fetched(self) -> int:
-        """Records processed: admitted, skipped or dropped."""
-        return self.observed_samples + self.lost
-
-    @property
-    def lost(self) -> int:
-        """Records processed that will never train."""
-        return self.skipped + self.dropped
-
-
-def features(micro: MicroBatch) -> tuple[int, int, int, int]:
-    """What the cost fit sees of a micro-batch: tokens (padding included), the sum of its samples'
-    squared lengths (a padded one: its rows, each as long as the longest), vision patches, and the
-    tokens that go through an all-to-all. A rank's slice of a shared sample (``T`` tokens over
-    ``d`` ranks): ``T / d`` tokens, ``T**2 / d`` (its ``1 / d`` of the heads over the whole
-    sample), and its ``T / d`` tokens through the all-to-all."""
-    if micro.shared is not None:
-        tokens, degree = micro.shared.tokens, micro.shared.degree
-        slice_tokens = -(-tokens // degree)
-        return slice_tokens, tokens * tokens // degree, 0, slice_tokens
-    if micro.padded:
-        longest = max(s.tokens for s in micro.samples)
-        area = len(micro.samples) * longest * longest
-    else:
-        area = sum(s.tokens * s.tokens for s in micro.samples)
-    return micro.materialized, area, sum(s.patches for s in micro.samples), 0
+__all__ = ["Feed", "OnlineBatcher", "features"]
 
 
 class OnlineBatcher:

@@ -10,7 +10,7 @@ proportion to those tokens: such a sample costs each rank of its group
 ``(tokens + attn_coef * tokens**2 + a2a_coef * tokens) / g``. With ``cost_model: "fit"`` the
 coefficients come from the run itself. Every rank times each real micro-batch's forward pass
 (not the backward, which ends waiting for the other ranks in the gradient reduction:
-:class:`odb.training.engine.ForwardClock`), and a least-squares fit over the recent micro-batches
+:class:`odb.training.step.clock.ForwardClock`), and a least-squares fit over the recent micro-batches
 of all ranks solves
 
     time_us ~ d + a * tokens + b * sum(L**2) + c * patches + e * a2a     a > 0,  b, c, e >= 0
@@ -56,9 +56,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from odb.batching.plan import MicroBatch
 from odb.batching.wire import Layout
 
-__all__ = ["FIELDS", "WINDOW", "CostFit", "Fitted", "Observation", "fit_coefficients", "fit_layout"]
+__all__ = ["FIELDS", "WINDOW", "CostFit", "Fitted", "Observation", "features", "fit_coefficients", "fit_layout"]
 
 WINDOW = 256
 """Micro-batches (of all ranks) the fit looks at: the most recent."""
@@ -243,3 +244,21 @@ class CostFit:
         self.solved = Fitted(*state["solved"]) if state.get("solved") else None
         self.window = deque((Observation(*o) for o in state["window"]), maxlen=WINDOW)
         self.unsent = deque((Observation(*o) for o in state["unsent"]), maxlen=SEND)
+
+
+def features(micro: MicroBatch) -> tuple[int, int, int, int]:
+    """What the cost fit sees of a micro-batch: tokens (padding included), the sum of its samples'
+    squared lengths (a padded one: its rows, each as long as the longest), vision patches, and the
+    tokens that go through an all-to-all. A rank's slice of a shared sample (``T`` tokens over
+    ``d`` ranks): ``T / d`` tokens, ``T**2 / d`` (its ``1 / d`` of the heads over the whole
+    sample), and its ``T / d`` tokens through the all-to-all."""
+    if micro.shared is not None:
+        tokens, degree = micro.shared.tokens, micro.shared.degree
+        slice_tokens = -(-tokens // degree)
+        return slice_tokens, tokens * tokens // degree, 0, slice_tokens
+    if micro.padded:
+        longest = max(s.tokens for s in micro.samples)
+        area = len(micro.samples) * longest * longest
+    else:
+        area = sum(s.tokens * s.tokens for s in micro.samples)
+    return micro.materialized, area, sum(s.patches for s in micro.samples), 0

@@ -24,12 +24,13 @@ patches a queue: the batcher hands :meth:`UidStream.undealt` to the feed at its 
 
 from __future__ import annotations
 
-import math
 from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["Dealer", "Reader", "UidStream", "deal_budget", "epoch_order", "waterfill"]
+from odb.batching.deal import deal_budget
+
+__all__ = ["Reader", "UidStream", "epoch_order"]
 
 
 class Reader(Protocol):
@@ -57,99 +58,6 @@ class Reader(Protocol):
 def epoch_order(seed: int, epoch: int, dataset_size: int) -> np.ndarray:
     """The shared, seeded order of dataset indices for one epoch (identical on every rank)."""
     return np.random.default_rng([seed, epoch]).permutation(dataset_size)
-
-
-def waterfill(loads: list[int], unit: int, total: int, caps: list[int]) -> list[int]:
-    """Deal up to ``total`` items of weight ``unit``, at most ``caps[r]`` to rank r, so that the
-    largest final load is smallest.
-
-    Same result as giving each item in turn to the least-loaded rank that has room (ties to the
-    lower rank), computed in O(world * log) with integers so every rank gets the same answer.
-    """
-    world = len(loads)
-    caps = [max(0, int(c)) for c in caps]
-    loads = [int(x) for x in loads]
-    total = min(int(total), sum(caps))
-    if total <= 0:
-        return [0] * world
-
-    def fill(level: int) -> list[int]:
-        return [min(cap, max(0, (level - load) // unit)) for load, cap in zip(loads, caps)]
-
-    low, high = min(loads), max(loads) + unit * total
-    while low < high:  # the largest level whose whole-unit fill stays within total
-        mid = (low + high + 1) // 2
-        if sum(fill(mid)) <= total:
-            low = mid
-        else:
-            high = mid - 1
-    counts = fill(low)
-    rest = total - sum(counts)
-    order = sorted((r for r in range(world) if counts[r] < caps[r]),
-                   key=lambda r: (loads[r] + counts[r] * unit, r))
-    for r in order[:rest]:
-        counts[r] += 1
-    return counts
-
-
-def deal_budget(left: int, world: int, inflight_target: int, spread: float) -> int:
-    """How many of the ``left`` undealt indices may go out now.
-
-    The cost of what is dealt is unknown until it is processed: a rank's share of D indices is
-    off by about ``spread * sqrt(D / world)`` samples (``spread``: the coefficient of variation
-    of sample cost). Near the end of the stream keep back three times that for every rank,
-    ``3 * spread * sqrt(D * world)``, to correct it in later rounds on observed loads, so that all
-    ranks run out together; at least half of what is left goes out each round, so the tail
-    takes O(log) rounds.
-    """
-    if left <= world * inflight_target:
-        return min(left, max(world, left // 2, left - int(3.0 * spread * math.sqrt(left * world))))
-    return left
-
-
-class Dealer:
-    """The dynamic policy in one round: how many of the next stream indices each rank receives.
-
-    A rank's load is the cost of what it carries into the next round plus its dealt, unprocessed
-    indices at the observed mean cost; the least-loaded ranks get more (:func:`waterfill`), up to
-    ``inflight_target`` samples held or expected per rank, at most :func:`deal_budget` in all.
-    Every figure is gathered (the same on every rank), so every rank deals alike.
-
-    Args:
-        stream_left: indices not dealt yet (``None``: static shards; 0: none left).
-        stream_ready: of those, how many may be dealt now (``None``: all; a data mixture draws only
-            what its measured figures allow, :meth:`odb.batching.mixture.Mixture.drawable`).
-        inflight_target: samples a rank should hold or expect (window + lookahead).
-        observed_cost, observed_cost_sq, observed_samples: admitted samples, all ranks, whole run.
-    """
-
-    def __init__(self, stream_left: int | None, inflight_target: int, *, observed_cost, observed_cost_sq,
-                 observed_samples: int, stream_ready: int | None = None) -> None:
-        self.stream_left, self.inflight_target, self.stream_ready = stream_left, inflight_target, stream_ready
-        self.unit, self.spread = 1, 1.0  # nothing observed yet: cost 1 a sample, spread 1
-        if observed_samples:
-            mean = observed_cost / observed_samples
-            self.unit = max(1, int(mean))
-            var = observed_cost_sq / observed_samples - mean * mean
-            self.spread = math.sqrt(max(0.0, var)) / mean
-
-    @property
-    def is_waiting(self) -> bool:
-        """Whether indices are left that may not be dealt yet (a data mixture's, until the records in
-        flight are measured): the next rounds deal them."""
-        return self.stream_ready is not None and bool(self.stream_left) and self.stream_ready < self.stream_left
-
-    def __call__(self, carry_cost: np.ndarray, carry_samples: np.ndarray, num_pending: np.ndarray) -> list[int]:
-        """Counts per rank, from each rank's carried cost and samples and its pending indices ``[world]``."""
-        world, left = len(num_pending), self.stream_left
-        if not left:
-            return [0] * world
-        room = self.inflight_target - (carry_samples + num_pending)
-        loads = carry_cost + num_pending * self.unit
-        budget = deal_budget(left, world, self.inflight_target, self.spread)
-        if self.stream_ready is not None:
-            budget = min(budget, self.stream_ready)
-        return waterfill(loads.tolist(), self.unit, budget, room.tolist())
 
 
 class UidStream:

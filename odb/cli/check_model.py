@@ -6,7 +6,7 @@
 On the model's own weights and the first samples of your data, odb's packed micro-batches are
 compared with the model run one sample at a time through its own attention (eager or sdpa) and its
 own loss (``labels=``, the router loss of an MoE model included): logits, loss, gradients, the
-label runs of the first sample, and a VL model's image processor (odb/training/model_check.py
+label runs of the first sample, and a VL model's image processor (odb/training/check_model.py
 says how). Exit 0 when everything is within tolerance; exit 1 with the reasons when anything is
 off, or when odb refuses the model (and why). ``--json`` prints one JSON object instead of text.
 """
@@ -23,8 +23,8 @@ def main(argv: list[str] | None = None, prog: str = "odb check-model") -> int:
     import torch
 
     from odb.data.processing import load_data_config
-    from odb.training.cli import FileDefaults
-    from odb.training.model_check import check_model
+    from odb.training.check_model import check_model
+    from odb.training.launch.flags import FileDefaults
 
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("model", help="a Hugging Face model folder (or a model config JSON: random weights)")

@@ -1,6 +1,6 @@
 """``odb recipes`` and ``odb path``: the files odb bundles (recipes, configs, the demo's model,
 tokenizer and data, ``launch/slurm.sbatch``), found in the checkout or in the installed package
-(:func:`odb.training.cli.bundled_root`)."""
+(:func:`odb.recipe.bundled_root`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ __all__ = ["path", "recipes"]
 def recipes(argv: list[str] | None = None, prog: str = "odb recipes") -> int:
     """Lists the bundled recipes, or prints one, ready to copy and edit: ``odb recipes demo > my.yaml``."""
     from odb.recipe import find_recipe, recipe_names
-    from odb.training.cli import SETTINGS_FILES, FileDefaults
+    from odb.training.launch.flags import SETTINGS_FILES, FileDefaults
 
     p = argparse.ArgumentParser(prog=prog, description=recipes.__doc__)
     p.add_argument("name", nargs="?", help="print this recipe (its settings files' paths made absolute)")

@@ -21,8 +21,8 @@ __all__ = ["main"]
 def main(argv: list[str] | None = None, prog: str = "odb show-labels") -> None:
     from odb.data.labels import label_runs
     from odb.data.processing import SampleDataset, load_data_config
-    from odb.training.cli import FileDefaults
-    from odb.training.model import load_tokenizer
+    from odb.training.launch.flags import FileDefaults
+    from odb.training.model.build import load_tokenizer
 
     bundled = FileDefaults.bundled()
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].replace("``", ""))

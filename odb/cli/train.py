@@ -7,7 +7,7 @@ Where it runs depends on who started it:
   command again, now under that launcher; ``odb train`` becomes the launcher (exec), so its exit
   code and signals are the launcher's. One rank runs in this process, no launcher.
 * under a launcher (``RANK`` / ``LOCAL_RANK`` set: deepspeed, torchrun) or in a SLURM step
-  (``srun odb train ...``): this process is one rank (:func:`odb.training.main.main`), and
+  (``srun odb train ...``): this process is one rank (:func:`odb.training.launch.main.main`), and
   ``nproc`` is not read.
 
 The recipe is checked before any rank starts: its keys, the values the flags take, the launcher.
@@ -48,7 +48,7 @@ def parser(prog: str) -> argparse.ArgumentParser:
 def under_launcher(env: Mapping[str, str]) -> bool:
     """Whether a launcher started this process as one of its ranks: deepspeed and torchrun set
     ``RANK`` and ``LOCAL_RANK``; ``srun`` sets SLURM's step variables
-    (:func:`odb.training.environment.rank_environment` reads them)."""
+    (:func:`odb.training.config.environment.rank_environment` reads them)."""
     return "RANK" in env or "LOCAL_RANK" in env or ("SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env)
 
 
@@ -78,15 +78,15 @@ def launch_command(recipe: Recipe, overrides: list[str], *, nproc: int, port: in
 
 
 def main(argv: list[str] | None = None, prog: str = "odb train") -> int:
-    from odb.training.cli import SETTINGS_FILES, FileDefaults
-    from odb.training.cli import parser as run_parser
+    from odb.training.launch.flags import SETTINGS_FILES, FileDefaults
+    from odb.training.launch.flags import parser as run_parser
 
     args = parser(prog).parse_intermixed_args(argv)
     defaults = FileDefaults.bundled()
     try:
         recipe = load_recipe(args.recipe, folder=defaults.recipes, overrides=args.overrides)
         if under_launcher(os.environ):
-            from odb.training.main import main as run_rank
+            from odb.training.launch.main import main as run_rank
 
             run_rank([], defaults=defaults, recipe=recipe)  # (ends the process)
         flags = run_parser(defaults)
@@ -97,10 +97,10 @@ def main(argv: list[str] | None = None, prog: str = "odb train") -> int:
     except (ValueError, FileNotFoundError) as err:
         sys.exit(f"{prog}: {err}")
     if nproc == 1:  # one rank: this process, as python launch/train.py alone
-        from odb.training.main import main as run_rank
+        from odb.training.launch.main import main as run_rank
 
         run_rank([], defaults=defaults, recipe=recipe)
-    from odb.training.environment import free_port
+    from odb.training.config.environment import free_port
 
     command = launch_command(recipe, args.overrides, nproc=nproc, port=args.master_port or free_port(),
                              backend=backend)

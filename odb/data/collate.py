@@ -23,7 +23,7 @@ one int64 per sample (its ``source``, an index into the dataset's ``source_names
 sample without one), beside ``cu_seq_lens_q``; in the example ``sources [s_A, s_B]``.
 :func:`token_sources` spreads it over the row's tokens (``s_A s_A s_A s_B s_B``). It is not the
 model's: the caller takes it out of the batch before the forward (the per-source loss,
-:class:`odb.training.loss.SourceSplit`).
+:class:`odb.training.step.sources.SourceSplit`).
 
 The model shifts labels by one (logits at t predict labels[t+1]), so the -100 at ``b0`` keeps the
 last token of A from being trained to predict the first token of B; varlen attention over

@@ -64,7 +64,7 @@ class _Processed(Dataset):
 
 def _ignore_stop_signals(worker_id: int) -> None:
     """A worker outlives SIGTERM / SIGUSR1 (SLURM and launchers signal every process of a job): its
-    rank stops at a step boundary and saves (odb.training.faults.GracefulStop), which needs the
+    rank stops at a step boundary and saves (odb.training.run.stop.GracefulStop), which needs the
     workers until then; they end when the rank shuts the loader down, or with it."""
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)

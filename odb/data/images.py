@@ -19,7 +19,7 @@ counts with is the processor's own.
 it pickles into DataLoader workers, which build the processor on first use; the export writes that
 same processor (:mod:`odb.training.export`). A model that takes videos carries its video
 processor's settings too (``VisionSpec.video``, :mod:`odb.data.videos`). (The rotary positions of
-packed multimodal rows are the model's business: odb/training/mrope.py.)
+packed multimodal rows are the model's business: odb/training/model/mrope.py.)
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ _GEOMETRY = (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_pat
 class VisionSpec:
     """A model's image processor and the geometry odb counts visual tokens with.
 
-    Built by :func:`vision_spec_for` (:func:`odb.training.model.vision_spec` for a run). Built by
+    Built by :func:`vision_spec_for` (:func:`odb.training.model.build.vision_spec` for a run). Built by
     hand (tests), with ``processor_config`` empty, it stands for transformers' Qwen2-VL image
     processor with the fields below, odb's behaviour before it read the model's own.
 

@@ -20,7 +20,8 @@ import torch
 
 from odb.data.formats import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, SkipSample, text_of
 from odb.data.images import IMAGE_PAD, VISION_END, VISION_START, ImageProcessor, VisionSpec, expand_placeholders
-from odb.data.videos import Video, expand_video, process_video, read_video
+from odb.data.video_decode import read_video
+from odb.data.videos import Video, expand_video, process_video
 
 __all__ = ["MEDIA", "Media", "MediaSamples", "video_token", "vision_tokens"]
 

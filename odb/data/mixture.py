@@ -19,11 +19,12 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from torch.utils.data import Dataset
 
-__all__ = ["MixedDataset", "SourceSpec", "parse_source", "parse_sources"]
+__all__ = ["is_plain_path", "source_words", "MixedDataset", "SourceSpec", "parse_source", "parse_sources"]
 
 
 class MixedDataset(Dataset):
@@ -146,3 +147,15 @@ def parse_sources(values: Sequence[str | Mapping[str, Any]]) -> tuple[SourceSpec
         raise ValueError("give every data source a weight, or none (then they are laid end to end): "
                          + ", ".join(f"{s.name}={s.weight}" for s in sources))
     return sources
+
+
+def source_words(values: str | Path | list[str]) -> list[str]:
+    """The words of a ``--data`` / ``--eval_data`` value (one path, or named sources)."""
+    return [str(values)] if isinstance(values, (str, Path)) else [str(v) for v in values]
+
+
+def is_plain_path(words: list[str]) -> bool:
+    """Whether ``--data``'s words are one plain path (an existing one even with '=' in it), not
+    named sources."""
+    word = words[0]
+    return len(words) == 1 and not word.lstrip().startswith("{") and ("=" not in word or Path(word).exists())

@@ -165,7 +165,7 @@ class SampleDataset(MediaSamples, Dataset):
     images, ``pixel_values`` and ``image_grid_thw``. A record that is skipped: ``{"uid", "index",
     "source", "skip": reason, "where":
     "file:line", "detail", "fatal": strict}``. ``vision`` is the image processor of a vision-language
-    model (:func:`odb.training.model.vision_spec`: the model's own, built in each worker on first
+    model (:func:`odb.training.model.build.vision_spec`: the model's own, built in each worker on first
     use); None means a text model, which takes no images.
 
     Args:

@@ -2,9 +2,9 @@
 
 The host keeps what it owns: the model's wrapping (DeepSpeed, FSDP, DDP), the optimizer and its
 step, the backward, checkpoints of the model, logging. odb keeps what it owns, built by the same
-code as odb's own trainer (:func:`odb.training.build.build_components`): the data (processed in
+code as odb's own trainer (:func:`odb.training.run.assemble.build_components`): the data (processed in
 DataLoader workers), the online batcher and its alignment of the ranks, the loss of each packed
-micro-batch (:class:`odb.training.engine.StepTally`), the learning rate by progress, metrics.jsonl,
+micro-batch (:class:`odb.training.step.objective.NextTokenTally`), the learning rate by progress, metrics.jsonl,
 the audit files and summary.json. Per optimizer step the host runs :class:`HostStep`'s
 micro-batches, every one of them (dummies are real zero-weight passes), backs each
 :meth:`HostMicro.loss` (already scaled for the step: ``sum_t l_t * W / N_s``; the host must not
@@ -28,22 +28,19 @@ from odb.batching.config import AUTO, OdbConfig
 from odb.batching.plan import MicroBatch, StepPlan
 from odb.batching.state import upgrade_state
 from odb.training import backends
-from odb.training.build import build_components
-from odb.training.checkpoint import checkpoint_states, restore_states, write_states
-from odb.training.config import (
-    BACKENDS,
+from odb.training.config.optimization import BACKENDS, Fsdp2Settings, OptimizationSettings
+from odb.training.config.settings import (
     DataSettings,
-    Fsdp2Settings,
     LoggingSettings,
     ModelSettings,
-    OptimizationSettings,
     PreflightSettings,
     RunConfig,
     RunSettings,
 )
-from odb.training.engine import StepTally
-from odb.training.run import Trainer
-from odb.training.schedule import ProgressSchedule
+from odb.training.run.assemble import build_components
+from odb.training.run.checkpoint import checkpoint_states, restore_states, write_states
+from odb.training.run.loop import Trainer
+from odb.training.run.schedule import ProgressSchedule
 
 __all__ = ["HostMicro", "HostModel", "HostRun", "HostStep", "OdbSettings", "host_config"]
 
@@ -163,7 +160,7 @@ class HostStep:
     def __init__(self, run: HostRun, plan: StepPlan, samples: list[list[dict[str, Any]]], lr: float,
                  began: float, before: Any) -> None:
         self.run, self.plan, self.lr = run, plan, lr
-        self.tally = StepTally(run.parts.engine, plan)
+        self.tally = run.parts.engine.tally(plan)
         self.micro_batches = [HostMicro(self, m, micro, s) for m, (micro, s) in
                               enumerate(zip(plan.micro_batches, samples, strict=True))]
         self._began, self._before = began, before
@@ -237,9 +234,9 @@ class HostRun(Trainer):
         batcher, telemetry = parts.batcher, parts.telemetry
         if self.config.logging.audit_ids and self.audit is None:
             self.audit = open(self.config.output_dir / f"emitted_ids.rank{self.rank}.jsonl", "a")
-        if self.rank == 0 and self.config.logging.log_steps:
-            telemetry.on_row = self._log_row
-            self._train_began = (time.time(), telemetry.samples_done)
+        progress = self._progress()
+        if progress is not None:
+            progress.start(telemetry)  # (no bar: the host shows its own; the lines every --log_steps steps)
         telemetry.start()
         plans = iter(batcher)
         try:

@@ -40,8 +40,8 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from odb.integrations.core import HostRun, OdbSettings, host_config
-from odb.training.attention import register
-from odb.training.schedule import ProgressSchedule
+from odb.training.attention.varlen import register
+from odb.training.run.schedule import ProgressSchedule
 
 __all__ = ["OdbTrainer", "SCHEDULES", "with_odb"]
 

@@ -50,7 +50,7 @@ class StepTimes:
     collective: float  # inside odb's round collective
     step: float  # wall time of the whole step
     ended: float  # time.time() at its end
-    forward: float = 0.0  # the forward passes of its micro-batches (odb.training.engine.ForwardClock)
+    forward: float = 0.0  # the forward passes of its micro-batches (odb.training.step.clock.ForwardClock)
 
 
 @dataclass

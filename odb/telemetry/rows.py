@@ -68,7 +68,7 @@ def step_row(step: Step, per_rank: Mapping[str, np.ndarray], *, samples_done: in
 
 def _balance(forward_us: np.ndarray) -> float:
     """Measured sync efficiency: the ranks' mean time in the step's forward passes over the
-    slowest's (1.0: no time measured; why the forward: odb.training.engine.ForwardClock).
+    slowest's (1.0: no time measured; why the forward: odb.training.step.clock.ForwardClock).
     ``planned_sync_efficiency`` is the same ratio of the cost model's estimates, per micro-batch
     position."""
     slowest = int(forward_us.max())

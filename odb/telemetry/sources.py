@@ -4,7 +4,7 @@ sources, each sample carrying its source's index): the loss of each source over 
 ``summary.json``. A single-source dataset has neither in its rows; its summary has one entry.
 
 Loss per source. Each rank adds up, per source, its steps' summed token loss and label tokens
-(:class:`odb.training.engine.StepResult`, split from the very token losses the steps backed) over
+(:class:`odb.training.step.objective.StepResult`, split from the very token losses the steps backed) over
 intervals of ``every`` steps (``--log_steps``): an interval ends at each step ``s`` with
 ``(s + 1) % every == 0``. A closed interval rides on the next round's report, with no collective of
 its own: per source its loss sum as the bits of a float64 and its label tokens, ``2 S`` int64 per

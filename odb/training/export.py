@@ -43,7 +43,7 @@ import torch
 from odb.data.images import VisionSpec, vision_spec_for
 from odb.data.processing import DataConfig
 from odb.training import backends
-from odb.training.model import load_tokenizer
+from odb.training.model.build import load_tokenizer
 
 __all__ = ["consolidated_state_dict", "export_checkpoint", "find_checkpoint", "save_hf", "write_hf"]
 
@@ -77,7 +77,7 @@ def save_hf(backend, *, model_path: str | Path, lora: dict[str, Any] | None, tok
         out: the folder to write.
         adapter_only: LoRA: save the adapter instead of the merged model.
         dtype: of the saved weights (default: the training precision).
-        vision: the run's image processor (:func:`odb.training.model.vision_spec`) for a
+        vision: the run's image processor (:func:`odb.training.model.build.vision_spec`) for a
             vision-language model; default: the model's own, with its own pixel bounds.
     """
     import torch.distributed as dist

@@ -23,9 +23,9 @@ sys.path.insert(0, str(ROOT))
 
 from odb.data.collate import collate_packed  # noqa: E402
 from odb.training.backends import deepspeed as ds_backend  # noqa: E402
-from odb.training.model import build_model  # noqa: E402
-from odb.training.mrope import packed_position_ids  # noqa: E402
-from odb.training.run import end_process  # noqa: E402
+from odb.training.model.build import build_model  # noqa: E402
+from odb.training.model.mrope import packed_position_ids  # noqa: E402
+from odb.training.run.teardown import end_process  # noqa: E402
 
 TINY = ROOT / "configs" / "tiny_model.json"
 VL = ROOT / "configs" / "tiny_vl_model.json"

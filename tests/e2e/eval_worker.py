@@ -7,7 +7,7 @@ one), ``data``, ``max_samples``, ``image_folder`` (or null), ``data_config`` (op
 :class:`DataConfig` fields),
 ``evals`` (each ``{"name", "batching": odb settings over configs/odb.json, "num_workers"}``),
 ``train_lr`` (or null) and ``out``. The rank builds the model (seed 0) under ZeRO-3, builds a
-training batcher, runs every eval in order through :class:`odb.training.evaluate.Evaluator`; with
+training batcher, runs every eval in order through :class:`odb.training.run.evaluate.Evaluator`; with
 ``train_lr`` it then trains one SGD step and evaluates the first eval's settings once more
 (``after_train``), and rank 0 saves the gathered weights (``weights.pt``) for the oracle. Each
 rank writes ``rank<R>.json``: every result, and what its :class:`RecordingEngine` saw.
@@ -35,10 +35,10 @@ from odb.batching.config import OdbConfig  # noqa: E402
 from odb.data.feed import SampleFeed  # noqa: E402
 from odb.data.processing import DataConfig, SampleDataset, sample_sizes  # noqa: E402
 from odb.training.backends.deepspeed import DeepSpeedBackend, release  # noqa: E402
-from odb.training.engine import BLANK_IMAGE_TOKENS, OdbEngine  # noqa: E402
-from odb.training.evaluate import Evaluator  # noqa: E402
-from odb.training.model import build_model, load_tokenizer, vision_spec  # noqa: E402
-from odb.training.run import end_process  # noqa: E402
+from odb.training.model.build import build_model, load_tokenizer, vision_spec  # noqa: E402
+from odb.training.run.evaluate import Evaluator  # noqa: E402
+from odb.training.run.teardown import end_process  # noqa: E402
+from odb.training.step.engine import BLANK_IMAGE_TOKENS, OdbEngine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

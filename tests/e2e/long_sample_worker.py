@@ -41,11 +41,11 @@ from loss_zero3_worker import build, deepspeed_engine, own_loss_sum, reading_gra
 from sequence_parallel_worker import build_moe  # noqa: E402
 
 from odb.batching.cost import SampleCost, count_label_tokens  # noqa: E402
-from odb.batching.plan import MicroBatch, Shared, StepPlan  # noqa: E402
+from odb.batching.plan import MicroBatch, Shared, StepPlan
 from odb.training.backends.deepspeed import DeepSpeedBackend, release  # noqa: E402
-from odb.training.engine import OdbEngine  # noqa: E402
-from odb.training.run import end_process  # noqa: E402
-from odb.training.sequence_parallel import setup_groups  # noqa: E402
+from odb.training.run.teardown import end_process  # noqa: E402
+from odb.training.step.engine import OdbEngine  # noqa: E402
+from odb.training.step.sequence_parallel import setup_groups  # noqa: E402
 
 RANK_TOKENS, CHUNK_TOKENS = 64, 16
 # per world size, per position, per rank: a list of sample lengths, or ("shared", owner, degree, length)
@@ -98,8 +98,8 @@ def oracle(model, samples: dict) -> tuple[dict[int, float], dict[str, torch.Tens
 
 def run(name: str, rank: int, world: int, *, checkpointing: bool = False) -> dict:
     model = build_moe(name) if name == "qwen3_moe" else build(name)
-    if checkpointing:  # as odb builds it (odb/training/model.py): each layer recomputed, its all-to-all too
-        from odb.training.model import _checkpoint_activations
+    if checkpointing:  # as odb builds it (odb/training/model/build.py): each layer recomputed, its all-to-all too
+        from odb.training.model.build import _checkpoint_activations
 
         _checkpoint_activations(model)
     engine = deepspeed_engine(model, world)

@@ -34,11 +34,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's odb, installed or not
 
 from odb.batching.cost import SampleCost, count_label_tokens  # noqa: E402
-from odb.batching.plan import MicroBatch, StepPlan  # noqa: E402
-from odb.training.attention import register  # noqa: E402
+from odb.batching.plan import MicroBatch, StepPlan
+from odb.training.attention.varlen import register  # noqa: E402
 from odb.training.backends.deepspeed import DeepSpeedBackend, release  # noqa: E402
-from odb.training.engine import OdbEngine  # noqa: E402
-from odb.training.run import end_process  # noqa: E402
+from odb.training.run.teardown import end_process  # noqa: E402
+from odb.training.step.engine import OdbEngine  # noqa: E402
 
 TEXT = {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "initializer_range": 0.1,

@@ -26,10 +26,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest import one_step_plan  # noqa: E402
 from odb.training.backends.deepspeed import DeepSpeedBackend, initialize_deepspeed, release  # noqa: E402
-from odb.training.config import OptimizationSettings  # noqa: E402
-from odb.training.engine import OdbEngine  # noqa: E402
-from odb.training.model import build_model  # noqa: E402
-from odb.training.run import end_process  # noqa: E402
+from odb.training.config.optimization import OptimizationSettings  # noqa: E402
+from odb.training.model.build import build_model  # noqa: E402
+from odb.training.run.teardown import end_process  # noqa: E402
+from odb.training.step.engine import OdbEngine  # noqa: E402
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ run in turn, each with an engine of its own, and works in ``ROOT/<case>/`` where
 ``z<STAGE>-<MODEL>-<PRECISION>``: the tiny model (configs/tiny_model.json; MODEL ``full``, or
 ``lora`` with configs/lora.json) under configs/ds_zero<STAGE>.json, resolved as odb resolves it
 (GAS 1, this launch's world size, PRECISION ``fp32`` or ``bf16``), with odb's AdamW
-(:func:`odb.training.build.initialize_deepspeed`, lr 1e-3, weight decay 0.01).
+(:func:`odb.training.backends.deepspeed.initialize_deepspeed`, lr 1e-3, weight decay 0.01).
 
 * ``save``: trains 2 optimizer steps, dumps the full state to ``saved.pt``, saves DeepSpeed's
   checkpoint as ``ckpt/step2``, trains a third step and dumps ``saved_step3.pt``: the
@@ -47,18 +47,13 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # this checkout's odb, installed or not
 
-from odb.training.backends.deepspeed import (  # noqa: E402
-    build_model,
-    initialize_deepspeed,
-    load_ds_config,
-    release,
-    resolve_ds_config,
-)
+from odb.training.backends.deepspeed import build_model, initialize_deepspeed, release  # noqa: E402
+from odb.training.backends.deepspeed_config import load_ds_config, resolve_ds_config  # noqa: E402
 from odb.training.backends.universal import prepare_load  # noqa: E402
-from odb.training.config import OptimizationSettings  # noqa: E402
-from odb.training.engine import token_loss_sum  # noqa: E402
-from odb.training.model import load_tokenizer  # noqa: E402
-from odb.training.run import end_process  # noqa: E402
+from odb.training.config.optimization import OptimizationSettings  # noqa: E402
+from odb.training.model.build import load_tokenizer  # noqa: E402
+from odb.training.run.teardown import end_process  # noqa: E402
+from odb.training.step.loss import token_loss_sum  # noqa: E402
 
 TAG = "step2"
 ROWS, TOKENS = 6, 24  # rows divide among 2 and 3 ranks

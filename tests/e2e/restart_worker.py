@@ -3,8 +3,8 @@
 Usage: torchrun --nproc_per_node 2 --max-restarts 1 ... tests/e2e/restart_worker.py OUT_FOLDER
 
 odb's fault handling without the model: the process group formed through
-:func:`odb.training.faults.process_group_kwargs`, the rendezvous-store clients of
-:func:`odb.training.faults.connect_store`, a barrier as each "step"'s collective.
+:func:`odb.training.backends.process_group.process_group_kwargs`, the rendezvous-store clients of
+:func:`odb.training.backends.process_group.connect_store`, a barrier as each "step"'s collective.
 
 * Attempt 0 (``TORCHELASTIC_RESTART_COUNT`` 0): rank 1 is signalled after step 2 (its
   :class:`GracefulStop` flag set as its handler would), every rank stops at the agreed step; then
@@ -27,14 +27,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's odb
 
-from odb.training.faults import (  # noqa: E402
-    EXIT_PREEMPTED,
-    GracefulStop,
-    Watchdog,
-    connect_store,
-    process_group_kwargs,
-)
-from odb.training.run import end_process  # noqa: E402
+from odb.training.backends.process_group import connect_store, process_group_kwargs
+from odb.training.run.stop import EXIT_PREEMPTED, GracefulStop
+from odb.training.run.teardown import end_process  # noqa: E402
+from odb.training.run.watchdog import Watchdog
 
 TIMEOUT_S = 4.0  # heartbeats every 0.5 s, a peer's abort acted on 1.5 s after it is read
 

@@ -22,10 +22,10 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
 from odb.training.backends.deepspeed import DeepSpeedBackend, release  # noqa: E402
-from odb.training.engine import token_loss_sum  # noqa: E402
 from odb.training.export import save_hf  # noqa: E402
-from odb.training.model import build_model, load_tokenizer  # noqa: E402
-from odb.training.run import end_process  # noqa: E402
+from odb.training.model.build import build_model, load_tokenizer  # noqa: E402
+from odb.training.run.teardown import end_process  # noqa: E402
+from odb.training.step.loss import token_loss_sum  # noqa: E402
 
 TINY = ROOT / "configs" / "tiny_model.json"
 DS_CONFIG = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,

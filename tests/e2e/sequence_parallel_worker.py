@@ -52,12 +52,12 @@ from loss_zero3_worker import (  # noqa: E402
 )
 
 from odb.batching.cost import SampleCost, count_label_tokens  # noqa: E402
-from odb.batching.plan import MicroBatch, StepPlan  # noqa: E402
-from odb.training.attention import register, route_through  # noqa: E402
+from odb.batching.plan import MicroBatch, StepPlan
+from odb.training.attention.varlen import register, route_through  # noqa: E402
 from odb.training.backends.deepspeed import DeepSpeedBackend, release  # noqa: E402
-from odb.training.engine import OdbEngine  # noqa: E402
-from odb.training.run import end_process  # noqa: E402
-from odb.training.sequence_parallel import setup  # noqa: E402
+from odb.training.run.teardown import end_process  # noqa: E402
+from odb.training.step.engine import OdbEngine  # noqa: E402
+from odb.training.step.sequence_parallel import setup  # noqa: E402
 
 SIZES = {2: (2,), 4: (2, 4)}
 RANK_TOKENS, CHUNK_TOKENS = 64, 16  # a rank's budget; the group's is S times it
@@ -115,8 +115,8 @@ def oracle(name: str, data: list[list[list[dict]]], group: int) -> tuple[dict, d
 
 def run(name: str, size: int, rank: int, world: int, *, checkpointing: bool = False) -> dict:
     model = build(name)
-    if checkpointing:  # as odb builds it (odb/training/model.py): each layer recomputed, its all-to-all too
-        from odb.training.model import _checkpoint_activations
+    if checkpointing:  # as odb builds it (odb/training/model/build.py): each layer recomputed, its all-to-all too
+        from odb.training.model.build import _checkpoint_activations
 
         _checkpoint_activations(model)
     engine = deepspeed_engine(model, world)

@@ -19,10 +19,10 @@ from conftest import bundled_tokenizer
 from launch import ROOT, deepspeed
 from odb.data.collate import collate_packed
 from odb.data.processing import DataConfig, SampleDataset
-from odb.training.backends.deepspeed import training_dtype
-from odb.training.cli import FileDefaults, parse_config
-from odb.training.model import build_model, vision_spec
-from odb.training.mrope import packed_position_ids
+from odb.training.backends.deepspeed_config import training_dtype
+from odb.training.launch.flags import FileDefaults, parse_config
+from odb.training.model.build import build_model, vision_spec
+from odb.training.model.mrope import packed_position_ids
 
 TOKENIZER = bundled_tokenizer()
 VL = ROOT / "configs" / "tiny_vl_model.json"

@@ -1,4 +1,4 @@
-"""Exact eval loss (odb/training/evaluate.py) against an oracle that shares none of its code.
+"""Exact eval loss (odb/training/run/evaluate.py) against an oracle that shares none of its code.
 
 The oracle: one process, no DeepSpeed, no packing, the same weights in a model with
 ``attn_implementation="eager"``; each eval sample alone through it, the cross entropy of its labels
@@ -28,9 +28,9 @@ from odb.batching.config import OdbConfig
 from odb.batching.simulate import run_ranks
 from odb.data.feed import DataError
 from odb.data.processing import DataConfig, SampleDataset
-from odb.training.engine import OdbEngine
-from odb.training.evaluate import Evaluator
-from odb.training.model import build_model, vision_spec
+from odb.training.model.build import build_model, vision_spec
+from odb.training.run.evaluate import Evaluator
+from odb.training.step.engine import OdbEngine
 from video_data import model_inputs
 
 TOKENIZER = bundled_tokenizer()

@@ -14,7 +14,7 @@ import psutil
 
 from launch import Run, audit, deepspeed, ds_config, odb_config, steps_trained
 from odb.batching.fit import MIN_OBSERVATIONS
-from odb.training.faults import EXIT_STALLED
+from odb.training.run.watchdog import EXIT_STALLED
 
 TIMEOUT_S = 10
 HANG_S = 300  # a bound against a hang only (the watchdog ends the ranks some 10-20 s after the fault)

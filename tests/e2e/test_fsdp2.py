@@ -17,10 +17,10 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from conftest import bundled_tokenizer
 from launch import ROOT, Run, audit, deepspeed, ds_config, fsdp2, odb_config, sgd_step_errors, steps_trained, write_json
 from odb.data.processing import DataConfig, SampleDataset
-from odb.training.engine import token_loss_sum
 from odb.training.export import export_checkpoint
-from odb.training.faults import EXIT_PREEMPTED
-from odb.training.model import build_model, vision_spec
+from odb.training.model.build import build_model, vision_spec
+from odb.training.run.stop import EXIT_PREEMPTED
+from odb.training.step.loss import token_loss_sum
 
 TOKENIZER = bundled_tokenizer()
 TINY = ROOT / "configs" / "tiny_model.json"

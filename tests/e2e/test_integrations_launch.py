@@ -5,7 +5,7 @@ Stated tolerance: per-step losses within 1e-5 (relative), final weights within 1
 What was measured (2 CPU ranks, 100 bundled samples): HF Trainer at ZeRO-2 7.6e-7 from odb's own
 ZeRO-2, at ZeRO-3 with GAS 2 (and a resume) 0.0; the Accelerate loop (DDP) 7.5e-9 from odb's
 ZeRO-0. Only the optimizer's floating-point order differs: the loss of every micro-batch is odb's
-(odb.training.engine.StepTally) in both."""
+(odb.training.step.objective.NextTokenTally) in both."""
 
 import json
 import subprocess

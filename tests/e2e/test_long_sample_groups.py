@@ -58,7 +58,7 @@ def test_a_run_on_four_ranks_trains_long_samples_whole_on_groups_and_resumes_on_
     lengths: every record trains exactly once over the two runs, the ranks stay aligned, and in the
     first run exactly the records over 256 tokens are cut."""
     from odb.data.processing import DataConfig, SampleDataset, sample_sizes
-    from odb.training.model import load_tokenizer
+    from odb.training.model.build import load_tokenizer
 
     dataset = SampleDataset(str(ROOT / "data" / "chat.jsonl"), load_tokenizer(str(ROOT / "data" / "tokenizer")),
                             DataConfig(), seed=0, max_samples=120)

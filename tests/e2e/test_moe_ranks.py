@@ -5,7 +5,7 @@ chats of 29, 45 and 61 tokens under ``max_tokens`` 61: one sample per micro-batc
 (DeepSpeed; every parameter partitioned, the experts' 3-D tensors gathered per layer)
 and under FSDP2 (each decoder layer a unit), one SGD step must move every weight by
 ``lr x`` the gradient of the step's objective computed on one process with the model's own
-forward and eager attention on each sample alone (:mod:`odb.training.moe`)::
+forward and eager attention on each sample alone (:mod:`odb.training.model.moe`)::
 
     sum_i CE_i / N  +  coef * sum_i aux_i * T_i / T      (aux_i: the model's own aux_loss on sample i,
                                                           T_i its tokens, T = sum_i T_i, N label tokens)
@@ -29,8 +29,8 @@ from test_fsdp2 import check_audit, checkpoint_model, fsdp_config, three_chats
 from conftest import bundled_tokenizer
 from launch import ROOT, deepspeed, ds_config, fsdp2, odb_config, write_json
 from odb.data.processing import SampleDataset
-from odb.training.engine import token_loss_sum
-from odb.training.model import build_model, hf_model
+from odb.training.model.build import build_model, hf_model
+from odb.training.step.loss import token_loss_sum
 
 TOKENIZER = bundled_tokenizer()
 QWEN3_MOE = {"model_type": "qwen3_moe", "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128,

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 
 from launch import Run, audit, deepspeed, ds_config, odb_config, steps_trained
-from odb.training.faults import EXIT_PREEMPTED
+from odb.training.run.stop import EXIT_PREEMPTED
 
 SAMPLES = 400
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from conftest import bundled_tokenizer
 from launch import ROOT, deepspeed, deepspeed_watched, ds_config, odb_config, write_json
-from odb.training.model import load_tokenizer
+from odb.training.model.build import load_tokenizer
 
 TEMPLATES = ROOT / "tests" / "fixtures" / "templates"
 FAMILIES = {

@@ -1,4 +1,4 @@
-"""configs/recipes/: each model recipe read as its ranks read it (odb.training.cli.parse_config,
+"""configs/recipes/: each model recipe read as its ranks read it (odb.training.launch.flags.parse_config,
 every file checked) on the bundled tiny models, as a job of 8 ranks: the keys are valid, and each
 recipe has what it says (a measured budget, gradient checkpointing, its method's learning rate,
 overlapped communication, evaluation and export, its launch). The GPUs they are sized for are not
@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT, train_defaults
 from odb.recipe import load_recipe, recipe_names
-from odb.training.cli import parse_config
+from odb.training.launch.flags import parse_config
 
 RECIPES = {  # recipe: (model, lr, lora, backend, nproc on one node; None: SLURM's tasks)
     "qwen2.5-7b-full": ("configs/tiny_model.json", 2e-5, False, "deepspeed", 8),

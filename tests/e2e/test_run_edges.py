@@ -9,8 +9,8 @@ from collections import Counter
 from conftest import bundled_tokenizer
 from launch import ROOT, audit, deepspeed, deepspeed_watched, ds_config, odb_config
 from odb.batching.state import is_finished, upgrade_state
-from odb.training.model import build_model
-from odb.training.mrope import supports_packing
+from odb.training.model.build import build_model
+from odb.training.model.mrope import supports_packing
 
 TOKENIZER = bundled_tokenizer()
 VL = ROOT / "configs" / "tiny_vl_model.json"
@@ -120,7 +120,7 @@ def test_a_checkpoint_of_every_step_whose_run_did_not_finish_resumes_into_the_en
     second = summary(out)
     assert second["steps"] == first["steps"] and second["samples_emitted"] == first["samples_emitted"] == 32
     assert second["eval_loss"] == first["eval_loss"]  # the same weights, evaluated at the end again
-    # what makes a further --resume refuse (odb/training/checkpoint.py; the refusal is launched in the
+    # what makes a further --resume refuse (odb/training/run/checkpoint.py; the refusal is launched in the
     # test above): the latest checkpoint, saved again by this resume, is marked finished and its
     # batcher state has every step planned and trained
     tag = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()

@@ -1,4 +1,4 @@
-"""Sequence parallelism (odb/training/sequence_parallel.py) on CPU ranks over gloo.
+"""Sequence parallelism (odb/training/step/sequence_parallel.py) on CPU ranks over gloo.
 
 One step on 2 and 4 ranks under ZeRO-3 (tests/e2e/sequence_parallel_worker.py): each group of S
 ranks trains its micro-batches together, each rank on its slice of every packed row (packed rows
@@ -71,7 +71,7 @@ def test_a_run_on_groups_of_four_then_of_two_trains_every_sample_once_and_whole_
     oracle is the data's own token lengths: every record trains exactly once over the two runs,
     the groups stay aligned, and exactly the records over 256 tokens are cut."""
     from odb.data.processing import DataConfig, SampleDataset, sample_sizes
-    from odb.training.model import load_tokenizer
+    from odb.training.model.build import load_tokenizer
 
     dataset = SampleDataset(str(ROOT / "data" / "chat.jsonl"), load_tokenizer(str(ROOT / "data" / "tokenizer")),
                             DataConfig(), seed=0, max_samples=120)

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from launch import ROOT, TRAIN, deepspeed_watched, free_port
-from odb.training.attention import attention_path
-from odb.training.faults import EXIT_STALLED, collective_timeout_s
+from odb.training.attention.cuda import attention_path
+from odb.training.backends.process_group import collective_timeout_s
+from odb.training.run.watchdog import EXIT_STALLED
 
 
 def plain(args: list[str], *, env: dict[str, str], timeout: int = 300) -> subprocess.CompletedProcess:

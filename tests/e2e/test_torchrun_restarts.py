@@ -1,6 +1,6 @@
 """``torchrun --max-restarts``: a restarted attempt never reads the failed attempt's keys in the
 rendezvous store, which torchrun keeps across restarts (odb's stop step and abort, and torch's own
-process-group rendezvous: odb/training/faults.py puts both under the attempt's prefix); the
+process-group rendezvous: odb/training/run/watchdog.py puts both under the attempt's prefix); the
 trainer's restarted attempt continues the run (``--resume auto``)."""
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ from conftest import bundled_tokenizer
 from launch import KILLED, ROOT, audit, deepspeed, ds_config, odb_config, plain, write_json
 from odb.data.collate import collate_packed
 from odb.data.processing import SampleDataset
-from odb.training.attention import register
-from odb.training.engine import token_loss_sum
-from odb.training.model import build_model
+from odb.training.attention.varlen import register
+from odb.training.model.build import build_model
+from odb.training.step.loss import token_loss_sum
 
 TOKENIZER = bundled_tokenizer()
 TINY = ROOT / "configs" / "tiny_model.json"

@@ -13,8 +13,8 @@ import torch
 
 from launch import ROOT, audit, deepspeed, ds_config, fsdp2, odb_config, sgd_step_errors, write_json
 from odb.data.processing import SampleDataset
-from odb.training.engine import token_loss_sum
-from odb.training.model import build_model, vision_spec
+from odb.training.model.build import build_model, vision_spec
+from odb.training.step.loss import token_loss_sum
 from video_data import (
     RECORDS,
     SMALL,

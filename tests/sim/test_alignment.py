@@ -12,8 +12,8 @@ from odb.batching.align import SettingsMismatch
 from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import OdbConfig
 from odb.batching.cost import OverCapError
+from odb.batching.deal import waterfill
 from odb.batching.simulate import SimulatedFeed, run_ranks, simulate
-from odb.batching.stream import waterfill
 from odb.batching.wire import PROPOSAL_SCALARS, Proposal
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

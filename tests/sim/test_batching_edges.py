@@ -49,7 +49,7 @@ def admitted(lengths: list[int | None], max_tokens: int, num_epochs: int = 1, ov
 
 
 def round_bound(config: OdbConfig, lengths: list, world: int) -> int:
-    """I3 (odb/batching/plan.py): static ``max(shard) + 1`` (fixed: ``2 * max(shard) + 1``), dynamic ``2N + 2``."""
+    """I3 (odb/batching/decide.py): static ``max(shard) + 1`` (fixed: ``2 * max(shard) + 1``), dynamic ``2N + 2``."""
     if config.sharding == "dynamic":
         return 2 * len(lengths) + 2
     shard = len(range(0, len(lengths), world))

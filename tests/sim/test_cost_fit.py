@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import check_aligned, check_exact_once, roundtrip
-from odb.batching.batcher import OnlineBatcher, features
+from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import OdbConfig
 from odb.batching.fit import (
     MAX_A2A,
@@ -19,6 +19,7 @@ from odb.batching.fit import (
     MIN_OBSERVATIONS,
     CostFit,
     Observation,
+    features,
     fit_coefficients,
     fit_layout,
 )

@@ -1,6 +1,6 @@
 """global_batch_tokens: gas derived for the ranks at hand, so that an optimizer step carries about
 the same tokens on 2 ranks and, after a resume, on 4 (odb.batching.config.gas_for_tokens; the
-trainer derives it, odb/training/build.py). The oracle is the plans themselves: each step's real
+trainer derives it, odb/training/run/assemble.py). The oracle is the plans themselves: each step's real
 tokens over all ranks, every sample exactly once across the change."""
 
 from collections import Counter
@@ -36,7 +36,7 @@ def test_gas_is_the_nearest_to_the_tokens_wanted():
 
 
 def test_the_trainer_derives_gas_for_packed_rows_of_odbs_policy_only():
-    from odb.training.build import _gas_from_tokens
+    from odb.training.run.assemble import _gas_from_tokens
 
     said = []
     derived = _gas_from_tokens(OdbConfig(max_tokens=MAX_TOKENS, global_batch_tokens=TARGET), 4, said.append)

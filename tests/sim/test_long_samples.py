@@ -16,7 +16,7 @@ from conftest import check_aligned, check_exact_once, check_label_tokens, roundt
 from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import OdbConfig
 from odb.batching.cost import SampleCost
-from odb.batching.plan import decide
+from odb.batching.decide import decide
 from odb.batching.redeal import redeal_states
 from odb.batching.simulate import SimulatedFeed, run_ranks
 from odb.batching.state import decode_steps

@@ -33,11 +33,13 @@ from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 from conftest import one_step_plan
 from odb.data.collate import VISION_KEYS, collate_packed, collate_padded
 from odb.training import attention
+from odb.training.attention import cuda
+from odb.training.attention.semantics import Pattern
 from odb.training.backends import LocalBackend
-from odb.training.engine import OdbEngine
-from odb.training.loss import DEFAULT_LOSS_CHUNK_TOKENS
-from odb.training.model import hf_model
-from odb.training.mrope import packed_position_ids
+from odb.training.model.build import hf_model
+from odb.training.model.mrope import packed_position_ids
+from odb.training.step.engine import OdbEngine
+from odb.training.step.loss import DEFAULT_LOSS_CHUNK_TOKENS
 
 WINDOW = 16
 TEXT = {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -495,7 +497,7 @@ def test_flash_window_is_transformers_sliding_window():
     index = torch.arange(40)
     q_idx, kv_idx = index[:, None], index[None, :]
     for window in (1, 5, 16):
-        left, right = attention._flash_window(attention._Pattern(True, window, None, 0.0))
+        left, right = cuda._flash_window(Pattern(True, window, None, 0.0))
         flash = ((left < 0) | (kv_idx >= q_idx - left)) & ((right < 0) | (kv_idx <= q_idx + right))
         assert torch.equal(flash, sliding_window_causal_mask_function(window)(0, 0, q_idx, kv_idx)), window
 

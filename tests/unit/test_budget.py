@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from odb.training.budget import QUANTUM, search_budget
+from odb.training.run.budget import QUANTUM, search_budget
 
 
 def brute_force(measure, cap, upper):

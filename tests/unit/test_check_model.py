@@ -1,4 +1,4 @@
-"""check-model (tools/check_model.py, odb/training/model_check.py) on tiny model folders.
+"""check-model (tools/check_model.py, odb/training/check_model.py) on tiny model folders.
 
 The check compares odb's path with the model's own code; these tests show that it passes where odb
 is exact, refuses what odb refuses (naming why), and fails where packing would leak: an LFM2 with
@@ -16,7 +16,7 @@ from test_images import PROCESSORS
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from conftest import ROOT, bundled_tokenizer
-from odb.training import model_check
+from odb.training import check_model as model_check
 from tools.check_model import main
 
 SMALL = {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

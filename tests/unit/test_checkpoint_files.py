@@ -1,5 +1,5 @@
 """A checkpoint that is truncated, incomplete, foreign or of another odb version gives an error
-that says what is wrong and what to do (odb.training.checkpoint), never a KeyError from inside."""
+that says what is wrong and what to do (odb.training.run.checkpoint), never a KeyError from inside."""
 
 import json
 from types import SimpleNamespace
@@ -10,7 +10,7 @@ from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import OdbConfig
 from odb.batching.simulate import SimulatedFeed, run_ranks
 from odb.telemetry import Telemetry
-from odb.training.checkpoint import checkpoint_states, resolve_tag
+from odb.training.run.checkpoint import checkpoint_states, resolve_tag
 
 
 def saved(tmp_path, world=2):
@@ -78,15 +78,9 @@ def test_resume_tags_that_do_not_exist_name_the_tags_there_are(tmp_path):
 
 @pytest.mark.parametrize("saved_by,resumed_by", [("deepspeed", "fsdp2"), ("fsdp2", "deepspeed")])
 def test_a_checkpoint_resumes_only_under_the_backend_that_saved_it(tmp_path, saved_by, resumed_by):
-    from odb.training.checkpoint import load_plan
-    from odb.training.config import (
-        DataSettings,
-        Fsdp2Settings,
-        ModelSettings,
-        OptimizationSettings,
-        RunConfig,
-        RunSettings,
-    )
+    from odb.training.config.optimization import Fsdp2Settings, OptimizationSettings
+    from odb.training.config.settings import DataSettings, ModelSettings, RunConfig, RunSettings
+    from odb.training.run.checkpoint import load_plan
 
     tag = saved(tmp_path)
     (tag / "run_config.json").write_text(json.dumps({"optimization": {"backend": saved_by}}))

@@ -1,4 +1,4 @@
-"""Inputs that cannot run, refused while launch/train.py parses its flags (odb/training/cli.py's
+"""Inputs that cannot run, refused while launch/train.py parses its flags (odb/training/launch/flags.py's
 ``parse_config``, which every rank runs before any process group), with a message that names the
 fix. (tests/e2e/test_train.py launches the script with such an input, on one process and on two
 ranks: the message reaches stderr and every rank ends.)"""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import train_defaults
-from odb.training.cli import parse_config
+from odb.training.launch.flags import parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULTS = train_defaults()

@@ -1,4 +1,4 @@
-"""The output folder's policy (odb/training/cli.py), before any process group: a fresh run refuses
+"""The output folder's policy (odb/training/launch/flags.py), before any process group: a fresh run refuses
 a folder that holds an earlier run unless told to continue it (``--resume``) or to start over
 (``--overwrite_output_dir``: the earlier run's records removed, by rank 0 only); ``--resume auto``
 continues from the latest checkpoint if there is one, else starts over."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import train_defaults
-from odb.training.cli import parse_config
+from odb.training.launch.flags import parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"

@@ -5,7 +5,7 @@ release of ``torch.nn.attention.varlen.varlen_attn`` (or of flash-attn's varlen 
 computes what that release computes, sample by sample through SDPA, from the arguments it has
 and nothing else (a release without ``scale`` uses ``1/sqrt(D)``; one without ``enable_gqa``
 needs as many K/V heads as query heads). odb's call through each must equal odb's own per-group
-path; :func:`odb.training.attention.attention_path`'s start check must name the path, or refuse
+path; :func:`odb.training.attention.cuda.attention_path`'s start check must name the path, or refuse
 a broken one naming the fix.
 """
 
@@ -17,8 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from odb.training import attention, cuda_varlen
-from odb.training.attention import _Pattern
+from odb.training import attention
+from odb.training.attention import cuda, grouped
+from odb.training.attention import kernels as varlen_kernels
+from odb.training.attention.semantics import Pattern
 
 BOUNDS = [0, 9, 10, 31, 38, 64]
 SCALE = 0.1  # not 1/sqrt(16): a kernel called without it must be pre-scaled
@@ -59,8 +61,8 @@ def varlen_2_12(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
 
 
 RELEASES = {"2.9": varlen_2_9, "Oct 2025": varlen_oct_2025, "Jan 2026": varlen_jan_2026, "2.12": varlen_2_12}
-PATTERNS = {"causal": _Pattern(True, None, None, 0.0), "window 5": _Pattern(True, 5, None, 0.0),
-            "bidirectional": _Pattern(False, None, None, 0.0)}
+PATTERNS = {"causal": Pattern(True, None, None, 0.0), "window 5": Pattern(True, 5, None, 0.0),
+            "bidirectional": Pattern(False, None, None, 0.0)}
 
 
 @pytest.fixture
@@ -68,10 +70,10 @@ def kernels(monkeypatch):
     """Installs a stand-in: ``kernels(torch_varlen=f, flash=g, flash_error=msg)``."""
 
     def install(*, torch_varlen=None, flash=None, flash_error=None):
-        api = None if torch_varlen is None else cuda_varlen.TorchVarlenApi.of(torch_varlen)
-        monkeypatch.setattr(cuda_varlen, "torch_varlen_api", lambda: api)
-        monkeypatch.setattr(cuda_varlen, "flash_attn_varlen", lambda: flash)
-        monkeypatch.setattr(cuda_varlen, "flash_attn_error", lambda: flash_error)
+        api = None if torch_varlen is None else varlen_kernels.TorchVarlenApi.of(torch_varlen)
+        monkeypatch.setattr(varlen_kernels, "torch_varlen_api", lambda: api)
+        monkeypatch.setattr(varlen_kernels, "flash_attn_varlen", lambda: flash)
+        monkeypatch.setattr(varlen_kernels, "flash_attn_error", lambda: flash_error)
         return api
 
     return install
@@ -91,25 +93,25 @@ def test_every_varlen_attn_signature_equals_the_per_group_path(kernels, release)
     api = kernels(torch_varlen=RELEASES[release])
     q, k, v, cu = qkv()
     for name, pattern in PATTERNS.items():
-        out = attention._cuda_varlen(q, k, v, cu, 26, SCALE, pattern)
+        out = cuda.cuda_varlen_attention(q, k, v, cu, 26, SCALE, pattern)
         if out is None:
             assert pattern.window is not None and not api.has_window, f"{release} {name}: no kernel call"
             continue
-        expected = attention._grouped_varlen(q, k, v, cu, SCALE, pattern, None)
+        expected = grouped.grouped_varlen(q, k, v, cu, SCALE, pattern, None)
         diff = float((out - expected).abs().max())
         print(f"{release} ({api.describe()}), {name}: max abs diff {diff:.1e}")
         assert diff <= 1e-5, f"{release}, {name}: off the per-group path by {diff:.1e}"
 
 
 def test_the_descriptions_name_what_odb_does_for_each_release():
-    described = {name: cuda_varlen.TorchVarlenApi.of(f).describe() for name, f in RELEASES.items()}
+    described = {name: varlen_kernels.TorchVarlenApi.of(f).describe() for name, f in RELEASES.items()}
     print(described)
     assert described == {
         "2.9": "torch varlen_attn (is_causal: sliding windows per group; q pre-scaled; K/V heads expanded)",
         "Oct 2025": "torch varlen_attn (is_causal: sliding windows per group; K/V heads expanded)",
         "Jan 2026": "torch varlen_attn (window_size; K/V heads expanded)",
         "2.12": "torch varlen_attn (window_size)"}
-    installed = cuda_varlen.torch_varlen_api()  # the real one (torch >= 2.12 here)
+    installed = varlen_kernels.torch_varlen_api()  # the real one (torch >= 2.12 here)
     assert installed is not None and installed.has_window and installed.has_scale and installed.has_gqa
 
 
@@ -118,13 +120,13 @@ def test_what_no_kernel_computes_falls_to_the_per_group_path(kernels):
     no varlen module at all (torch < 2.9)."""
     q, k, v, cu = qkv()
     kernels(torch_varlen=varlen_2_12)
-    for pattern in (_Pattern(True, None, None, 0.1), _Pattern(True, None, 1.0, 0.0), _Pattern(True, None, None, 0.0,
+    for pattern in (Pattern(True, None, None, 0.1), Pattern(True, None, 1.0, 0.0), Pattern(True, None, None, 0.0,
                                                                                                sinks=True)):
-        assert attention._cuda_varlen(q, k, v, cu, 26, SCALE, pattern) is None
+        assert cuda.cuda_varlen_attention(q, k, v, cu, 26, SCALE, pattern) is None
     kernels(torch_varlen=varlen_2_12, flash=lambda *a, **kw: pytest.fail("flash-attn called for sinks"))
-    assert attention._cuda_varlen(q, k, v, cu, 26, SCALE, _Pattern(True, None, None, 0.0, sinks=True)) is None
+    assert cuda.cuda_varlen_attention(q, k, v, cu, 26, SCALE, Pattern(True, None, None, 0.0, sinks=True)) is None
     kernels(torch_varlen=None)
-    assert attention._cuda_varlen(q, k, v, cu, 26, SCALE, PATTERNS["causal"]) is None
+    assert cuda.cuda_varlen_attention(q, k, v, cu, 26, SCALE, PATTERNS["causal"]) is None
 
 
 def test_attention_path_names_the_path_after_a_checked_call(kernels):
@@ -134,10 +136,10 @@ def test_attention_path_names_the_path_after_a_checked_call(kernels):
     assert "fp16/bf16" in attention.attention_path(torch.device("cuda"), torch.float32)
     for release, function in RELEASES.items():
         kernels(torch_varlen=function)
-        assert attention._kernel_path(torch.device("cpu"), torch.float32) == \
-            cuda_varlen.TorchVarlenApi.of(function).describe(), release
+        assert cuda._kernel_path(torch.device("cpu"), torch.float32) == \
+            varlen_kernels.TorchVarlenApi.of(function).describe(), release
     kernels(torch_varlen=None)
-    assert "no torch.nn.attention.varlen" in attention._kernel_path(torch.device("cpu"), torch.float32)
+    assert "no torch.nn.attention.varlen" in cuda._kernel_path(torch.device("cpu"), torch.float32)
 
 
 def test_attention_path_refuses_a_path_that_cannot_run(kernels):
@@ -145,14 +147,14 @@ def test_attention_path_refuses_a_path_that_cannot_run(kernels):
     something else (the scale dropped): each a RuntimeError naming the fix."""
     kernels(torch_varlen=varlen_2_12, flash_error="ImportError: undefined symbol _ZN3c10")
     with pytest.raises(RuntimeError, match="pip uninstall flash-attn"):
-        attention._kernel_path(torch.device("cpu"), torch.float32)
+        cuda._kernel_path(torch.device("cpu"), torch.float32)
 
     def broken(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
         raise RuntimeError("FlashAttention only supports Ampere GPUs or newer")
 
     kernels(torch_varlen=broken)
     with pytest.raises(RuntimeError, match=r"fails on cpu.*Ampere.*torch >= 2.12"):
-        attention._kernel_path(torch.device("cpu"), torch.float32)
+        cuda._kernel_path(torch.device("cpu"), torch.float32)
 
     def scale_ignored(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
                       enable_gqa=False):
@@ -160,11 +162,11 @@ def test_attention_path_refuses_a_path_that_cannot_run(kernels):
 
     kernels(torch_varlen=scale_ignored)
     with pytest.raises(RuntimeError, match="differs from SDPA on each sample alone"):
-        attention._kernel_path(torch.device("cpu"), torch.float32)
+        cuda._kernel_path(torch.device("cpu"), torch.float32)
 
     def flash(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False,
               window_size=(-1, -1), softcap=0.0):
         return _per_sample(q, k, v, cu_q, *window_size, softmax_scale, True)
 
     kernels(torch_varlen=varlen_2_12, flash=flash)
-    assert attention._kernel_path(torch.device("cpu"), torch.float32).startswith("flash-attn ")
+    assert cuda._kernel_path(torch.device("cpu"), torch.float32).startswith("flash-attn ")

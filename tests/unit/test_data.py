@@ -16,7 +16,7 @@ from odb.batching.config import OdbConfig
 from odb.batching.simulate import run_ranks
 from odb.data.feed import DataError, SampleFeed
 from odb.data.processing import DataConfig, SampleDataset, load_data_config, sample_sizes
-from odb.training.model import build_model, vision_spec
+from odb.training.model.build import build_model, vision_spec
 
 TOKENIZER = bundled_tokenizer()
 VL = ROOT / "configs" / "tiny_vl_model.json"
@@ -174,7 +174,7 @@ def test_records_whose_images_do_not_add_up_are_skipped_with_a_clear_reason(tmp_
 def test_a_text_model_skips_records_with_images_and_strict_stops(tmp_path, record):
     image_files(tmp_path)
     path = write_jsonl(tmp_path / "d.jsonl", [record])
-    skipped = SampleDataset(path, TOKENIZER)[0]  # vision=None: a text model, as odb.training.model.vision_spec says
+    skipped = SampleDataset(path, TOKENIZER)[0]  # vision=None: a text model (model.build.vision_spec)
     assert skipped.get("skip") == "image_for_text_model", skipped.get("detail", skipped.keys())
     assert "vision-language model (e.g. Qwen2-VL) or drop the images" in skipped["detail"]
     feed = SampleFeed(SampleDataset(path, TOKENIZER, DataConfig(strict=True)), sample_sizes, num_workers=0)
@@ -324,7 +324,7 @@ def test_data_config_is_strict_about_keys(tmp_path):
 
 def test_packed_multimodal_rows_equal_each_sample_alone():
     from odb.data.collate import collate_packed
-    from odb.training.mrope import packed_position_ids
+    from odb.training.model.mrope import packed_position_ids
 
     model = build_model(VL, seed=0, vocab_size=len(TOKENIZER)).eval()
     dataset = SampleDataset(ROOT / "data" / "mm" / "train.jsonl", TOKENIZER, vision=vision_spec(model, DataConfig()))

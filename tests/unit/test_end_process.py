@@ -1,4 +1,4 @@
-"""end_process (odb/training/run.py), the last call of launch/train.py after a clean shutdown: it
+"""end_process (odb/training/run/loop.py), the last call of launch/train.py after a clean shutdown: it
 keeps what the interpreter's own exit does for the run (other threads and idle executor workers
 waited for, exit handlers run, Python's and C's buffered output written, the exit code) and
 skips only the modules' teardown. The oracle is what the same child process leaves when it ends
@@ -18,7 +18,7 @@ from conftest import ROOT
 CHILD = textwrap.dedent("""
     import atexit, sys, tempfile, threading, time
     from pathlib import Path
-    from odb.training.run import end_process  # (torch and all: imported before the clock below starts)
+    from odb.training.run.teardown import end_process  # (torch and all: imported before the clock below starts)
     out, how = Path(sys.argv[1]), sys.argv[2]
     atexit.register(lambda: (out / "atexit").write_text("ran"))
     keep = tempfile.TemporaryDirectory(dir=out)  # removed by its finalizer at exit

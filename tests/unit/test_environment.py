@@ -1,10 +1,10 @@
-"""Rank variables from SLURM's (odb.training.environment), and the loopback-hostname check."""
+"""Rank variables from SLURM's (odb.training.config.environment), and the loopback-hostname check."""
 
 import socket
 
 import pytest
 
-from odb.training.environment import check_network, rank_environment, tasks_on_node
+from odb.training.config.environment import check_network, rank_environment, tasks_on_node
 
 
 def test_tasks_per_node_in_slurms_format():

@@ -1,4 +1,4 @@
-"""The rows' model FLOPs (odb/telemetry/flops.py, odb/training/model.py flops_model) against
+"""The rows' model FLOPs (odb/telemetry/flops.py, odb/training/model/build.py flops_model) against
 torch's own FLOP counter on a real forward and backward."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from odb.telemetry.flops import FlopsModel, step_flops
-from odb.training.model import flops_model
+from odb.training.model.build import flops_model
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -29,19 +29,18 @@ from odb.batching.config import OdbConfig, load_odb_config
 from odb.data.processing import DataConfig, load_data_config
 from odb.settings import load_json_config
 from odb.training.backends import fsdp2
-from odb.training.backends.deepspeed import load_ds_config, resolve_ds_config
-from odb.training.cli import parse_config
-from odb.training.config import (
+from odb.training.backends.deepspeed_config import load_ds_config, resolve_ds_config
+from odb.training.config.lora import lora_keys
+from odb.training.config.optimization import Fsdp2Settings, OptimizationSettings
+from odb.training.config.settings import (
     CheckpointSettings,
     DataSettings,
-    Fsdp2Settings,
     LoggingSettings,
     ModelSettings,
-    OptimizationSettings,
     RunConfig,
     RunSettings,
 )
-from odb.training.lora import lora_keys
+from odb.training.launch.flags import parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"

@@ -1,4 +1,4 @@
-"""GracefulStop (odb/training/faults.py) without training: the step every rank agrees on through a real
+"""GracefulStop (odb/training/run/watchdog.py) without training: the step every rank agrees on through a real
 TCPStore, and the exit code of a rank that SLURM signals again while it already exits."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from launch import free_port
-from odb.training.faults import EXIT_PREEMPTED, GracefulStop
+from odb.training.run.stop import EXIT_PREEMPTED, GracefulStop
 
 
 def test_every_rank_stops_after_the_step_the_signalled_rank_proposed():
@@ -43,7 +43,7 @@ def test_every_rank_stops_after_the_step_the_signalled_rank_proposed():
 
 EXITING = textwrap.dedent("""
     import sys, time
-    from odb.training.faults import EXIT_PREEMPTED, GracefulStop
+    from odb.training.run.stop import EXIT_PREEMPTED, GracefulStop
 
     stop = GracefulStop(None, rank=0).install()
     if sys.argv[1] == "agreed":

@@ -1,4 +1,4 @@
-"""The model's own image processor (odb.data.images, odb.training.model.vision_spec, the export).
+"""The model's own image processor (odb.data.images, odb.training.model.build.vision_spec, the export).
 
 Tiny random-init Qwen2-VL, Qwen2.5-VL and Qwen3-VL folders, each with its family's public
 ``preprocessor_config.json`` (tests/fixtures/processors): odb's ``pixel_values`` and
@@ -21,7 +21,7 @@ from conftest import ROOT, bundled_tokenizer
 from odb.data.images import ImageProcessor
 from odb.data.processing import DataConfig, SampleDataset
 from odb.training.export import export_checkpoint, write_hf
-from odb.training.model import build_model, vision_spec
+from odb.training.model.build import build_model, vision_spec
 
 TOKENIZER = bundled_tokenizer()
 PROCESSORS = ROOT / "tests" / "fixtures" / "processors"

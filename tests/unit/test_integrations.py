@@ -9,8 +9,8 @@ import pytest
 from odb.batching.config import OdbConfig
 from odb.data.mixture import SourceSpec
 from odb.integrations import OdbSettings, host_config
-from odb.training.config import DataSettings
-from odb.training.schedule import ProgressSchedule
+from odb.training.config.settings import DataSettings
+from odb.training.run.schedule import ProgressSchedule
 
 SETTINGS = OdbSettings(data=DataSettings(path="data/chat.jsonl"), batching=OdbConfig(max_tokens=1024))
 

@@ -50,7 +50,7 @@ def test_torch_free_module_imports_no_torch_and_nothing_above_it(module):
 
 
 def test_every_core_module_is_found():
-    assert {"odb.batching.batcher", "odb.batching.stream", "odb.batching.plan", "odb.batching.wire",
+    assert {"odb.batching.batcher", "odb.batching.stream", "odb.batching.decide", "odb.batching.wire",
             "odb.batching.state", "odb.batching.align"} <= set(BATCHING)
 
 
@@ -108,3 +108,99 @@ def test_the_checker_sees_a_local_import_and_a_branch(tmp_path):
     tree = ast.parse("def f(b):\n    from deepspeed.utils import x\n    return b == 'fsdp2'\n")
     assert (2, "deepspeed.utils") in _imported(tree)
     assert any(isinstance(n, ast.Compare) and n.comparators[0].value == "fsdp2" for n in ast.walk(tree))
+
+
+# ---- the rooms of odb/training, each using only those below it -----------------------------------
+
+TRAINING_FLOORS = (("config", "attention"), ("model",), ("backends",), ("step",), ("export", "check_media"), ("run",),
+                   ("launch", "check_model"))
+"""odb/training's folders (and its top-level modules) from the bottom up, as odb/training/__init__.py
+draws them: a module may import its own room's, and those of the floors below."""
+MAX_MODULE_LINES = 400
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _run_time_imports(path: Path) -> set[str]:
+    """The odb modules ``path`` imports at run time, at any depth, type-checking-only imports left out
+    (a ``from package import submodule`` names the submodule)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(
+        node.test) for n in ast.walk(node)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level and node.module.startswith("odb"):
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if (ROOT / Path(*sub.split("."))).with_suffix(".py").exists()
+                          or (ROOT / Path(*sub.split("."))).is_dir() else node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("odb")}
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_module_name(p): _run_time_imports(p) for p in sorted((ROOT / "odb").rglob("*.py"))}
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["odb", "training"] and len(parts) > 2 else None
+
+
+def _floor(room: str) -> int:
+    return next(i for i, rooms in enumerate(TRAINING_FLOORS) if room in rooms)
+
+
+def test_every_room_of_training_has_a_floor():
+    rooms = {p.stem if p.suffix == ".py" else p.name for p in (ROOT / "odb" / "training").iterdir()
+             if p.name != "__init__.py" and p.name != "__pycache__"}
+    assert rooms == {room for floor in TRAINING_FLOORS for room in floor}
+
+
+def test_training_rooms_import_only_their_own_and_the_floors_below():
+    wrong = [f"{module} -> {target}" for module, targets in _graph().items() if _room(module)
+             for target in targets if _room(target) and _room(target) != _room(module)
+             and _floor(_room(target)) >= _floor(_room(module))]
+    assert not wrong, "imports of a room on the same floor or above:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_module_imports_itself_in_a_circle():
+    graph = _graph()
+    state: dict[str, int] = {}
+    circles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph.get(module, ())):
+            if target == module or target not in graph or target in ("odb", "odb.training"):
+                continue  # (a package's __init__ re-exports: odb's own finder and version only)
+            if state.get(target) == 1:
+                circles.append(" -> ".join([*path[path.index(target):], target]))
+            elif target not in state:
+                visit(target, [*path, target])
+        state[module] = 2
+
+    for module in graph:
+        if module not in state:
+            visit(module, [module])
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def test_the_checkers_see_a_back_arrow_and_a_circle(tmp_path):
+    assert _floor("step") > _floor("backends") > _floor("model") > _floor("config")
+    tree = tmp_path / "m.py"
+    tree.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from odb.training.run import loop\n"
+                    "def f():\n    from odb.training.step.engine import OdbEngine\n")
+    assert _run_time_imports(tree) == {"odb.training.step.engine"}
+
+
+def test_no_module_is_over_the_limit():
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "odb").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by concern): {long}"

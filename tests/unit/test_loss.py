@@ -1,4 +1,4 @@
-"""The chunked loss (odb/training/loss.py) against the model's own loss (STYLE 16).
+"""The chunked loss (odb/training/step/loss.py) against the model's own loss (STYLE 16).
 
 odb's engine computes the loss of a packed micro-batch in chunks of the final hidden states; the
 oracle is the model itself, on a copy with its own eager attention, each sample alone, its own
@@ -35,15 +35,16 @@ from odb.batching.cost import SampleCost, count_label_tokens
 from odb.batching.plan import MicroBatch, StepPlan
 from odb.training import attention
 from odb.training.backends import LocalBackend
-from odb.training.engine import OdbEngine, token_loss_sum
-from odb.training.loss import (
+from odb.training.model.build import hf_model
+from odb.training.step.engine import OdbEngine
+from odb.training.step.loss import (
     HeadLoss,
     chunked_token_loss_sum,
     liger_loss,
     num_loss_chunks,
     scored_tokens,
+    token_loss_sum,
 )
-from odb.training.model import hf_model
 
 SOFTCAP = 30.0
 LOSS_RTOL, GRAD_RTOL = 1e-6, 1e-5
@@ -59,7 +60,7 @@ def forward_loss(model, samples: list[dict], *, max_tokens: int, chunk_tokens: i
                  padded: bool = False) -> torch.Tensor:
     engine = OdbEngine(LocalBackend(model), world_size=1, max_tokens=max_tokens, pad_token_id=0,
                        loss_chunk_tokens=chunk_tokens)
-    return engine._forward_loss(samples, padded)[0]
+    return engine.forward_loss(samples, padded)[0]
 
 
 def trainable_grads(model) -> dict[str, torch.Tensor]:

@@ -12,8 +12,8 @@ import pytest
 from conftest import bundled_tokenizer, train_defaults
 from odb.data.mixture import MixedDataset, SourceSpec, parse_source, parse_sources
 from odb.recipe import load_recipe
-from odb.training.build import _datasets
-from odb.training.cli import parse_config
+from odb.training.launch.flags import parse_config
+from odb.training.run.datasets import build_datasets
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULTS = train_defaults()
@@ -68,7 +68,7 @@ def test_a_recipe_lists_sources_with_their_own_settings(tmp_path):
                                    SourceSpec("more", "data/chat.jsonl", 3))
     assert config.data.mix_epoch == "first"
     # the trainer's datasets: each source processed with its own settings over --data_config's
-    train, held = _datasets(config, bundled_tokenizer(), None, truncate_to=None)
+    train, held = build_datasets(config, bundled_tokenizer(), None, truncate_to=None)
     assert isinstance(train, MixedDataset) and train.source_names == ("chat", "more") and held is None
     assert train.parts[0].config.train_on == "last" and train.parts[0].config.system_prompts == ("Be brief.",)
     assert train.parts[1].config.train_on == "assistant"
@@ -80,7 +80,7 @@ def test_a_recipe_lists_sources_with_their_own_settings(tmp_path):
 def test_a_held_out_share_of_each_source(tmp_path):
     config = parse_config(["--data", "a=data/chat.jsonl", "b=data/chat.jsonl", "--max_samples", "100",
                            "--val_ratio", "0.1", "--output_dir", str(tmp_path / "o")], defaults=DEFAULTS)
-    train, held = _datasets(config, bundled_tokenizer(), None, truncate_to=None)
+    train, held = build_datasets(config, bundled_tokenizer(), None, truncate_to=None)
     assert train.sizes == [90, 90] and held.sizes == [10, 10] and held.source_names == ("a", "b")
     for part, out in zip(train.parts, held.parts):
         assert not set(part.indices) & set(out.indices) and len(set(part.indices) | set(out.indices)) == 100
@@ -89,7 +89,7 @@ def test_a_held_out_share_of_each_source(tmp_path):
 def test_one_named_source_keeps_its_name_and_a_path_with_an_equals_sign_is_a_path(tmp_path):
     config = parse_config(["--data", "chat=data/chat.jsonl:1", "--max_samples", "10", "--eval_data",
                            "held=data/chat.jsonl", "--output_dir", str(tmp_path / "o")], defaults=DEFAULTS)
-    train, held = _datasets(config, bundled_tokenizer(), None, truncate_to=None)
+    train, held = build_datasets(config, bundled_tokenizer(), None, truncate_to=None)
     assert train.source_names == ("chat",) and train.sizes == [10] and held.source_names == ("held",)
     folder = tmp_path / "date=2024"
     folder.mkdir()

@@ -35,9 +35,10 @@ from odb.data.collate import collate_padded
 from odb.telemetry import StepTimes, Telemetry
 from odb.training import attention
 from odb.training.backends import LocalBackend
-from odb.training.engine import OdbEngine, token_loss_sum
-from odb.training.model import build_model, hf_model
-from odb.training.moe import router_loss
+from odb.training.model.build import build_model, hf_model
+from odb.training.model.moe import router_loss
+from odb.training.step.engine import OdbEngine
+from odb.training.step.loss import token_loss_sum
 
 LOSS_RTOL, GRAD_RTOL = 1e-6, 1e-5
 
@@ -135,7 +136,7 @@ def test_lora_and_gradient_checkpointing(tmp_path):
 def test_a_step_of_several_micro_batches_and_a_dummy():
     """GAS 3 on one rank: 3 samples packed, a dummy, 1 sample. Oracle: the model's own forward on
     each micro-batch as padded rows (its attention mask keeps padding out of its own aux_loss):
-    ``sum CE / N + coef * sum_m aux_m * T_m / T`` (:mod:`odb.training.moe`)."""
+    ``sum CE / N + coef * sum_m aux_m * T_m / T`` (:mod:`odb.training.model.moe`)."""
     model, oracle = pair("qwen3_moe")
     micro_batches = [labelled(text_samples((40, 7, 23))), [], labelled(text_samples((30,), seed=1))]
     plan = one_step_plan(micro_batches)
@@ -168,8 +169,8 @@ def test_padded_micro_batches_count_real_tokens_only():
     model, oracle = pair("mixtral")
     samples = labelled(text_samples((40, 7, 23)))
     engine = OdbEngine(LocalBackend(model), world_size=1, max_tokens=128, pad_token_id=0)
-    _, packed_aux = engine._forward_loss(samples, False, router=True)
-    _, padded_aux = engine._forward_loss(samples, True, router=True)
+    _, packed_aux = engine.forward_loss(samples, False, router=True)
+    _, padded_aux = engine.forward_loss(samples, True, router=True)
     batch = collate_padded(samples, pad_token_id=0)
     out = oracle(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_router_logits=True,
                  use_cache=False)
@@ -195,7 +196,7 @@ def qwen3_vl_moe(implementation: str, state: dict | None = None):
 
 
 def test_the_blank_image_of_a_text_only_vl_micro_batch_is_not_routed_into_the_loss():
-    """Qwen3-VL-MoE: a micro-batch without images carries a blank image (odb/training/engine.py);
+    """Qwen3-VL-MoE: a micro-batch without images carries a blank image (odb/training/step/engine.py);
     its router loss is the model's own on the text sample alone (counting the blank image's 3 tokens
     would move it)."""
     model = qwen3_vl_moe(attention.register())
@@ -203,7 +204,7 @@ def test_the_blank_image_of_a_text_only_vl_micro_batch_is_not_routed_into_the_lo
     backend = LocalBackend(model)
     engine = OdbEngine(backend, world_size=1, max_tokens=128, pad_token_id=0)
     sample = labelled(text_samples((30,)))[0]
-    _, aux = engine._forward_loss([sample], False, router=True)
+    _, aux = engine.forward_loss([sample], False, router=True)
     with_blank = engine.router_loss.load_balancing(backend.last.router_logits, 4, 2, None)
     own = oracle(input_ids=torch.tensor([sample["input_ids"]]), use_cache=False, output_router_logits=True,
                  mm_token_type_ids=torch.zeros(1, 30, dtype=torch.int)).aux_loss

@@ -15,16 +15,9 @@ from test_attention import build
 from conftest import one_step_plan
 from odb.training import attention
 from odb.training.backends.base import optimizer_kept_fresh
-from odb.training.engine import OdbEngine
-from odb.training.preflight import (
-    PACKED_SAMPLES,
-    PreflightError,
-    image_sample,
-    measure,
-    preflight,
-    special_token_ids,
-    worst_case_batches,
-)
+from odb.training.run.preflight import PreflightError, measure, preflight
+from odb.training.run.worst_case import PACKED_SAMPLES, image_sample, special_token_ids, worst_case_batches
+from odb.training.step.engine import OdbEngine
 
 CPU = torch.device("cpu")
 
@@ -166,8 +159,8 @@ def test_a_vision_model_s_worst_case_runs_its_images_through_the_engine(family):
     the one-sample shape, a blank image in the text-only packed one, through the real engine; the
     zero-weight backward reaches the vision tower (every gradient there exists and is 0)."""
     from odb.training.backends import LocalBackend
-    from odb.training.model import hf_model
-    from odb.training.preflight import worst_images
+    from odb.training.model.build import hf_model
+    from odb.training.run.worst_case import worst_images
 
     model = build(family, attention.register())
     config = hf_model(model).config
@@ -187,7 +180,7 @@ def test_the_special_tokens_of_a_config_with_several_end_tokens(monkeypatch):
     """Llama-3.1's eos_token_id is a list: text ids all the same; an image token is special."""
     from transformers import AutoConfig
 
-    from odb.training.preflight import local_ranks
+    from odb.training.run.preflight import local_ranks
 
     config = AutoConfig.for_model("llama", eos_token_id=[5, 6], bos_token_id=4, pad_token_id=None)
     config.image_token_id = 9

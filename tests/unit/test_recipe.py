@@ -18,9 +18,9 @@ from odb.batching.config import load_odb_config
 from odb.cli import main as odb
 from odb.cli import train as odb_train
 from odb.cli.files import _absolute
-from odb.recipe import find_recipe, load_recipe, parse_overrides
+from odb.recipe import bundled_root, find_recipe, load_recipe, parse_overrides
 from odb.settings import read_yaml
-from odb.training.cli import SETTINGS_FILES, bundled_root, parse_config
+from odb.training.launch.flags import SETTINGS_FILES, parse_config
 
 RECIPES = ROOT / "configs" / "recipes"
 DEFAULTS = train_defaults()
@@ -231,7 +231,7 @@ def test_a_printed_recipe_reads_as_the_recipe_from_anywhere(tmp_path):
 
 
 def parse_parser():
-    from odb.training.cli import parser
+    from odb.training.launch.flags import parser
 
     return parser(DEFAULTS)
 

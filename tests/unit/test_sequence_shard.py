@@ -1,10 +1,10 @@
-"""SequenceParallel.shard (odb/training/sequence_parallel.py): a packed row cut into the slices
+"""SequenceParallel.shard (odb/training/step/sequence_parallel.py): a packed row cut into the slices
 the ranks of a group hold, against the worked example of its docstring written out by hand."""
 
 import torch
 
 from odb.data.collate import collate_packed
-from odb.training.sequence_parallel import SequenceParallel
+from odb.training.step.sequence_parallel import SequenceParallel
 
 A, B = [101, 102, 103, 104, 105], [201, 202]  # a0..a4, b0 b1
 PAD = 0

@@ -11,19 +11,10 @@ from odb.batching.config import OdbConfig, load_odb_config
 from odb.data.processing import DataConfig
 from odb.settings import field_docs, flag_fields, flag_name
 from odb.training import backends
-from odb.training.cli import FileDefaults, parse_config, parser
-from odb.training.config import (
-    DEMO_LR,
-    FULL_LR,
-    LORA_LR,
-    CheckpointSettings,
-    DataSettings,
-    LoggingSettings,
-    ModelSettings,
-    OptimizationSettings,
-    RunSettings,
-)
-from odb.training.settings_docs import BEGIN, END, settings_tables
+from odb.training.config.optimization import DEMO_LR, FULL_LR, LORA_LR, OptimizationSettings
+from odb.training.config.settings import CheckpointSettings, DataSettings, LoggingSettings, ModelSettings, RunSettings
+from odb.training.launch.flags import FileDefaults, parse_config, parser
+from odb.training.launch.settings_docs import BEGIN, END, settings_tables
 
 FROM_FILES = {ModelSettings: {"lora"}, DataSettings: {"processing", "sources", "eval_sources"},
               OptimizationSettings: set(backends.NAMES), OdbConfig: {"pad_rows"}}

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import ROOT, tool_module
 from odb.batching import align, stream
-from odb.batching import plan as plan_module
+from odb.batching import decide as decide_module
 from odb.batching.config import OdbConfig
 from odb.batching.simulate import simulate
 
@@ -89,7 +89,7 @@ def test_streamed_plan_with_shared_decisions_equals_simulate(trace_slice):
             assert np.array_equal(streamed[name], direct[name]), (key, name)
         assert all(streamed[k] == direct[k] for k in ("real", "materialized", "samples", "dummies")), key
         assert streamed["samples"] == len(lengths)
-    assert align.decide is plan_module.decide and stream.epoch_order.__module__ == "odb.batching.stream"  # restored
+    assert align.decide is decide_module.decide and stream.epoch_order.__module__ == "odb.batching.stream"  # restored
 
 
 def test_speedups_are_positive_and_are_the_samples_per_s_ratios(report):

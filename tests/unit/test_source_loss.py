@@ -31,10 +31,10 @@ from odb.data.mixture import MixedDataset
 from odb.data.processing import SampleDataset
 from odb.telemetry import StepTimes, Telemetry
 from odb.training.backends import LocalBackend
-from odb.training.engine import OdbEngine, StepTally
-from odb.training.evaluate import Evaluator
-from odb.training.model import build_model, hf_model
-from odb.training.run import Trainer
+from odb.training.model.build import build_model, hf_model
+from odb.training.run.evaluate import Evaluator
+from odb.training.run.loop import Trainer
+from odb.training.step.engine import OdbEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = bundled_tokenizer()
@@ -118,7 +118,7 @@ def engine_of(model, chunk_tokens: int | None, max_tokens: int = 512) -> OdbEngi
 
 
 def run_tally(engine: OdbEngine, plan: StepPlan, micro_samples: list[list[dict]], *, backward: bool = False):
-    tally = StepTally(engine, plan)
+    tally = engine.tally(plan)
     for micro, samples in zip(plan.micro_batches, [*micro_samples, []]):
         loss = tally.loss(micro, samples)
         if backward:

@@ -1,5 +1,5 @@
 """The start-up check (torch, the backend's APIs, the packed attention path) and the announced waits
-(odb/training/startup.py), in one process. tests/e2e/test_startup_launch.py launches them for real."""
+(odb/training/run/startup.py), in one process. tests/e2e/test_startup_launch.py launches them for real."""
 
 import re
 import threading
@@ -10,20 +10,19 @@ import torch
 
 from conftest import train_defaults
 from launch import ROOT
-from odb.training.attention import attention_path
-from odb.training.cli import parse_config
-from odb.training.faults import EXIT_STALLED
-from odb.training.startup import (
+from odb.training.attention.cuda import attention_path
+from odb.training.launch.flags import parse_config
+from odb.training.run.startup import (
     TORCH_FLOOR,
-    WAIT_REPORT_ENV,
     StartupError,
-    announced_wait,
     check_restarts,
     check_startup,
     check_torch,
     probed_attention,
     torch_version,
 )
+from odb.training.run.waits import WAIT_REPORT_ENV, announced_wait
+from odb.training.run.watchdog import EXIT_STALLED
 
 DEFAULTS = train_defaults()
 
@@ -69,8 +68,8 @@ def test_the_banner_names_the_path_the_probe_found(tmp_path):
 def test_a_path_that_cannot_run_stops_the_rank_naming_the_fix(monkeypatch, tmp_path):
     """What attention_path raises (on CUDA: e.g. a flash-attn that fails to import) reaches the rank as a
     StartupError that keeps the fix."""
-    import odb.training.attention as attention
-    from odb.training import startup
+    from odb.training import attention
+    from odb.training.run import startup
 
     def broken(device, dtype):
         raise RuntimeError("flash-attn 2.8.3 is installed but fails to import (undefined symbol): install the "
@@ -116,8 +115,8 @@ def test_torchrun_restarts_over_several_nodes_are_refused_naming_the_way_out():
 
 def test_a_sequence_parallel_size_that_cannot_run_is_refused_before_the_weights_load(tmp_path):
     """The tiny model has 4 attention heads and 2 KV heads; the tiny VL model is a vision model."""
-    from odb.training.startup import check_sequence_parallel
-    from odb.training.support import skeleton
+    from odb.training.model.capability import skeleton
+    from odb.training.run.startup import check_sequence_parallel
 
     def check(size: int, world: int, model: str = "tiny_model.json") -> None:
         path = ROOT / "configs" / model
@@ -138,8 +137,8 @@ def test_a_sequence_parallel_size_that_cannot_run_is_refused_before_the_weights_
 def test_long_sample_groups_that_cannot_run_are_refused_before_the_weights_load(tmp_path):
     """over_cap 'sequence_parallel' forms groups of 2, 4, ... up to max_sp that divide the ranks:
     on 16 ranks with max_sp 8 a group of 8 would split the tiny model's 4 heads."""
-    from odb.training.startup import check_sequence_parallel
-    from odb.training.support import skeleton
+    from odb.training.model.capability import skeleton
+    from odb.training.run.startup import check_sequence_parallel
 
     def check(max_sp: int, world: int, model: str = "tiny_model.json", *more: str) -> None:
         path = ROOT / "configs" / model

@@ -20,8 +20,8 @@ from odb.data.mixture import parse_source
 from odb.data.processing import SampleDataset
 from odb.data.streaming import ShardReader, StreamShards
 from odb.recipe import load_recipe
-from odb.training.build import _datasets
-from odb.training.cli import parse_config
+from odb.training.launch.flags import parse_config
+from odb.training.run.datasets import build_datasets
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULTS = train_defaults()
@@ -155,7 +155,7 @@ def test_what_a_stream_cannot_do_is_refused_with_the_fix(tmp_path, monkeypatch):
                                   "output_dir": str(tmp_path / "o")}))
     from_recipe = parse_config([], defaults=DEFAULTS, recipe=load_recipe(recipe))
     assert from_recipe.data.streaming and from_recipe.data.shuffle_buffer == 32
-    train, held = _datasets(from_recipe, bundled_tokenizer(), None, truncate_to=None)
+    train, held = build_datasets(from_recipe, bundled_tokenizer(), None, truncate_to=None)
     assert isinstance(train.source, StreamShards) and held is None
     for args, match in [(["--val_ratio", "0.1"], "--eval_data instead of --val_ratio"),
                         (["--max_samples", "5"], "stop the run with --max_steps"),

@@ -1,4 +1,4 @@
-"""Which models odb refuses to pack (odb/training/support.py), on skeletons of transformers' own
+"""Which models odb refuses to pack (odb/training/model/capability.py), on skeletons of transformers' own
 default configs (the ``meta`` device: no weights, seconds), and the engine's backstop: a model whose
 attention never calls odb's stops at its first forward instead of training across samples.
 
@@ -17,10 +17,10 @@ from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 from conftest import bundled_tokenizer
 from odb.batching.cost import SampleCost
 from odb.batching.plan import MicroBatch, StepPlan
-from odb.training.attention import register
+from odb.training.attention.varlen import register
 from odb.training.backends import LocalBackend
-from odb.training.engine import OdbEngine
-from odb.training.support import packing_refusal
+from odb.training.model.capability import packing_refusal
+from odb.training.step.engine import OdbEngine
 
 REFUSED = {  # model type: what the refusal names
     "bloom": "not through transformers' attention interface",

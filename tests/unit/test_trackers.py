@@ -13,8 +13,8 @@ import pytest
 
 from conftest import ROOT, train_defaults
 from odb.telemetry.trackers import RUN_IDS, TRACKERS, RunInfo, Trackers, check_installed
-from odb.training.cli import parse_config
-from odb.training.config import LoggingSettings
+from odb.training.config.settings import LoggingSettings
+from odb.training.launch.flags import parse_config
 
 PARAMS = {"world_size": 2, "lr": 1e-3, "model": "tiny", "lora": False, "odb": {"max_tokens": 512, "policy": "odb"},
           "fsdp2": None, "long": "x" * 600}
@@ -78,7 +78,7 @@ def test_a_non_list_is_refused_naming_the_flag():
 def test_a_missing_package_stops_the_run_before_any_process_group(parse, monkeypatch, name):
     import torch.distributed as dist
 
-    from odb.training.run import Trainer
+    from odb.training.run.loop import Trainer
 
     config = parse("--report_to", name)
     monkeypatch.setitem(sys.modules, name, None)  # as if not installed: importing it raises
@@ -91,7 +91,7 @@ def test_a_missing_package_stops_the_run_before_any_process_group(parse, monkeyp
 
 
 def test_the_trackers_packages_are_imported_only_when_asked_for():
-    probe = ("import sys, odb.training.run, odb.telemetry.trackers; "
+    probe = ("import sys, odb.training.run.loop, odb.telemetry.trackers; "
              "print([m for m in ('wandb', 'tensorboard', 'mlflow', 'torch.utils.tensorboard') if m in sys.modules])")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

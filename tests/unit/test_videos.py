@@ -26,8 +26,9 @@ from conftest import bundled_tokenizer
 from launch import ROOT
 from odb.data.feed import DataError, SampleFeed
 from odb.data.processing import DataConfig, SampleDataset, sample_sizes
-from odb.data.videos import VIDEO_FAMILIES, Clip, VideoSpec, process_video, read_video
-from odb.training.model import build_model, vision_spec
+from odb.data.video_decode import read_video
+from odb.data.videos import VIDEO_FAMILIES, Clip, VideoSpec, process_video
+from odb.training.model.build import build_model, vision_spec
 from video_data import (
     FAMILIES,
     SMALL,
@@ -285,7 +286,7 @@ def test_frame_folders_in_number_order_and_the_decoded_count_wins(tmp_path):
         Image.fromarray(frame).save(tmp_path / f"{i}.png")  # as text: 1, 10, 2
     clip = read_video(tmp_path, VideoSpec(family="qwen3", patch_size=14, **WIDE))
     assert all(np.array_equal(a, frames[i]) for a, i in zip(clip.frames, (1, 2, 10), strict=True))
-    from odb.data.videos import _decode
+    from odb.data.video_decode import _decode
 
     decoded = [SimpleNamespace(to_ndarray=lambda format, i=i: np.full((2, 2, 3), i)) for i in range(5)]
     out, count = _decode(iter(decoded), [0, 2, 4, 6])  # the container said 7 frames; 5 decode

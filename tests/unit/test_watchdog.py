@@ -1,4 +1,4 @@
-"""The watchdog's judge (odb.training.faults.Watchdog), in one process: three watchdogs on a real
+"""The watchdog's judge (odb.training.run.watchdog.Watchdog), in one process: three watchdogs on a real
 TCPStore, the process exit replaced by a recorder, timeout 3 s (heartbeats every 0.5 s)."""
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import pytest
 import torch.distributed as dist
 
 from launch import free_port
-from odb.training.faults import EXIT_STALLED, GracefulStop, Watchdog, attempt_prefix, connect_store
+from odb.training.backends.process_group import attempt_prefix, connect_store
+from odb.training.run.stop import GracefulStop
+from odb.training.run.watchdog import EXIT_STALLED, Watchdog
 
 TIMEOUT_S = 3.0
 

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from odb.training.config import OptimizationSettings, RunConfig
+    from odb.training.config.optimization import OptimizationSettings
+    from odb.training.config.settings import RunConfig
 
 __all__ = ["Backend", "BackendModule", "CheckpointLoad", "LocalBackend", "optimizer_kept_fresh", "torch_optimizer"]
 
@@ -96,7 +97,7 @@ class Backend(Protocol):
 
     def pristine(self) -> contextlib.AbstractContextManager[None]:
         """Steps taken inside leave the optimizer as built (state, step counts): the preflight's
-        (:mod:`odb.training.preflight`), before the first real step."""
+        (:mod:`odb.training.run.preflight`), before the first real step."""
 
     def release_cache(self) -> None:
         """Frees what forwards without a backward (evaluation) left gathered."""
@@ -169,12 +170,12 @@ class BackendModule(Protocol):
     are called by every rank, in the same order."""
 
     NAME: str
-    """Its ``--backend`` name, also the :class:`~odb.training.config.OptimizationSettings` field
+    """Its ``--backend`` name, also the :class:`~odb.training.config.optimization.OptimizationSettings` field
     holding its resolved settings."""
     TITLE: str
     """Its name in messages ("DeepSpeed")."""
     CONFIG_FLAG: str
-    """The flag naming its settings file (also the :class:`odb.training.cli.FileDefaults` field of its
+    """The flag naming its settings file (also the :class:`odb.training.launch.flags.FileDefaults` field of its
     default file, without the dashes)."""
     CONFIG_HELP: str
     """The help of :data:`CONFIG_FLAG`."""

@@ -17,14 +17,13 @@ every ZeRO stage and on one process.
 Checkpoints are DeepSpeed's own, resumable on another number of ranks through its universal
 checkpoint (:mod:`odb.training.backends.universal`); an export gathers full weights module by
 module (:func:`gather_state_dict`) or, from a saved checkpoint, with DeepSpeed's ``zero_to_fp32``.
-:class:`DeepSpeedBackend` is what :class:`odb.training.engine.OdbEngine` drives.
+:class:`DeepSpeedBackend` is what :class:`odb.training.step.engine.OdbEngine` drives.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -35,25 +34,44 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from odb.settings import ConfigSource, read_json_object, source_name
+from odb.settings import ConfigSource, source_name
 from odb.training.backends.base import optimizer_kept_fresh, torch_optimizer
+from odb.training.backends.deepspeed_config import (
+    is_zero3,
+    load_ds_config,
+    resolve_ds_config,
+    training_dtype,
+    zero_stage_of,
+)
 from odb.training.backends.universal import LoadPlan, prepare_load
 from odb.training.backends.zero3 import Zero3Construction
-from odb.training.model import build_model as build_hf_model
+from odb.training.model.build import build_model as build_hf_model
 
 if TYPE_CHECKING:
-    from odb.training.config import OptimizationSettings, RunConfig
+    from odb.training.config.optimization import OptimizationSettings
+    from odb.training.config.settings import RunConfig
 
 __all__ = ["CONFIG_FLAG", "DeepSpeedBackend", "NAME", "build", "build_model", "deepspeed_shm_buffer",
-           "gather_state_dict", "init_distributed", "initialize_deepspeed", "is_zero3", "load_ds_config",
-           "local_launch", "release", "resolve_ds_config", "training_dtype"]
+           "gather_state_dict", "init_distributed", "initialize_deepspeed", "local_launch", "release"]
 
 NAME = "deepspeed"
+
+
 TITLE = "DeepSpeed"
+
+
 CONFIG_FLAG = "--deepspeed_config"
+
+
 CONFIG_HELP = "DeepSpeed JSON (--backend deepspeed); its batch keys may be \"auto\" (odb fills them in)"
+
+
 JOINING = "DeepSpeed's communication op (built once per extension cache), then "
+
+
 TORCH_NEEDS: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
 TORCH_FLOOR = "2.6"
 
 
@@ -66,77 +84,6 @@ def load_settings(path: ConfigSource | None, *, gas: int, world_size: int, use_b
                              source=source)
 
 
-def load_ds_config(path: ConfigSource) -> dict[str, Any]:
-    return read_json_object(path, "DeepSpeed config",
-                            "pass --deepspeed_config configs/ds_zero2.json (or ds_zero0/1/3.json)")
-
-
-def resolve_ds_config(config: dict[str, Any], *, gas: int, world_size: int, use_bf16: bool,
-                      source: str = "DeepSpeed config") -> dict[str, Any]:
-    """A copy of ``config`` with odb's values for the batch keys and ``"auto"`` precision."""
-    out = json.loads(json.dumps(config))
-    wanted = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
-              "train_batch_size": gas * world_size}
-    why = {"train_micro_batch_size_per_gpu": "odb packs each micro-batch into one row",
-           "gradient_accumulation_steps": f"odb's gas is {gas} (set 'gas' in the odb config instead)",
-           "train_batch_size": f"odb runs world_size x gas = {world_size} x {gas} packed micro-batches "
-                               "per step, each holding a varying number of samples"}
-    for key, value in wanted.items():
-        given = out.get(key, "auto")
-        if given != "auto" and (given != value or isinstance(given, bool)):
-            raise ValueError(f"{source}: {key}={given!r} cannot hold: {why[key]}; set it to \"auto\"")
-        out[key] = value
-    if "scheduler" in out:
-        raise ValueError(f"{source}: remove \"scheduler\": odb sets the learning rate by progress "
-                         "(samples trained over the planned total), since the number of steps is "
-                         "not known up front; use --lr and --warmup_ratio")
-    _check_blocks(out, source)
-    for precision in ("bf16", "bfloat16", "fp16"):
-        block = out.get(precision)
-        if block is not None and block.get("enabled") == "auto":
-            block["enabled"] = use_bf16 if precision != "fp16" else False
-    return out
-
-
-def _check_blocks(config: dict[str, Any], source: str) -> None:
-    """The blocks odb itself reads (precision, ZeRO stage) have the shape it reads them in; DeepSpeed
-    checks the rest of its JSON itself."""
-    for precision in ("bf16", "bfloat16", "fp16"):
-        if precision not in config:
-            continue
-        block = config[precision]
-        if not isinstance(block, dict):
-            raise ValueError(f"{source}: \"{precision}\" must be an object such as {{\"enabled\": \"auto\"}}, "
-                             f"got {block!r}")
-        enabled = block.get("enabled", False)
-        if not (isinstance(enabled, bool) or enabled == "auto"):
-            raise ValueError(f"{source}: \"{precision}\": {{\"enabled\": ...}} must be true, false or \"auto\", "
-                             f"got {enabled!r}")
-    if "zero_optimization" in config:
-        block = config["zero_optimization"]
-        stage = block.get("stage", 0) if isinstance(block, dict) else None
-        if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-            raise ValueError(f"{source}: \"zero_optimization\" must be an object with a \"stage\" of 0, 1, 2 or 3, "
-                             f"got {block!r}")
-
-
-def training_dtype(ds_config: Mapping[str, Any] | None) -> torch.dtype:
-    """DeepSpeed's training precision: bf16 or fp16 where its (resolved) JSON enables one, else fp32."""
-    if ds_config is not None:
-        for keys, dtype in ((("bf16", "bfloat16"), torch.bfloat16), (("fp16",), torch.float16)):
-            if any((ds_config.get(key) or {}).get("enabled") is True for key in keys):
-                return dtype
-    return torch.float32
-
-
-def is_zero3(ds_config: Mapping[str, Any] | None) -> bool:
-    return ds_config is not None and (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3
-
-
-def _stage(ds_config: Mapping[str, Any]) -> int:
-    return (ds_config.get("zero_optimization") or {}).get("stage", 0)
-
-
 def compute_dtype(optimization: OptimizationSettings) -> torch.dtype:
     return training_dtype(optimization.deepspeed)
 
@@ -147,7 +94,7 @@ def saved_dtype(optimization: Mapping[str, Any]) -> torch.dtype:
 
 def describe(optimization: OptimizationSettings) -> dict[str, Any]:
     ds = optimization.deepspeed
-    return {"backend": NAME, "zero_stage": _stage(ds), "bf16": ds.get("bf16", {}).get("enabled", False)}
+    return {"backend": NAME, "zero_stage": zero_stage_of(ds), "bf16": ds.get("bf16", {}).get("enabled", False)}
 
 
 def shared_settings(optimization: OptimizationSettings) -> dict[str, Any]:
@@ -177,11 +124,11 @@ def local_launch(module: str, args: list[str], *, nproc: int, port: int) -> list
 def init_distributed(timeout_s: float) -> None:
     """Joins the process group as DeepSpeed does (NCCL on GPUs, gloo on CPUs). Under torchrun's agent
     store (``torchrun --max-restarts``), odb forms the group first, through this restart attempt's
-    keys (:func:`odb.training.faults.process_group_kwargs`: torch's own keys outlive an attempt), and
+    keys (:func:`odb.training.backends.process_group.process_group_kwargs`: torch's own keys outlive an attempt), and
     DeepSpeed takes it as it is."""
     import deepspeed
 
-    from odb.training.faults import init_process_group, uses_agent_store
+    from odb.training.backends.process_group import init_process_group, uses_agent_store
 
     if uses_agent_store():
         init_process_group(timeout_s)
@@ -221,7 +168,7 @@ def release() -> None:
 
 def build_model(path: str | Path, *, seed: int, vocab_size: int, ds_config: Mapping[str, Any] | None,
                 lora: Mapping[str, Any] | None = None, gradient_checkpointing: bool = False):
-    """:func:`odb.training.model.build_model` in DeepSpeed's precision and, at ZeRO-3, partitioned as
+    """:func:`odb.training.model.build.build_model` in DeepSpeed's precision and, at ZeRO-3, partitioned as
     it is constructed (collective at ZeRO-3: every rank, after the process group is joined)."""
     return build_hf_model(path, seed=seed, vocab_size=vocab_size, lora=lora,
                           gradient_checkpointing=gradient_checkpointing, dtype=training_dtype(ds_config),
@@ -249,7 +196,7 @@ def plan_load(config: RunConfig, folder: Path, tag: str, *, rank: int, world_siz
 
 
 class DeepSpeedBackend:
-    """A DeepSpeed engine as odb's :class:`~odb.training.engine.Backend`.
+    """A DeepSpeed engine as odb's :class:`~odb.training.backends.base.Backend`.
 
     Args:
         engine: what ``deepspeed.initialize`` returned (:func:`initialize_deepspeed`).
@@ -384,7 +331,6 @@ def _identity(param: torch.nn.Parameter) -> tuple[str, int]:
 def _cpu_copy(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # a copy even on the CPU: the writer merges LoRA into it in place, and ZeRO-3 frees what it gathered
     return tensor.detach().to("cpu", dtype=dtype if tensor.is_floating_point() else tensor.dtype, copy=True)
-
 
 
 def holds_checkpoint(tag_folder: Path) -> bool:

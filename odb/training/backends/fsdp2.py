@@ -22,7 +22,7 @@ same, ZeRO-2/3 reduce every micro-batch). ``reduce_every_micro_batch`` reduce-sc
 backward instead, accumulating into the shards: 1/W of that memory, GAS times the reductions,
 the same gradient. Then clipping over the whole model (one all-reduce of the norm) and one
 optimizer step. The loss math is the engine's
-(:mod:`odb.training.engine`): the reduction averages over W, as DeepSpeed's does.
+(:mod:`odb.training.step.engine`): the reduction averages over W, as DeepSpeed's does.
 
 Checkpoints are ``torch.distributed.checkpoint`` folders (each rank writes its shards; under LoRA
 only the trained weights and their optimizer state), loadable on any number of ranks: DCP reshards
@@ -42,11 +42,12 @@ import torch
 
 from odb.settings import ConfigSource, field_names, load_json_config
 from odb.training.backends.base import optimizer_kept_fresh, torch_optimizer
-from odb.training.config import Fsdp2Settings, ModelSettings, OptimizationSettings
-from odb.training.model import build_model, hf_model
+from odb.training.config.optimization import Fsdp2Settings, OptimizationSettings
+from odb.training.config.settings import ModelSettings
+from odb.training.model.build import build_model, hf_model
 
 if TYPE_CHECKING:
-    from odb.training.config import RunConfig
+    from odb.training.config.settings import RunConfig
 
 __all__ = ["CONFIG_FLAG", "DCP_FOLDER", "Fsdp2Backend", "NAME", "build", "build_fsdp2", "init_distributed",
            "load_settings", "local_launch", "param_dtype"]
@@ -98,8 +99,8 @@ def local_launch(module: str, args: list[str], *, nproc: int, port: int) -> list
 
 
 def init_distributed(timeout_s: float) -> None:
-    """Joins the process group torchrun describes (:func:`odb.training.faults.init_process_group`)."""
-    from odb.training.faults import init_process_group
+    """Joins the process group torchrun describes (:func:`odb.training.backends.process_group.init_process_group`)."""
+    from odb.training.backends.process_group import init_process_group
 
     init_process_group(timeout_s)
 
@@ -243,7 +244,7 @@ def _shard(model: torch.nn.Module, settings: Fsdp2Settings, device: torch.device
 
 
 class Fsdp2Backend:
-    """A ``fully_shard``-ed model and its optimizer as odb's :class:`~odb.training.engine.Backend`.
+    """A ``fully_shard``-ed model and its optimizer as odb's :class:`~odb.training.backends.base.Backend`.
 
     Args:
         model: the sharded model (the root is an ``FSDPModule``).

@@ -1,5 +1,5 @@
 """DeepSpeed's Ulysses attention over groups of consecutive ranks: the library half of sequence
-parallelism (:mod:`odb.training.sequence_parallel`), under either backend.
+parallelism (:mod:`odb.training.step.sequence_parallel`), under either backend.
 
 ``UlyssesSPAttentionHF`` (``deepspeed.runtime.sequence_parallel.ulysses_sp``, DeepSpeed's Arctic
 Long Sequence Training) takes an attention function of the transformers interface and runs it on
@@ -8,7 +8,7 @@ the whole row: an all-to-all over the group before (a rank's ``T/S`` tokens of a
 all-to-all back, and an all-gather of the position ids, which the wrapped function receives whole.
 DeepSpeed's own ``register_with_transformers`` would form the groups through its global
 ``parallel_state_sp`` and replace a registered attention; odb builds the module on its own group
-and odb's attention calls it (:func:`odb.training.attention.route_through`).
+and odb's attention calls it (:func:`odb.training.attention.varlen.route_through`).
 """
 
 from __future__ import annotations

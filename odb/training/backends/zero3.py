@@ -15,7 +15,7 @@ __all__ = ["Zero3Construction"]
 
 
 class Zero3Construction:
-    """ZeRO-3's way to construct a model (:class:`odb.training.model.Construction`)."""
+    """ZeRO-3's way to construct a model (:class:`odb.training.model.build.Construction`)."""
 
     def __init__(self, ds_config: Mapping[str, Any]) -> None:
         self.ds_config = ds_config

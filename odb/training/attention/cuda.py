@@ -1,0 +1,138 @@
+"""The CUDA path of a packed row (fp16/bf16): flash-attn's varlen kernel where installed, else
+torch's ``varlen_attn`` (:mod:`odb.training.attention.kernels`); None where no installed kernel
+computes what the call asks for (the caller runs the grouped path, with a one-time warning).
+
+:func:`attention_path` names the path a device takes, for the start banner, after one tiny packed
+call through it checked against SDPA on each sample alone; it raises naming the fix where the
+path cannot run."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import torch
+import torch.nn.functional as F
+
+from odb.training.attention import kernels
+from odb.training.attention.explicit import causal_band
+from odb.training.attention.semantics import Pattern, calls, warn_slow
+
+__all__ = ["attention_path", "has_flash_attn"]
+
+
+def _flash_window(pattern: Pattern) -> tuple[int, int]:
+    """Flash Attention's ``(left, right)`` for ``pattern`` (:func:`odb.training.attention.kernels.flash_window`)."""
+    return kernels.flash_window(pattern.is_causal, pattern.window)
+
+
+def has_flash_attn() -> bool:
+    """Whether the optional flash-attn package serves odb_varlen on GPU."""
+    return kernels.flash_attn_varlen() is not None
+
+
+def cuda_varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scaling, pattern: Pattern) -> torch.Tensor | None:
+    """``q, k, v [T, H(kv), D]`` through a Flash Attention varlen kernel; None where no installed
+    kernel computes what ``pattern`` asks for (the caller runs the grouped path)."""
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    if pattern.sinks:
+        warn_slow("no installed Flash Attention varlen kernel has attention sinks (s_aux)")
+        return None
+    flash_attn_varlen_func = kernels.flash_attn_varlen()
+    if flash_attn_varlen_func is not None:
+        calls["flash-attn varlen"] += 1
+        return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=pattern.dropout,
+                                      softmax_scale=scaling, causal=pattern.is_causal,
+                                      window_size=_flash_window(pattern), softcap=pattern.softcap or 0.0)
+    if pattern.dropout or pattern.softcap is not None:
+        warn_slow("torch's varlen_attn has no dropout and no softcap, and flash-attn is not installed "
+                   "(`pip install flash-attn` for the fused kernel)")
+        return None
+    api = kernels.torch_varlen_api()
+    if api is None:
+        warn_slow(f"torch {torch.__version__} has no torch.nn.attention.varlen and flash-attn is not installed "
+                   "(torch >= 2.12 or flash-attn for a fused varlen kernel)")
+        return None
+    out = kernels.call_torch_varlen(api, q, k, v, cu, max_seqlen, scale=scaling, is_causal=pattern.is_causal,
+                                        window=pattern.window)
+    if out is None:
+        warn_slow(f"torch {torch.__version__}'s varlen_attn has no window_size (sliding windows), and flash-attn "
+                   "is not installed")
+    else:
+        calls["torch varlen_attn"] += 1
+    return out
+
+
+_GROUPED = "SDPA per group of similar-length samples"
+
+
+# max |out - SDPA| in the start check, by dtype (outputs are averages of values of order 1)
+_CHECK_TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+
+
+def attention_path(device: torch.device, dtype: torch.dtype) -> str:
+    """The path odb_varlen takes for packed rows on ``device`` in ``dtype``, in words for the start banner (e.g.
+    'flash-attn 2.8.3 varlen', 'torch varlen_attn (is_causal; K/V heads expanded)', 'SDPA per group of similar-length
+    samples'). On CUDA it runs one tiny packed call through that path and compares it with SDPA on each sample alone.
+    Raises RuntimeError naming the fix (the torch or flash-attn version to install, or what to uninstall) when the
+    path cannot run (e.g. flash-attn installed but failing to import or to run)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return _GROUPED
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"{_GROUPED} (Flash Attention kernels need fp16/bf16, not {str(dtype).removeprefix('torch.')})"
+    return _kernel_path(device, dtype)
+
+
+def _kernel_path(device: torch.device, dtype: torch.dtype) -> str:
+    """:func:`attention_path` for a device whose fp16/bf16 packed rows go to :func:`cuda_varlen_attention`."""
+    install = f"torch {torch.__version__} (CUDA {torch.version.cuda})"
+    error = kernels.flash_attn_error()
+    if error is not None:
+        raise RuntimeError(f"flash-attn {kernels.flash_attn_version()} is installed but fails to import ({error}): "
+                           f"install the flash-attn build for {install}, or `pip uninstall flash-attn` (odb then "
+                           "uses torch's varlen_attn)")
+    api = kernels.torch_varlen_api()
+    if has_flash_attn():
+        name = f"flash-attn {kernels.flash_attn_version()} varlen"
+        fix = f"install the flash-attn build for {install}, or `pip uninstall flash-attn` (odb then uses torch's)"
+    elif api is not None:
+        name = api.describe()
+        fix = ("install torch >= 2.12 (varlen_attn with scale, window_size and enable_gqa) or flash-attn; on a GPU "
+               "older than Ampere (no Flash Attention kernels) train in fp32, which takes the per-group SDPA path")
+    else:
+        return (f"{_GROUPED} (torch {torch.__version__} has no torch.nn.attention.varlen and flash-attn is not "
+                "installed: torch >= 2.12 or flash-attn for a fused kernel)")
+    try:
+        diffs = {f"window {w}" if w else "causal": _check_kernel(device, dtype, w) for w in (None, 4)}
+    except Exception as error:  # a kernel not built for this GPU, a signature odb does not know, ...
+        raise RuntimeError(f"odb_varlen's CUDA path ({name}) fails on {device} in {dtype}: "
+                           f"{type(error).__name__}: {error}; {fix}") from error
+    tolerance = _CHECK_TOLERANCE[dtype]
+    wrong = {case: diff for case, diff in diffs.items() if diff is not None and not diff <= tolerance}
+    if wrong:
+        raise RuntimeError(f"odb_varlen's CUDA path ({name}) differs from SDPA on each sample alone on {device} in "
+                           f"{dtype}: max abs diff {wrong} > {tolerance}; {fix}")
+    return name
+
+
+def _check_kernel(device: torch.device, dtype: torch.dtype, window: int | None) -> float | None:
+    """Max |out - SDPA per sample| of one packed call (4 samples, GQA 4:2, a scale other than
+    ``1/sqrt(D)``) through :func:`cuda_varlen_attention`; None where the kernel leaves it to the grouped path."""
+    gen = torch.Generator().manual_seed(0)
+    lengths, heads, kv_heads, dim, scale = (5, 17, 1, 9), 4, 2, 64, 0.1
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    q = torch.randn(sum(lengths), heads, dim, generator=gen).to(device, dtype)
+    k, v = (torch.randn(sum(lengths), kv_heads, dim, generator=gen).to(device, dtype) for _ in range(2))
+    pattern = Pattern(True, window, None, 0.0)
+    with torch.no_grad():
+        out = cuda_varlen_attention(q, k, v, cu, max(lengths), scale, pattern)
+        if out is None:
+            return None
+        bounds = cu.tolist()
+        expected = []
+        for start, end in pairwise(bounds):
+            qs, ks, vs = (t[start:end].transpose(0, 1).float()[None] for t in (q, k, v))
+            allowed = causal_band(end - start, window, torch.device(device))
+            expected.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale,
+                                                           enable_gqa=True)[0].transpose(0, 1))
+        return float((out.float() - torch.cat(expected)).abs().max())
