@@ -96,7 +96,7 @@ def project_schedule():
     """odb.training.run.schedule.ProgressSchedule, the other systems' learning-rate schedule, loaded from
     its file: ``import odb`` here is the paper's package, and the module needs nothing but ``math``."""
     spec = importlib.util.spec_from_file_location("project_schedule", Path(__file__).resolve().parent.parent
-                                                  / "odb" / "training" / "schedule.py")
+                                                  / "odb" / "training" / "run" / "schedule.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.ProgressSchedule
