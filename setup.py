@@ -78,6 +78,6 @@ setup(
         "mlflow": ["mlflow-skinny>=2.10"],  # logging only; the full mlflow package has the UI and server
         "gpu": ["flash-attn>=2.6"],
         "video": ["av>=18"],  # video files (PyAV, which carries FFmpeg); frame images need only pillow
-        "plot": ["matplotlib>=3.7"],
+        "plot": ["matplotlib>=3.7"],  # odb plot
     },
 )

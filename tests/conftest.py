@@ -67,16 +67,12 @@ def one_step_plan(micro_batches: Sequence[Sequence[dict]], *, padded: bool = Fal
 
 
 def tool_module(name: str):
-    """``tools/<name>.py`` as a module, loaded once (tools/ is no package; dataclasses need the
-    module in sys.modules): its ``main(argv)`` runs in this process."""
-    import importlib.util
+    """The tool ``tools/<folder>/<name>.py`` as a module (``tools.<folder>.<name>``): its
+    ``main(argv)`` runs in this process."""
+    import importlib
 
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    (path,) = (ROOT / "tools").glob(f"*/{name}.py")
+    return importlib.import_module(f"tools.{path.parent.name}.{name}")
 
 
 @functools.cache

@@ -43,7 +43,7 @@ class OdbConfig:
     trainer's flag of the same name overrides each (``--max_tokens 16384``, ``--seed 3``) but
     ``pad_rows``, which the trainer sets itself (a model that cannot pack); it may also lower
     ``max_tokens`` (room for a vision model's blank image).
-    ``tools/bench_batching.py`` takes some of them as dashed flags (``--max-tokens``, ``--window``,
+    ``tools/bench/bench_batching.py`` takes some of them as dashed flags (``--max-tokens``, ``--window``,
     ``--gas``, ``--policy``, ``--batch-size``, ``--mode``, ``--quota``, ``--over-cap``, ``--seed``).
     Errors name a field as ``--<field>``.
     """

@@ -1,6 +1,6 @@
 """N ranks in one process: run the real batcher and alignment over a :class:`SimulatedGroup`.
 
-Used by ``tools/bench_batching.py`` and the property tests. Samples come from a
+Used by ``tools/bench/bench_batching.py`` and the property tests. Samples come from a
 :class:`SimulatedFeed` per rank, which holds the batcher to the :class:`~odb.batching.batcher.Feed`
 protocol as a DataLoader would (every fetched uid was dealt before, in order).
 """

@@ -23,6 +23,7 @@ COMMANDS = {  # name: (module, function, what it does)
                                                    "decoded"),
     "check-model": ("odb.cli.check_model", "main", "odb's packed micro-batches against the model run one sample at "
                                                    "a time (logits, loss, gradients)"),
+    "plot": ("odb.cli.plot", "main", "runs' metrics.jsonl plotted: tokens/s, padding, rank balance, loss (PNG)"),
     "path": ("odb.cli.files", "path", "where a bundled file is (launch/slurm.sbatch, configs/...), or their folder"),
 }
 

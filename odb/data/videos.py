@@ -30,7 +30,7 @@ family's processor step by step:
 
 Why not transformers' own video processors: they need torchvision, whose wheels are built for
 one torch release each (a CPU torch beside PyPI's torchvision does not import), and decode with
-whatever backend is installed. odb reproduces them in torch; ``tools/check_video_processor.py``
+whatever backend is installed. odb reproduces them in torch; ``tools/check/check_video_processor.py``
 compares the result with the folder's own processor where torchvision is installed (figures in
 docs/training.md#videos). Why PyAV: maintained, its wheels carry FFmpeg, and it is tied to no torch release
 (torchcodec is, and needs a system FFmpeg; decord is unmaintained; torchvision's decoding is gone).

@@ -1,5 +1,5 @@
 """A step's model FLOPs and the model FLOPs utilization (MFU), by the formula of
-``tools/simulate_cluster.py``: ``6 N T`` for the matmuls (``N`` the parameters a token meets in one:
+``tools/sim/simulate_cluster.py``: ``6 N T`` for the matmuls (``N`` the parameters a token meets in one:
 the transformer blocks and the LM head, not the input embedding's lookup; ``T`` the real tokens)
 plus ``6 layers hidden sum(L^2)`` for the attention of varlen-packed samples (each sample attends to
 itself: PaLM's ``12 layers hidden L^2``, halved for causal kernels that skip the masked triangle).

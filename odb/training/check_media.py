@@ -62,7 +62,7 @@ def video_processor_diff(path: str | Path, video: VideoSpec, report: ModelReport
         return None
     if not is_torchvision_available():
         report.notes.append("video processor not compared: transformers' video processors need torchvision, which "
-                            "is not installed here (tools/check_video_processor.py compares odb's with them)")
+                            "is not installed here (tools/check/check_video_processor.py compares odb's with them)")
         return None
     from transformers import AutoVideoProcessor
 

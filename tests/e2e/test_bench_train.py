@@ -1,4 +1,4 @@
-"""tools/bench_train.py keeps running: a small 2-rank comparison of padded batches, the paper's package
+"""tools/bench/bench_train.py keeps running: a small 2-rank comparison of padded batches, the paper's package
 (in its own virtual environment, installed from the package index on first use) and odb, checked
 from each run's own emitted-id audit and token counts, not from the tool's arithmetic alone."""
 
@@ -19,7 +19,7 @@ SAMPLES = 36
 def test_bench_train_compares_systems_on_the_same_samples(tmp_path):
     trace = tmp_path / "trace.txt"  # a high-variance profile: lengths of 40 to 1800 tokens, run at a quarter
     trace.write_text("\n".join(str(40 + (i * 733) % 1760) for i in range(SAMPLES)) + "\n")
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_train.py"), "--trace", str(trace),
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench" / "bench_train.py"), "--trace", str(trace),
                            "--samples", str(SAMPLES), "--length_scale", "4", "--max_tokens", "512",
                            "--systems", "fixed8,paper_pkg,odb",
                            "--world_size", "2", "--keep", str(tmp_path / "runs"), "--json"],

@@ -3,7 +3,7 @@ activation checkpointing.
 
 The oracle of a partitioned build is the same model built whole in one process (a seed's random
 init, a saved folder); the oracle of activation checkpointing is the same step without it. The
-2-rank checks run in tests/e2e/big_models_worker.py; tools/bench_load.py measures the memory.
+2-rank checks run in tests/e2e/big_models_worker.py; tools/bench/bench_load.py measures the memory.
 """
 
 import json
@@ -114,9 +114,10 @@ def test_checkpointed_gradients_of_packed_image_rows_equal_plain_ones(lora):
 
 
 def test_bench_load_reports_the_partitioned_share(tmp_path):
-    """tools/bench_load.py on a small model: the rank holds half the parameters after a partitioned
+    """tools/bench/bench_load.py on a small model: the rank holds half the parameters after a partitioned
     build, all of them after a whole one, half after deepspeed.initialize either way."""
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_load.py"), "--layers", "2", "--hidden", "256",
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench" / "bench_load.py"), "--layers", "2",
+                           "--hidden", "256",
                            "--intermediate", "688", "--vocab", "1024", "--heads", "4"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]

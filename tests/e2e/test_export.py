@@ -1,4 +1,4 @@
-"""Hugging Face export: real 2-rank runs keep their final checkpoint, tools/export_hf.py (or
+"""Hugging Face export: real 2-rank runs keep their final checkpoint, odb export (or
 export_checkpoint) writes a folder, and transformers loads it with its default attention.
 
 The oracle is the checkpoint itself, read back without odb's export code: DeepSpeed's
@@ -26,7 +26,7 @@ TOKENIZER = bundled_tokenizer()
 TINY = ROOT / "configs" / "tiny_model.json"
 TINY_VL = ROOT / "configs" / "tiny_vl_model.json"
 LORA = json.loads((ROOT / "configs" / "lora.json").read_text())
-EXPORT = ROOT / "tools" / "export_hf.py"
+EXPORT = ["-m", "odb", "export"]
 WORKER = Path(__file__).resolve().parent / "save_hf_worker.py"
 
 
@@ -103,7 +103,7 @@ def test_full_fine_tuning_exports_the_checkpoint_weights(tmp_path, stage):
 
     checkpoints = train(tmp_path, stage)
     out = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, str(EXPORT), str(checkpoints), str(out)], capture_output=True,
+    proc = subprocess.run([sys.executable, *EXPORT, str(checkpoints), str(out)], capture_output=True,
                           text=True, timeout=300, cwd=tmp_path)  # elsewhere than the repo: paths are absolute
     assert proc.returncode == 0 and f"wrote the model to {out}" in proc.stdout, proc.stderr[-3000:]
     check_folder(out)
@@ -168,7 +168,7 @@ def test_lora_on_the_head_of_a_tied_embedding_model_exports_merged(tmp_path, cas
     """LoRA on ``lm_head`` while it shares its weight with the input embeddings (the tiny model ties
     them): training changes the head only, so the merged model has a head of its own
     (``tie_word_embeddings`` false) and the base's input embeddings. Both doors: ``--save_hf`` at the
-    end of the run, and tools/export_hf.py on its final checkpoint. The oracle: a PEFT model on a
+    end of the run, and odb export on its final checkpoint. The oracle: a PEFT model on a
     fresh base, given the checkpoint's weights, unmerged."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -197,7 +197,7 @@ def test_lora_on_the_head_of_a_tied_embedding_model_exports_merged(tmp_path, cas
     trained = [k for k in oracle.state_dict() if "lm_head" in k and ("lora_B" in k or "modules_to_save" in k)]
     base_embeddings = fresh_model().get_input_embeddings().weight
     offline = tmp_path / "offline"
-    proc = subprocess.run([sys.executable, str(EXPORT), str(out / "checkpoints"), str(offline)], capture_output=True,
+    proc = subprocess.run([sys.executable, *EXPORT, str(out / "checkpoints"), str(offline)], capture_output=True,
                           text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = held_rows()
@@ -254,7 +254,7 @@ def test_vision_language_export_keeps_the_image_processor(tmp_path):
     check_folder(out)
     assert json.loads((out / "config.json").read_text())["text_config"]["use_cache"] is True
     # the video processor as the run had it: odb reads it back the same (transformers' AutoVideoProcessor
-    # reads it the same too, where torchvision is installed: tools/check_video_processor.py --folder)
+    # reads it the same too, where torchvision is installed: tools/check/check_video_processor.py --folder)
     from odb.data.videos import video_spec_for
 
     saved = json.loads((out / "video_preprocessor_config.json").read_text())
@@ -300,6 +300,6 @@ def test_a_wrong_folder_names_the_fix(tmp_path):
     (output_dir / "checkpoints" / "step2" / "run_config.json").write_text("{}")
     (output_dir / "checkpoints" / "latest").write_text("step2\n")
     assert find_checkpoint(output_dir) == output_dir / "checkpoints" / "step2"  # OUTPUT_DIR works too
-    proc = subprocess.run([sys.executable, str(EXPORT), str(tmp_path / "nope"), str(tmp_path / "o")],
+    proc = subprocess.run([sys.executable, *EXPORT, str(tmp_path / "nope"), str(tmp_path / "o")],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and f"export_hf: checkpoint {tmp_path / 'nope'} is not a folder" in proc.stderr
+    assert proc.returncode != 0 and f"odb export: checkpoint {tmp_path / 'nope'} is not a folder" in proc.stderr

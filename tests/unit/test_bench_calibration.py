@@ -1,4 +1,4 @@
-"""tools/bench_calibration.py keeps running: a few samples of a trace with images, two simulated
+"""tools/bench/bench_calibration.py keeps running: a few samples of a trace with images, two simulated
 ranks training each micro-batch for real under the fitted and the manual cost model."""
 
 import json

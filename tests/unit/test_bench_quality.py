@@ -1,16 +1,12 @@
-"""tools/bench_quality.py's arithmetic: the gas that equalizes tokens per optimizer step (against a
+"""tools/bench/bench_quality.py's arithmetic: the gas that equalizes tokens per optimizer step (against a
 brute force over every gas), and the time and steps to each target (against hand-made curves)."""
 
 import argparse
 import math
-import sys
 
 import pytest
 
-from launch import ROOT
-
-sys.path.insert(0, str(ROOT / "tools"))
-import bench_quality  # noqa: E402
+from tools.bench import bench_quality
 
 
 def brute_force(micro: dict[str, int], epochs: int, tolerance: float) -> dict[str, int]:

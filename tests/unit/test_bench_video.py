@@ -1,14 +1,9 @@
-"""tools/make_video_trace.py's stated distribution and tools/bench_video.py's records of it."""
-
-import sys
+"""tools/make/make_video_trace.py's stated distribution and tools/bench/bench_video.py's records of it."""
 
 import pytest
 
-from launch import ROOT
-
-sys.path.insert(0, str(ROOT / "tools"))
-import bench_video  # noqa: E402
-import make_video_trace  # noqa: E402
+from tools.bench import bench_video
+from tools.make import make_video_trace
 
 
 def test_the_trace_follows_its_stated_distribution():

@@ -1,4 +1,4 @@
-"""check-model (tools/check_model.py, odb/training/check_model.py) on tiny model folders.
+"""check-model (odb/cli/check_model.py, odb/training/check_model.py) on tiny model folders.
 
 The check compares odb's path with the model's own code; these tests show that it passes where odb
 is exact, refuses what odb refuses (naming why), and fails where packing would leak: an LFM2 with
@@ -16,8 +16,8 @@ from test_images import PROCESSORS
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from conftest import ROOT, bundled_tokenizer
+from odb.cli.check_model import main
 from odb.training import check_model as model_check
-from tools.check_model import main
 
 SMALL = {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "pad_token_id": 0, "bos_token_id": 1,

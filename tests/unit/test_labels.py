@@ -17,7 +17,8 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer
 
-from conftest import ROOT, bundled_tokenizer, tool_module
+from conftest import ROOT, bundled_tokenizer
+from odb.cli.show_labels import main as show_labels_main
 from odb.data.feed import DataError, SampleFeed
 from odb.data.formats import normalize
 from odb.data.images import VisionSpec
@@ -350,7 +351,7 @@ def test_show_labels_prints_what_a_run_would_train_on(tmp_path, family, capsys):
     folder = tmp_path / "tokenizer"
     family_tokenizer(family).save_pretrained(folder)
     data = write_jsonl(tmp_path / "d.jsonl", [{"messages": CONVERSATIONS["multi"]}])
-    tool_module("show_labels").main(["--tokenizer", str(folder), "--data", str(data)])
+    show_labels_main(["--tokenizer", str(folder), "--data", str(data)])
     out = capsys.readouterr().out
     assert [line.split("label run: ", 1)[1] for line in out.splitlines() if "label run: " in line] == \
         [repr(run) for run in RUNS[family]]

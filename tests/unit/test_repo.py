@@ -30,7 +30,7 @@ def test_odb_config_file_loads():
 
 
 def run_bench(*args: str) -> dict:
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_batching.py"), *args, "--json",
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench" / "bench_batching.py"), *args, "--json",
                            "--repeat", "1"], capture_output=True, text=True, timeout=300, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -27,7 +27,8 @@ SETTINGS = (ModelSettings, DataSettings, OptimizationSettings, RunSettings, Chec
 def test_the_settings_page_holds_the_tables_the_code_makes():
     page = (ROOT / "docs" / "settings.md").read_text()
     region = page.split(BEGIN + "\n", 1)[1].split(END, 1)[0]
-    assert region == settings_tables(ROOT), "docs/settings.md drifted from the code: python tools/settings_tables.py"
+    assert region == settings_tables(ROOT), \
+        "docs/settings.md drifted from the code: python tools/make/settings_tables.py"
 
 
 @pytest.mark.parametrize("cls", SETTINGS, ids=lambda c: c.__name__)

@@ -1,4 +1,4 @@
-"""tools/simulate_cluster.py on a small trace slice: its plans are odb's own, its report keeps its
+"""tools/sim/simulate_cluster.py on a small trace slice: its plans are odb's own, its report keeps its
 keys, and the properties its time model must have hold."""
 
 import json

@@ -1,4 +1,4 @@
-"""tools/simulate_long_context.py: its trace, its all-to-all term and its plans, each against a
+"""tools/sim/simulate_long_context.py: its trace, its all-to-all term and its plans, each against a
 hand computation (the model of time itself is a model: docs/benchmarks.md says so)."""
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""tools/soak_alignment.py at a small size: its interface, and every requested sample planned."""
+"""tools/check/soak_alignment.py at a small size: its interface, and every requested sample planned."""
 
 import json
 

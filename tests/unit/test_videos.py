@@ -4,7 +4,7 @@ video records through SampleDataset into the model's own forward.
 transformers' Qwen-VL video processors import torchvision, which cannot be installed beside this
 machine's torch; their functions (frame sampling, smart_resize, patchify, Qwen3-VL's timestamps)
 and class defaults are read here from transformers' installed source with ``ast`` and run on their
-own. The resize and normalization against the whole processor: tools/check_video_processor.py
+own. The resize and normalization against the whole processor: tools/check/check_video_processor.py
 (docs/training.md#videos)."""
 
 import ast
@@ -350,7 +350,7 @@ def test_the_exported_video_processor_has_only_keys_transformers_takes(family, p
 def test_video_max_tokens_bounds_a_video_or_its_frames(family):
     """The data config's video_max_tokens turns on the processor's cap: Qwen2-VL bounds the whole
     clip (0.9 x the tokens), Qwen3-VL each frame (the tokens in patches). The maths of the cap is
-    transformers' own (tools/check_video_processor.py's cap_per_frame cases: 0 difference)."""
+    transformers' own (tools/check/check_video_processor.py's cap_per_frame cases: 0 difference)."""
     from odb.data.videos import video_spec_for
 
     config = AutoConfig.for_model(**config_dict(family))

@@ -28,7 +28,7 @@ HANDLED_KWARGS = frozenset({
 
 calls: Counter[str] = Counter()
 """Calls of odb_varlen by the path that ran ('flash-attn varlen', 'torch varlen_attn', 'grouped SDPA',
-'padded rows'), since import: what a check reports as the path taken (tools/gpu_check_attention.py)."""
+'padded rows'), since import: what a check reports as the path taken (tools/check/gpu_check_attention.py)."""
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The settings tables of ``docs/settings.md`` (between its marker lines), made from the settings
-dataclasses and the run's flags, which are made from them too: ``python tools/settings_tables.py``
+dataclasses and the run's flags, which are made from them too: ``python tools/make/settings_tables.py``
 writes them, and ``tests/unit/test_settings_docs.py`` fails when the page and the code differ."""
 
 from __future__ import annotations

@@ -244,7 +244,7 @@ class OdbEngine:
             if sum(attention_calls.values()) == before:
                 raise ValueError(f"{type(self.model).__name__} never called odb's attention in its forward: it "
                                  "computes attention its own way, so packed samples would attend to each other; "
-                                 "odb cannot train it (check it with tools/check_model.py)")
+                                 "odb cannot train it (check it with odb check-model)")
             self._attention_seen = True
         return summed
 

@@ -18,7 +18,7 @@ It is a sum over tokens, so it splits exactly over any partition of the scored t
 Each chunk's logits ``[c, V]`` are made, reduced to one fp32 number and freed in the forward, and
 made again in the backward (``torch.utils.checkpoint``, non-reentrant): the loss holds a few
 ``c x V`` fp32 tensors at its peak instead of ``T x V``, plus one more ``V x H`` weight gradient
-while autograd adds a chunk's to the sum of the others (tools/bench_memory.py, V 152064, H 1024,
+while autograd adds a chunk's to the sum of the others (tools/bench/bench_memory.py, V 152064, H 1024,
 fp32: T 8192 in 8 chunks 2.6 GB against 14.3 GB; T 2048 in 2 chunks 2.5 GB against 3.6 GB, of
 which 1.2 GB are the two weight gradients). Tokens whose label is -100 are dropped
 before the head (they add 0 to the sum and to every gradient). Worked example, one packed row,

@@ -1,0 +1,1 @@
+"""Checks a contributor runs on a change or on a machine (docs/contributing.md)."""

@@ -1,0 +1,1 @@
+"""What makes the bundled data, the benchmarks' trace data and docs/settings.md's tables."""

@@ -1,0 +1,1 @@
+"""The cluster and long-context simulators (docs/benchmarks.md)."""
