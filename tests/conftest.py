@@ -20,7 +20,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import CodeType
+from types import CodeType, SimpleNamespace
 from typing import TYPE_CHECKING
 
 import pytest
@@ -41,8 +41,23 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     2-core CI machine, 2."""
     import psutil
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(cores, 4, psutil.virtual_memory().available // 2 ** 32))
+    return max(1, min(_cores(), 4, psutil.virtual_memory().available // 2 ** 32))
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A test process under xdist computes with its share of the cores (torch's intra-op threads):
+    two test processes of two threads each on two cores made the fast loop's model tests up to 8x
+    slower (OpenMP's threads spin while they wait for a core). Launched ranks set their own
+    (OMP_NUM_THREADS=1, tests/launch.py)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, _cores() // workers))
 
 
 def train_defaults():
@@ -112,8 +127,13 @@ def _in_tests(value: object) -> bool:
     else:
         module = value if inspect.ismodule(value) else sys.modules.get(getattr(value, "__module__", None) or "")
         filename = getattr(module, "__file__", None)
-    if not isinstance(filename, str):
-        return False
+    return isinstance(filename, str) and _file_in_tests(filename)
+
+
+@functools.lru_cache(maxsize=None)
+def _file_in_tests(filename: str) -> bool:
+    """Whether the source file ``filename`` is under tests/ (once per file: the layer marking asks
+    it some 60,000 times over a collection)."""
     try:
         return Path(filename).resolve().is_relative_to(TESTS)
     except (OSError, ValueError):
@@ -186,13 +206,25 @@ def launcher_of(item: pytest.Item) -> object | None:
     if function is None:
         return None
     start: list[object] = [function]
-    callspec = getattr(item, "callspec", None)
-    if callspec is not None:
-        start.extend(callspec.params.values())
     definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
     for name in getattr(item, "fixturenames", ()):
         start.extend(definition.func for definition in definitions.get(name, ()))
-    return _launching(start, getattr(item, "cls", None))
+    scope = getattr(item, "cls", None)
+    # what a set of starts reaches is what each part reaches: the function and its fixtures are
+    # followed once for all of a parametrized test's items, each item's parameters on their own
+    key = (*map(id, start), id(scope))
+    if key not in _REACHED.found:
+        _REACHED.found[key] = (_launching(start, scope), start)  # (the starts kept: their ids stay theirs)
+    found = _REACHED.found[key][0]
+    callspec = getattr(item, "callspec", None)
+    if found is None and callspec is not None:
+        found = _launching(list(callspec.params.values()), scope)
+    return found
+
+
+_REACHED = SimpleNamespace(found={})
+"""launcher_of's answers by starts. Held in an object the detector does not look into (it follows a
+module-level dict's values: this one holds every test's helpers)."""
 
 
 COLLECTED_E2E = pytest.StashKey[list[str]]()  # this session's collected e2e tests (before -k/-m deselect)

@@ -26,7 +26,7 @@ TOKENIZER = bundled_tokenizer()
 TINY = ROOT / "configs" / "tiny_model.json"
 TINY_VL = ROOT / "configs" / "tiny_vl_model.json"
 LORA = json.loads((ROOT / "configs" / "lora.json").read_text())
-EXPORT = ["-m", "odb", "export"]
+EXPORT = ["-m", "odb.cli", "export"]
 WORKER = Path(__file__).resolve().parent / "save_hf_worker.py"
 
 

@@ -101,7 +101,7 @@ def test_plot_tool_draws_two_runs_into_one_png(wandb_run, tmp_path):
 
     out, _ = wandb_run
     png = tmp_path / "plot.png"
-    subprocess.run([sys.executable, "-m", "odb", "plot", str(out), str(out), "--labels", "a", "b",
+    subprocess.run([sys.executable, "-m", "odb.cli", "plot", str(out), str(out), "--labels", "a", "b",
                     "--out", str(png)], check=True, timeout=120)
     with Image.open(png) as image:
         assert image.format == "PNG" and image.size == (1200, 640)
