@@ -6,15 +6,8 @@ import math
 import shutil
 from collections import Counter
 
-from conftest import bundled_tokenizer
 from launch import ROOT, audit, deepspeed, deepspeed_watched, ds_config, odb_config
 from odb.batching.state import is_finished, upgrade_state
-from odb.training.model.build import build_model
-from odb.training.model.mrope import supports_packing
-
-TOKENIZER = bundled_tokenizer()
-VL = ROOT / "configs" / "tiny_vl_model.json"
-LORA = json.loads((ROOT / "configs" / "lora.json").read_text())
 
 
 def metrics(out):
@@ -33,13 +26,6 @@ def chats(tmp_path, num_chats, num_without_answer=0):
     path = tmp_path / "chats.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def test_lora_on_a_vision_model_still_packs():
-    """PEFT wraps the model: the check must look inside (it saw no rotary index and fell back to
-    padded micro-batches over the cap)."""
-    assert supports_packing(build_model(VL, seed=0, vocab_size=len(TOKENIZER)))
-    assert supports_packing(build_model(VL, seed=0, vocab_size=len(TOKENIZER), lora=LORA))
 
 
 def strict_json(text: str):

@@ -9,9 +9,7 @@ import torch
 
 from conftest import bundled_tokenizer
 from launch import KILLED, ROOT, audit, deepspeed, ds_config, odb_config, plain, write_json
-from odb.data.collate import collate_packed
 from odb.data.processing import SampleDataset
-from odb.training.attention.varlen import register
 from odb.training.model.build import build_model
 from odb.training.step.loss import token_loss_sum
 
@@ -104,29 +102,6 @@ def test_one_step_on_two_ranks_equals_one_process(tmp_path, stage, flags):
     print(f"{' '.join((f'ZeRO-{stage}', *flags))}: {len(moved)} tensors moved, worst relative error {worst:.2e}; "
           f"largest change of a tensor without gradient {still:.2e}")
     assert worst <= 1e-5 and still == 0.0  # (LoRA: the frozen base, and lora_A, whose gradient is 0 while B = 0)
-
-
-def test_packed_samples_give_the_logits_they_give_alone():
-    register()
-    model = build_model(TINY, seed=1, vocab_size=len(TOKENIZER)).eval()
-    gen = torch.Generator().manual_seed(0)
-    samples = [{"input_ids": torch.randint(5, 1000, (n,), generator=gen).tolist()} for n in (7, 30, 1, 64, 33, 12)]
-    batch = collate_packed(samples)
-    cu = batch["cu_seq_lens_q"]
-    with torch.no_grad():
-        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
-                       cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch["max_length_q"],
-                       max_length_k=batch["max_length_k"]).logits
-        from_positions = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                               use_cache=False).logits
-        bounds = cu.tolist()
-        for sample, start, end in zip(samples, bounds, bounds[1:]):
-            alone = model(input_ids=torch.tensor([sample["input_ids"]]), use_cache=False).logits[0]
-            assert torch.allclose(packed[0, start:end], alone, atol=1e-5, rtol=1e-5)
-            assert torch.allclose(from_positions[0, start:end], alone, atol=1e-5, rtol=1e-5)
-        # the attention is what keeps samples apart: a plain causal row over the same tokens differs
-        leaky = model(input_ids=batch["input_ids"], use_cache=False).logits
-        assert not torch.allclose(leaky[0, bounds[1]:bounds[2]], packed[0, bounds[1]:bounds[2]], atol=1e-3)
 
 
 def test_resume_continues_with_exactly_the_samples_not_yet_trained(tmp_path):

@@ -30,13 +30,13 @@ from transformers.masking_utils import (
 from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager_attention
 
-from conftest import one_step_plan
+from conftest import ROOT, bundled_tokenizer, one_step_plan
 from odb.data.collate import VISION_KEYS, collate_packed, collate_padded
 from odb.training import attention
 from odb.training.attention import cuda
 from odb.training.attention.semantics import Pattern
 from odb.training.backends import LocalBackend
-from odb.training.model.build import hf_model
+from odb.training.model.build import build_model, hf_model
 from odb.training.model.mrope import packed_position_ids
 from odb.training.step.engine import OdbEngine
 from odb.training.step.loss import DEFAULT_LOSS_CHUNK_TOKENS
@@ -553,3 +553,28 @@ def test_every_argument_any_layer_passes_is_implemented(monkeypatch):
     unknown = {name: sorted(modules) for name, modules in received.items() if name not in attention.HANDLED_KWARGS}
     assert not unknown, f"odb_varlen received arguments it does not implement: {unknown}"
     assert not refused, f"odb_varlen refused calls of families odb trains: {sorted(set(refused))}"
+
+
+def test_packed_samples_give_the_logits_they_give_alone():
+    """The bundled tiny model, packed through odb_varlen (and through position ids alone, as
+    transformers finds the boundaries itself) against each sample alone."""
+    attention.register()
+    model = build_model(ROOT / "configs" / "tiny_model.json", seed=1, vocab_size=len(bundled_tokenizer())).eval()
+    gen = torch.Generator().manual_seed(0)
+    samples = [{"input_ids": torch.randint(5, 1000, (n,), generator=gen).tolist()} for n in (7, 30, 1, 64, 33, 12)]
+    batch = collate_packed(samples)
+    cu = batch["cu_seq_lens_q"]
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
+                       cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch["max_length_q"],
+                       max_length_k=batch["max_length_k"]).logits
+        from_positions = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                               use_cache=False).logits
+        bounds = cu.tolist()
+        for sample, start, end in zip(samples, bounds, bounds[1:]):
+            alone = model(input_ids=torch.tensor([sample["input_ids"]]), use_cache=False).logits[0]
+            assert torch.allclose(packed[0, start:end], alone, atol=1e-5, rtol=1e-5)
+            assert torch.allclose(from_positions[0, start:end], alone, atol=1e-5, rtol=1e-5)
+        # the attention is what keeps samples apart: a plain causal row over the same tokens differs
+        leaky = model(input_ids=batch["input_ids"], use_cache=False).logits
+        assert not torch.allclose(leaky[0, bounds[1]:bounds[2]], packed[0, bounds[1]:bounds[2]], atol=1e-3)

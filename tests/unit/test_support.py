@@ -10,16 +10,20 @@ MPT and XGLM, whose attention ignores odb's)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
-from conftest import bundled_tokenizer
+from conftest import ROOT, bundled_tokenizer
 from odb.batching.cost import SampleCost
 from odb.batching.plan import MicroBatch, StepPlan
 from odb.training.attention.varlen import register
 from odb.training.backends import LocalBackend
+from odb.training.model.build import build_model
 from odb.training.model.capability import packing_refusal
+from odb.training.model.mrope import supports_packing
 from odb.training.step.engine import OdbEngine
 
 REFUSED = {  # model type: what the refusal names
@@ -78,3 +82,12 @@ def test_the_engine_stops_a_model_whose_attention_never_calls_odb_s_at_its_first
                     rank_costs=((20,),), rank_tokens=((20,),))
     with pytest.raises(ValueError, match="BloomForCausalLM never called odb's attention"):
         engine.train_step(plan, [samples], lr=0.0)
+
+
+def test_lora_on_a_vision_model_still_packs():
+    """PEFT wraps the model: the check must look inside (it saw no rotary index and fell back to
+    padded micro-batches over the cap)."""
+    vl, vocab = ROOT / "configs" / "tiny_vl_model.json", len(bundled_tokenizer())
+    lora = json.loads((ROOT / "configs" / "lora.json").read_text())
+    assert supports_packing(build_model(vl, seed=0, vocab_size=vocab))
+    assert supports_packing(build_model(vl, seed=0, vocab_size=vocab, lora=lora))
