@@ -1,4 +1,4 @@
-"""end_process (odb/training/run/loop.py), the last call of launch/train.py after a clean shutdown: it
+"""end_process (odb/training/run/teardown.py), the last call of launch/train.py after a clean shutdown: it
 keeps what the interpreter's own exit does for the run (other threads and idle executor workers
 waited for, exit handlers run, Python's and C's buffered output written, the exit code) and
 skips only the modules' teardown. The oracle is what the same child process leaves when it ends

@@ -1,4 +1,4 @@
-"""GracefulStop (odb/training/run/watchdog.py) without training: the step every rank agrees on through a real
+"""GracefulStop (odb/training/run/stop.py) without training: the step every rank agrees on through a real
 TCPStore, and the exit code of a rank that SLURM signals again while it already exits."""
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ with torch blocked: ``sys.modules["torch"] = None`` makes any ``import torch`` r
 """
 
 import ast
+import importlib
 import json
 import pkgutil
 import subprocess
@@ -204,3 +205,28 @@ def test_no_module_is_over_the_limit():
     long = {str(p.relative_to(ROOT)): n for p in (ROOT / "odb").rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by concern): {long}"
+
+
+BEFORE_THE_RECUT = {
+    "odb.training.config": ("odb.training.config.settings", ["CheckpointSettings", "DataSettings", "LoggingSettings",
+                            "ModelSettings", "PreflightSettings", "RunConfig", "RunSettings"]),
+    "odb.training.model": ("odb.training.model.build", ["build_model", "load_tokenizer", "hf_model", "vision_spec"]),
+    "odb.training.run": ("odb.training.run.loop", ["Trainer"]),
+}
+"""Names the docs imported from these paths when they were modules; they still import from there."""
+
+
+@pytest.mark.parametrize("package", BEFORE_THE_RECUT)
+def test_names_of_the_modules_before_the_recut_still_import_from_their_package(package):
+    home, names = BEFORE_THE_RECUT[package]
+    for name in names:
+        got = getattr(importlib.import_module(package), name)
+        assert got is getattr(importlib.import_module(home), name), f"{package}.{name}"
+    with pytest.raises(AttributeError, match="no attribute 'Nonesuch'"):
+        getattr(importlib.import_module(package), "Nonesuch")
+
+
+def test_a_light_module_of_a_package_with_lazy_names_stays_light():
+    loaded = probe("odb.training.config.environment")["modules"]
+    assert "odb.training.config.environment" in loaded
+    assert "odb.training.config.settings" not in loaded

@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"DIFFERENT ({len(diffs)}):\n  " + "\n  ".join(diffs[:5]))
         return 1
     losses = [r["loss"] for r in after if "loss" in r]
+    if not losses:
+        print(f"identical, but no step rows with a loss in {args.after}: did the runs train?")
+        return 1
     print(f"identical: {len(after)} metrics rows ({len(losses)} steps, loss {losses[0]} -> {losses[-1]}), "
           f"{lines} audit lines in {len(audits[1])} file(s)")
     return 0

@@ -63,7 +63,7 @@ def check_kwargs(kwargs: dict) -> None:
     if unknown:
         raise ValueError(f"odb_varlen does not implement the attention argument(s) {unknown} this model "
                          "passes; train it padded (attn_implementation 'sdpa' or 'eager') or teach "
-                         "odb/training/attention/varlen.py those arguments")
+                         "odb/training/attention/semantics.py (HANDLED_KWARGS) and the kernels those arguments")
     if kwargs.get("output_attentions"):
         raise ValueError("odb_varlen returns no attention weights; drop output_attentions=True")
 

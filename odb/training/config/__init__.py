@@ -5,3 +5,11 @@ optimization's in :mod:`odb.training.config.optimization`), LoRA's checks before
 
 Plain data, no model and no process group: the flags (:mod:`odb.training.launch.flags`) build a
 ``RunConfig`` once, every later floor reads it."""
+
+from odb.imports import lazy_exports
+
+__all__, __getattr__ = lazy_exports(__name__, {
+    "settings": ("CheckpointSettings", "DataSettings", "LoggingSettings", "ModelSettings", "PreflightSettings",
+                 "RunConfig", "RunSettings"),
+    "optimization": ("BACKENDS", "Fsdp2Settings", "OptimizationSettings", "default_lr"),
+})

@@ -13,3 +13,7 @@
     stop.py         SIGTERM / SIGUSR1: every rank stops after the same step and saves
     progress.py     rank 0's bar or lines; teardown.py: the process's end
 """
+
+from odb.imports import lazy_exports
+
+__all__, __getattr__ = lazy_exports(__name__, {"loop": ("Trainer",)})

@@ -10,13 +10,11 @@ The engine calls nothing else of it, so a second objective (preference pairs, a 
 new class here, not branches in the engine. Whatever the objective, the plan fixes the step's
 normalizer before its first backward, on every rank alike (I4).
 
-:class:`NextToken`, the default, trains next-token cross entropy (supervised fine-tuning).
-Drives a training backend (DeepSpeed or FSDP2) over odb's step plans.
-
-Per optimizer step every rank runs exactly the plan's GAS micro-batches (dummies included), so
-every rank enters the same collectives (I1): ZeRO's or FSDP2's parameter gathers in each forward,
-their gradient reductions. Its loss math (I4), with W ranks, step s, micro-batches m on rank r and
-token losses l:
+:class:`NextToken`, the default, trains next-token cross entropy (supervised fine-tuning);
+:class:`NextTokenTally` is its step. Per optimizer step every rank runs exactly the plan's GAS
+micro-batches (dummies included), so every rank enters the same collectives (I1): ZeRO's or
+FSDP2's parameter gathers in each forward, their gradient reductions. Its loss math (I4), with W
+ranks, step s, micro-batches m on rank r and token losses l:
 
     wanted gradient   g = grad( sum_{r,m,t} l_{r,m,t} / N_s )     N_s = label tokens of the step,
                                                                   over all ranks (plan.num_label_tokens)
