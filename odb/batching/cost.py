@@ -7,6 +7,7 @@ holds no constants of its own.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 __all__ = ["CostModel", "OverCapError", "SampleCost", "count_label_tokens", "group_for", "sequence_parallel_degrees"]
@@ -130,11 +131,12 @@ class CostModel:
         """Cost of a padded micro-batch: every row is as long as the longest."""
         return num_samples * self.cost(longest)
 
-    def measure_many(self, uids: list[int], raw: list[tuple[int, int, int] | None]
+    def measure_many(self, uids: list[int], raw: list[tuple | None]
                      ) -> tuple[list[SampleCost], dict[str, int]]:
-        """:meth:`measure` for each ``(tokens, label_tokens, patches)`` (``None``: a record the
-        data layer skipped): the admitted samples and how many were truncated (and the tokens cut
-        from them), dropped, skipped."""
+        """:meth:`measure` for each ``(tokens, label_tokens, patches)`` or ``(tokens, label_tokens,
+        patches, labels)`` (``None``: a record the data layer skipped; see
+        :class:`~odb.batching.feed.Feed`): the admitted samples and how many were truncated (and the
+        tokens cut from them), dropped, skipped."""
         admitted: list[SampleCost] = []
         outcomes = {"truncated": 0, "truncated_tokens": 0, "dropped": 0, "skipped": 0, "long": 0}
         cap, cap_patches = self.max_tokens, self.max_patches
@@ -143,12 +145,12 @@ class CostModel:
             if entry is None:  # the data layer skipped the record (and counted why)
                 outcomes["skipped"] += 1
                 continue
-            tokens, label_tokens, patches = entry
+            tokens, label_tokens, patches = entry[:3]
             if is_linear and 0 < tokens <= cap and 0 <= label_tokens <= tokens and (
                     cap_patches is None or patches <= cap_patches):
                 admitted.append(SampleCost(uid, tokens, label_tokens, patches, tokens))  # fast path
                 continue
-            sample, outcome = self.measure(uid, tokens, label_tokens, patches)
+            sample, outcome = self.measure(uid, tokens, label_tokens, patches, *entry[3:4])
             if sample is not None:
                 admitted.append(sample)
             if outcome != "ok":
@@ -157,8 +159,8 @@ class CostModel:
                 outcomes["truncated_tokens"] += tokens - self.long_cap
         return admitted, outcomes
 
-    def measure(self, uid: int, tokens: int, label_tokens: int, patches: int = 0
-                ) -> tuple[SampleCost | None, str]:
+    def measure(self, uid: int, tokens: int, label_tokens: int, patches: int = 0,
+                labels: Sequence[int] | None = None) -> tuple[SampleCost | None, str]:
         """The sample's cost record and what the over-cap policy did: 'ok', 'truncated', 'dropped',
         or 'long' (over ``max_tokens``, trained whole by a group of ranks: over_cap
         'sequence_parallel').
@@ -166,6 +168,11 @@ class CostModel:
         A dropped sample returns ``None``. Truncation keeps the first ``max_tokens`` tokens
         (``long_cap`` under 'sequence_parallel'; the collate does the same to the tensors); a sample
         over the patch cap cannot be truncated (an image is not cut), so under 'truncate' it is dropped.
+
+        A cut sample trains the label tokens of the prefix it keeps: counted from ``labels`` (the
+        sample's labels, -100 where none) when given; without them the count is exact only where
+        every position is a label or none is, and any other cut sample raises
+        :class:`OverCapError` (a prompt's share of the prefix is unknown).
         """
         if tokens < 1:
             raise ValueError(f"sample {uid} is empty (0 tokens); the data layer must skip it")
@@ -184,6 +191,18 @@ class CostModel:
                                "'truncate' or 'drop'")
         if self.over_cap == "drop" or over_patches:
             return None, "dropped"
-        tokens = self.long_cap
-        label_tokens = min(label_tokens, tokens - 1)
+        kept = self.long_cap
+        if labels is not None:
+            if len(labels) != tokens:
+                raise ValueError(f"sample {uid}: {len(labels)} labels for {tokens} tokens")
+            label_tokens = count_label_tokens(list(labels[:kept]))
+        elif label_tokens == 0 or label_tokens >= tokens - 1:  # no label, or every position: so is the prefix
+            label_tokens = min(label_tokens, kept - 1)
+        else:
+            raise OverCapError(
+                f"sample {uid} has {tokens} tokens > max_tokens={self.max_tokens} and {label_tokens} label "
+                f"tokens: how many of them its first {kept} tokens hold is unknown, so the step's label count "
+                "(the loss scale) would be wrong. Give the sample's labels with its sizes (the Feed's 4th "
+                "element: (tokens, label_tokens, patches, labels)), or cut it in the data layer")
+        tokens = kept
         return SampleCost(uid, tokens, label_tokens, patches, self.cost(tokens, patches)), "truncated"

@@ -16,9 +16,15 @@ class Feed(Protocol):
     def deal(self, uids: list[int]) -> None:
         """These uids will be fetched, after all dealt before them, in this order: start on them."""
 
-    def fetch(self, uids: list[int]) -> list[tuple[int, int, int] | None]:
+    def fetch(self, uids: list[int]) -> list[tuple | None]:
         """The next dealt ``uids``, processed: ``(tokens, label_tokens, patches)`` each, in order, or
-        ``None`` for a record the data layer skipped. An exception stops every rank, with it."""
+        ``None`` for a record the data layer skipped. An exception stops every rank, with it.
+
+        ``label_tokens``: the positions after the first whose label is not -100. A feed that hands
+        samples over the cap uncut (the batcher cuts them, over_cap 'truncate') and whose samples
+        have prompts adds their labels, ``(tokens, label_tokens, patches, labels)``: the label
+        tokens of the prefix a cut sample keeps are counted from them (without them such a
+        sample stops the run, :meth:`odb.batching.cost.CostModel.measure`)."""
 
     def forget(self, uids: list[int]) -> None:
         """Fetched uids that will not be trained (skipped, or dropped over the cap)."""

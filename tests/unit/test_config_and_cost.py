@@ -60,6 +60,25 @@ def test_over_cap_policies():
         CostModel(max_tokens=8).measure(3, 0, 0)
 
 
+def test_a_cut_sample_counts_the_labels_of_the_prefix_it_keeps():
+    """max_tokens 8, a sample of 20 tokens whose first 10 are a prompt: the 8 tokens kept hold no
+    label. Counted from the labels when the feed gives them; from sizes alone only where every
+    position is a label or none is; otherwise a refusal naming what to give."""
+    labels = [-100] * 10 + [5] * 10
+    model = CostModel(max_tokens=8)
+    sample, outcome = model.measure(0, 20, 10, 0, labels)
+    assert (sample.tokens, sample.label_tokens, outcome) == (8, 0, "truncated")
+    labels = [-100] * 3 + [5] * 2 + [-100] * 2 + [5] * 13  # two turns: positions 3, 4 and 7 kept
+    assert model.measure(0, 20, count_label_tokens(labels), 0, labels)[0].label_tokens == 3
+    assert model.measure(0, 20, 19)[0].label_tokens == 7 and model.measure(0, 20, 0)[0].label_tokens == 0
+    with pytest.raises(OverCapError, match="10 label tokens.*the Feed's 4th element"):
+        model.measure(0, 20, 10)
+    with pytest.raises(ValueError, match="19 labels for 20 tokens"):
+        model.measure(0, 20, 10, 0, labels[:19])
+    admitted, outcomes = model.measure_many([0, 1], [(20, 10, 0, [-100] * 10 + [5] * 10), (5, 4, 0, [1] * 5)])
+    assert [(s.tokens, s.label_tokens) for s in admitted] == [(8, 0), (5, 4)] and outcomes["truncated"] == 1
+
+
 @pytest.mark.parametrize("coefs", [{}, {"attn_coef": 0.25}, {"patch_coef": 0.5}],
                          ids=["linear-fast-path", "attention-term", "patch-term"])
 @pytest.mark.parametrize("over_cap", ["truncate", "drop", "sequence_parallel"])

@@ -123,7 +123,7 @@ class _KeepOverCap:
 
     def fetch(self, uids: list[int]) -> list[tuple[int, int, int] | None]:
         raw = self.feed.fetch(uids)
-        self.sizes.update((uid, sizes) for uid, sizes in zip(uids, raw) if sizes is not None)
+        self.sizes.update((uid, tuple(sizes[:3])) for uid, sizes in zip(uids, raw) if sizes is not None)
         return raw
 
     def forget(self, uids: list[int]) -> None:
