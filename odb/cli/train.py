@@ -78,7 +78,7 @@ def launch_command(recipe: Recipe, overrides: list[str], *, nproc: int, port: in
 
 
 def main(argv: list[str] | None = None, prog: str = "odb train") -> int:
-    from odb.training.launch.flags import SETTINGS_FILES, FileDefaults
+    from odb.training.launch.flags import SETTINGS_FILES, FileDefaults, check_inputs
     from odb.training.launch.flags import parser as run_parser
 
     args = parser(prog).parse_intermixed_args(argv)
@@ -94,7 +94,9 @@ def main(argv: list[str] | None = None, prog: str = "odb train") -> int:
         flags.prog = prog
         backend = flags.parse_args(words).backend  # (a value a flag cannot take: argparse's error, exit 2)
         nproc = _nproc(recipe, args.nproc)
-    except (ValueError, FileNotFoundError) as err:
+        if nproc > 1:  # the run's inputs checked here, before the launcher and its ranks' imports
+            check_inputs([], defaults=defaults, recipe=recipe)
+    except (ValueError, OSError) as err:
         sys.exit(f"{prog}: {err}")
     if nproc == 1:  # one rank: this process, as python launch/train.py alone
         from odb.training.launch.main import main as run_rank

@@ -22,14 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torch.utils.data import Dataset
-
 __all__ = ["is_plain_path", "source_words", "MixedDataset", "SourceSpec", "parse_source", "parse_sources"]
 
 
-class MixedDataset(Dataset):
+class MixedDataset:
     """Named datasets (:class:`odb.data.processing.SampleDataset`, each with its own processing
-    settings) end to end.
+    settings) end to end: a map-style dataset, as a DataLoader reads one (``len`` and ``[i]``; this
+    module stays free of torch, so that the flags are checked before its import).
 
     Args:
         parts: ``(name, dataset)`` per source, names distinct.
@@ -76,7 +75,7 @@ class MixedDataset(Dataset):
 
 _PER_SOURCE = ("format", "train_on", "truncation", "strict", "system_prompts", "system_prompt_prob", "turn_sampling",
                "image_folder", "min_pixels", "max_pixels")
-"""The processing settings (:class:`odb.data.processing.DataConfig`) a source may set for itself."""
+"""The processing settings (:class:`odb.data.config.DataConfig`) a source may set for itself."""
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from odb.training.backends.deepspeed_config import (
 )
 from odb.training.backends.universal import LoadPlan, prepare_load
 from odb.training.backends.zero3 import Zero3Construction
+from odb.training.config.optimization import BACKEND_FILES
 from odb.training.model.build import build_model as build_hf_model
 
 if TYPE_CHECKING:
@@ -60,10 +61,8 @@ NAME = "deepspeed"
 TITLE = "DeepSpeed"
 
 
-CONFIG_FLAG = "--deepspeed_config"
-
-
-CONFIG_HELP = "DeepSpeed JSON (--backend deepspeed); its batch keys may be \"auto\" (odb fills them in)"
+CONFIG_FLAG = BACKEND_FILES[NAME].flag
+CONFIG_HELP = BACKEND_FILES[NAME].help
 
 
 JOINING = "DeepSpeed's communication op (built once per extension cache), then "

@@ -42,7 +42,7 @@ import torch
 
 from odb.settings import ConfigSource, field_names, load_json_config
 from odb.training.backends.base import optimizer_kept_fresh, torch_optimizer
-from odb.training.config.optimization import Fsdp2Settings, OptimizationSettings
+from odb.training.config.optimization import BACKEND_FILES, Fsdp2Settings, OptimizationSettings
 from odb.training.config.settings import ModelSettings
 from odb.training.model.build import build_model, hf_model
 
@@ -54,8 +54,8 @@ __all__ = ["CONFIG_FLAG", "DCP_FOLDER", "Fsdp2Backend", "NAME", "build", "build_
 
 NAME = "fsdp2"
 TITLE = "FSDP2"
-CONFIG_FLAG = "--fsdp_config"
-CONFIG_HELP = f"FSDP2 settings JSON (--backend fsdp2): {', '.join(field_names(Fsdp2Settings))}"
+CONFIG_FLAG = BACKEND_FILES[NAME].flag
+CONFIG_HELP = BACKEND_FILES[NAME].help
 JOINING = ""
 TORCH_NEEDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("torch.distributed.fsdp", ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy",

@@ -5,6 +5,7 @@ lives in :mod:`odb.training.backends`."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,22 @@ def default_lr(*, lora: bool, bundled_model: bool) -> float:
 
 
 BACKENDS = ("deepspeed", "fsdp2")
+
+
+@dataclass(frozen=True)
+class BackendFile:
+    """The settings file of a backend, as the flags name it (light: read before torch is imported)."""
+
+    flag: str
+    help: str
+    what: str
+    """How an error names the file."""
+    example: str
+    """A bundled file to name in an error's fix."""
+    unread: Any = None
+    """Settings of the right type before the file is read (the light check's stand-in)."""
+
+
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +85,16 @@ class Fsdp2Settings:
         check_bool("--fsdp_config 'reduce_every_micro_batch'", self.reduce_every_micro_batch)
         check_number("--fsdp_config 'gradient_clipping'", self.gradient_clipping, 0)
 
+
+
+BACKEND_FILES = {
+    "deepspeed": BackendFile("--deepspeed_config", "DeepSpeed JSON (--backend deepspeed); its batch keys may be "
+                             "\"auto\" (odb fills them in)", "DeepSpeed config", "configs/ds_zero2.json"),
+    "fsdp2": BackendFile("--fsdp_config", "FSDP2 settings JSON (--backend fsdp2): "
+                         + ", ".join(f.name for f in dataclasses.fields(Fsdp2Settings)), "FSDP2 config",
+                         "configs/fsdp2.json", Fsdp2Settings()),
+}
+"""Each backend's settings file (its module's ``CONFIG_FLAG``, ``CONFIG_HELP``)."""
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizationSettings:

@@ -21,8 +21,8 @@ from typing import Any
 
 from odb.batching.config import OdbConfig
 from odb.batching.mixture import MIX_BY, MIX_EPOCH
+from odb.data.config import DataConfig
 from odb.data.mixture import SourceSpec
-from odb.data.processing import DataConfig
 from odb.settings import (
     check,
     check_bool,

@@ -12,20 +12,26 @@ them relative to the repository it sits in, an installed ``odb`` finds them in i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from odb.batching.config import OdbConfig, load_odb_config
+from odb.data.config import DataConfig, load_data_config
 from odb.data.mixture import SourceSpec, is_plain_path, parse_sources, source_words
-from odb.data.processing import DataConfig, load_data_config
 from odb.recipe import Recipe, bundled_root, load_recipe
 from odb.settings import add_flags, field_docs, flag_values, load_json_config, read_json_object
-from odb.training import backends
 from odb.training.config.lora import lora_keys
-from odb.training.config.optimization import OptimizationSettings, default_lr
+from odb.training.config.optimization import (
+    BACKEND_FILES,
+    BACKENDS,
+    OptimizationSettings,
+    default_lr,
+)
 from odb.training.config.settings import (
     CheckpointSettings,
     DataSettings,
@@ -37,7 +43,7 @@ from odb.training.config.settings import (
 )
 from odb.training.launch.output_dir import RUN_RECORDS, resume_tag
 
-__all__ = ["FileDefaults", "SETTINGS_FILES", "parse_config", "parser"]
+__all__ = ["FileDefaults", "SETTINGS_FILES", "check_inputs", "parse_config", "parser"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,11 +104,10 @@ def parser(defaults: FileDefaults) -> argparse.ArgumentParser:
     files.add_argument("--data_config", default=None,
                        help="data settings JSON (or YAML): the data keys (format, labels, truncation, augmentation, "
                             "image sizes, strict) (default: none, the built-in values)")
-    for name in backends.NAMES:
-        backend = backends.get(name)
-        default = getattr(defaults, backend.CONFIG_FLAG[2:])
-        files.add_argument(backend.CONFIG_FLAG, default=None,
-                           help=f"{backend.CONFIG_HELP} (default: {default or 'none, the built-in values'})")
+    for file in BACKEND_FILES.values():
+        default = getattr(defaults, file.flag[2:])
+        files.add_argument(file.flag, default=None,
+                           help=f"{file.help} (default: {default or 'none, the built-in values'})")
     files.add_argument("--lora", nargs="?", const=str(defaults.lora), default=None,
                        help=f"{field_docs(ModelSettings)['lora']} The flag alone reads {defaults.lora}.")
     add_flags(p.add_argument_group("model"), ModelSettings, skip=("lora",), defaults={"path": str(defaults.model)})
@@ -111,7 +116,7 @@ def parser(defaults: FileDefaults) -> argparse.ArgumentParser:
     add_flags(data, DataConfig, only=_DATA_OVERRIDES, override=True)
     add_flags(p.add_argument_group("batching: odb's keys, over --odb_config's"), OdbConfig, skip=_TRAINER_SETS,
               override=True)
-    add_flags(p.add_argument_group("optimization"), OptimizationSettings, skip=backends.NAMES,
+    add_flags(p.add_argument_group("optimization"), OptimizationSettings, skip=BACKENDS,
               defaults={"lr": None})  # (None: default_lr, once the model is known)
     add_flags(p.add_argument_group("run"), RunSettings)
     add_flags(p.add_argument_group("preflight: the worst-case step before the first sample"), PreflightSettings)
@@ -125,8 +130,7 @@ def parser(defaults: FileDefaults) -> argparse.ArgumentParser:
     return p
 
 
-SETTINGS_FILES = ("odb_config", "data_config", *(backends.get(name).CONFIG_FLAG[2:] for name in backends.NAMES),
-                  "lora")
+SETTINGS_FILES = ("odb_config", "data_config", *(file.flag[2:] for file in BACKEND_FILES.values()), "lora")
 """The flags that name a settings file; a recipe may give the file's keys inline instead."""
 
 
@@ -147,14 +151,15 @@ def _need_file(path: str | Path, what: str, fix: str) -> Path:
     return p
 
 
+_MODEL_FIX = ("pass a local HF model folder (with config.json) to --model, or a model config JSON such as "
+              "configs/tiny_model.json")
+
+
 def _model(args: argparse.Namespace, defaults: FileDefaults) -> ModelSettings:
-    model_fix = ("pass a local HF model folder (with config.json) to --model, or a model config JSON such as "
-                 "configs/tiny_model.json")
-    model = _need_file(args.model, "model", model_fix)
+    """The model's settings, its paths checked (a model config's type later: :func:`_check_model_config`)."""
+    model = _need_file(args.model, "model", _MODEL_FIX)
     if model.is_dir() and not (model / "config.json").is_file():
-        raise FileNotFoundError(f"model folder {model} has no config.json; {model_fix}")
-    if model.is_file():
-        _check_model_config(model, model_fix)
+        raise FileNotFoundError(f"model folder {model} has no config.json; {_MODEL_FIX}")
     tokenizer = args.tokenizer
     if tokenizer is None:
         has_own = model.is_dir() and (model / "tokenizer_config.json").is_file()
@@ -233,7 +238,47 @@ def _sources(values: str | list[str], flag: str, fix: str) -> tuple[str, tuple[S
 def parse_config(argv: list[str] | None = None, *, defaults: FileDefaults, recipe: Recipe | None = None
                  ) -> RunConfig:
     """The run's config from ``argv`` (default: ``sys.argv[1:]``) over ``recipe``'s (else the one
-    ``--recipe`` names); raises naming the fix."""
+    ``--recipe`` names); raises naming the fix. What needs no torch is checked first
+    (:func:`check_inputs`): a typo fails in a second, not after a minute of imports."""
+    args, inputs = _checked(argv, defaults=defaults, recipe=recipe)
+    import torch
+
+    from odb.training import backends
+
+    use_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    backend = backends.get(args.backend)
+    backend_settings = backend.load_settings(inputs.backend_file, gas=inputs.batching.gas,
+                                             world_size=inputs.world_size, use_bf16=use_bf16)
+    return RunConfig(model=inputs.model, data=inputs.data, batching=inputs.batching, run=inputs.run,
+                     optimization=dataclasses.replace(inputs.optimization, **{backend.NAME: backend_settings}),
+                     checkpoints=inputs.checkpoints, logging=inputs.logging, preflight=inputs.preflight)
+
+
+def check_inputs(argv: list[str] | None = None, *, defaults: FileDefaults, recipe: Recipe | None = None) -> None:
+    """Every check of :func:`parse_config` that needs no torch (values, paths, the output folder, a
+    model config's type): what ``odb train`` runs before it starts the launcher. Raises naming the fix."""
+    _checked(argv, defaults=defaults, recipe=recipe)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Inputs:
+    """The settings :func:`_checked` made, all but the backend's (which need torch)."""
+
+    run: RunSettings
+    batching: OdbConfig
+    world_size: int
+    backend_file: Any
+    """The backend's settings file (or a recipe's inline mapping; None: the built-in values)."""
+    data: DataSettings
+    model: ModelSettings
+    optimization: OptimizationSettings
+    checkpoints: CheckpointSettings
+    logging: LoggingSettings
+    preflight: PreflightSettings
+
+
+def _checked(argv: list[str] | None, *, defaults: FileDefaults, recipe: Recipe | None
+             ) -> tuple[argparse.Namespace, _Inputs]:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = parser(defaults)
     if recipe is None:
@@ -246,35 +291,36 @@ def parse_config(argv: list[str] | None = None, *, defaults: FileDefaults, recip
     args = p.parse_args(argv)
     run = RunSettings(**flag_values(RunSettings, args))
     batching = _batching(args, defaults)
-    import torch
-
     world_size = _world_size()
-    use_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    backend = backends.get(args.backend)
-    for name in backends.NAMES:
-        other = backends.get(name)
-        if name != backend.NAME and getattr(args, other.CONFIG_FLAG[2:]) is not None:
-            raise ValueError(f"{other.CONFIG_FLAG} configures --backend {name}; pass --backend {name}, or drop "
-                             f"{other.CONFIG_FLAG} and configure --backend {backend.NAME} with {backend.CONFIG_FLAG}")
-    flag = backend.CONFIG_FLAG[2:]  # (FileDefaults names each backend's default file after its flag)
-    source = getattr(args, flag)
-    source = source if isinstance(source, Mapping) else source or getattr(defaults, flag)
-    backend_settings = backend.load_settings(source, gas=batching.gas,
-                                             world_size=world_size, use_bf16=use_bf16)
+    if args.backend not in BACKENDS:
+        raise ValueError(f"--backend must be one of {BACKENDS}, got {args.backend!r}")
+    file = BACKEND_FILES[args.backend]
+    for name, other in BACKEND_FILES.items():
+        if name != args.backend and getattr(args, other.flag[2:]) is not None:
+            raise ValueError(f"{other.flag} configures --backend {name}; pass --backend {name}, or drop "
+                             f"{other.flag} and configure --backend {args.backend} with {file.flag}")
+    source = getattr(args, file.flag[2:])  # (FileDefaults names each backend's default file after its flag)
+    source = source if isinstance(source, Mapping) else source or getattr(defaults, file.flag[2:])
+    if source is not None and not isinstance(source, Mapping):
+        _need_file(source, file.what, f"pass {file.flag} {file.example}, or a file of your own")
+    data = _data(args)
     model = _model(args, defaults)
     if args.save_adapter_only and model.lora is None:
         raise ValueError("--save_adapter_only saves a LoRA adapter: train with --lora, or drop the flag")
-    data = _data(args)
     resume = resume_tag(args)
-    optimization = flag_values(OptimizationSettings, args, skip=backends.NAMES)
+    optimization = flag_values(OptimizationSettings, args, skip=BACKENDS)
     if optimization["lr"] is None:
         optimization["lr"] = default_lr(lora=model.lora is not None, bundled_model=defaults.is_demo_model(model.path))
-    return RunConfig(
-        model=model, data=data, batching=batching, run=run,
-        optimization=OptimizationSettings(**optimization, **{backend.NAME: backend_settings}),
+    placeholder = {} if file.unread is None else {args.backend: file.unread}  # (the file's own: parse_config)
+    inputs = _Inputs(
+        run=run, batching=batching, world_size=world_size, backend_file=source, data=data, model=model,
+        optimization=OptimizationSettings(**optimization, **placeholder),
         checkpoints=CheckpointSettings(**{**flag_values(CheckpointSettings, args), "resume": resume}),
         logging=LoggingSettings(**flag_values(LoggingSettings, args)),
         preflight=PreflightSettings(**flag_values(PreflightSettings, args)))
+    if Path(model.path).is_file():  # a model config JSON (random init): transformers must know its type
+        _check_model_config(Path(model.path), _MODEL_FIX)
+    return args, inputs
 
 
 def _named_recipe(argv: list[str]) -> str | None:

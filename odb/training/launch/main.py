@@ -10,10 +10,6 @@ import sys
 from odb.recipe import Recipe
 from odb.training.config.environment import check_network, rank_environment
 from odb.training.launch.flags import FileDefaults, parse_config
-from odb.training.run.loop import Trainer
-from odb.training.run.startup import StartupError, check_startup
-from odb.training.run.stop import EXIT_PREEMPTED, Preempted
-from odb.training.run.teardown import end_process
 
 __all__ = ["main"]
 
@@ -26,7 +22,15 @@ def main(argv: list[str] | None = None, *, defaults: FileDefaults | None = None,
     rank_environment()  # under srun (launch/slurm.sbatch): RANK, WORLD_SIZE, ... from SLURM's variables
     check_network()
     defaults = FileDefaults.bundled() if defaults is None else defaults
-    config = parse_config(argv, defaults=defaults, recipe=recipe)  # every input checked, before any process group
+    try:  # every input checked, before any process group and before torch's import: a typo fails in a second
+        config = parse_config(argv, defaults=defaults, recipe=recipe)
+    except (ValueError, OSError) as error:  # (argparse's own errors exit 2 with its usage)
+        sys.exit(f"odb: rank {os.environ.get('RANK', '0')}: {error}")
+    from odb.training.run.loop import Trainer
+    from odb.training.run.startup import StartupError, check_startup
+    from odb.training.run.stop import EXIT_PREEMPTED, Preempted
+    from odb.training.run.teardown import end_process
+
     try:  # what this rank runs: torch, the backend's APIs, the packed attention path on its device
         check_startup(config)
     except StartupError as error:
