@@ -60,3 +60,19 @@ def test_odb_train_checks_the_inputs_before_it_starts_the_launcher(override, nee
     proc = blocked("odb.cli", "train", "demo", "--nproc", "2", override)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert needle in proc.stderr and "launch" not in proc.stdout, (proc.stdout + proc.stderr)[-2000:]
+
+
+def test_a_bad_input_with_overwrite_output_dir_leaves_the_earlier_run_in_place(tmp_path):
+    """--overwrite_output_dir removes an earlier run only once every input is known good: a model
+    config of an unknown type fails with the earlier run's files still there (a review's finding)."""
+    from odb.training.launch.flags import FileDefaults, parse_config
+
+    out = tmp_path / "out"
+    (out / "checkpoints" / "step1").mkdir(parents=True)
+    (out / "summary.json").write_text("{}")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model_type": "lamma"}')
+    with pytest.raises(ValueError, match='"model_type" must name a transformers model type'):
+        parse_config(["--model", str(bad), "--output_dir", str(out), "--overwrite_output_dir"],
+                     defaults=FileDefaults.bundled(ROOT))
+    assert (out / "summary.json").is_file() and (out / "checkpoints" / "step1").is_dir()

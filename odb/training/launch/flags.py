@@ -249,14 +249,18 @@ def parse_config(argv: list[str] | None = None, *, defaults: FileDefaults, recip
     backend = backends.get(args.backend)
     backend_settings = backend.load_settings(inputs.backend_file, gas=inputs.batching.gas,
                                              world_size=inputs.world_size, use_bf16=use_bf16)
+    optimization = dataclasses.replace(inputs.optimization, **{backend.NAME: backend_settings})
+    # last, once every input is known good: --overwrite_output_dir removes the earlier run here
+    checkpoints = dataclasses.replace(inputs.checkpoints, resume=resume_tag(args))
     return RunConfig(model=inputs.model, data=inputs.data, batching=inputs.batching, run=inputs.run,
-                     optimization=dataclasses.replace(inputs.optimization, **{backend.NAME: backend_settings}),
-                     checkpoints=inputs.checkpoints, logging=inputs.logging, preflight=inputs.preflight)
+                     optimization=optimization, checkpoints=checkpoints, logging=inputs.logging,
+                     preflight=inputs.preflight)
 
 
 def check_inputs(argv: list[str] | None = None, *, defaults: FileDefaults, recipe: Recipe | None = None) -> None:
-    """Every check of :func:`parse_config` that needs no torch (values, paths, the output folder, a
-    model config's type): what ``odb train`` runs before it starts the launcher. Raises naming the fix."""
+    """Every check of :func:`parse_config` that needs no torch (values, paths, a model config's
+    type): what ``odb train`` runs before it starts the launcher. The output folder and the backend
+    file's contents are the ranks' to check (they may remove an earlier run). Raises naming the fix."""
     _checked(argv, defaults=defaults, recipe=recipe)
 
 
@@ -307,7 +311,6 @@ def _checked(argv: list[str] | None, *, defaults: FileDefaults, recipe: Recipe |
     model = _model(args, defaults)
     if args.save_adapter_only and model.lora is None:
         raise ValueError("--save_adapter_only saves a LoRA adapter: train with --lora, or drop the flag")
-    resume = resume_tag(args)
     optimization = flag_values(OptimizationSettings, args, skip=BACKENDS)
     if optimization["lr"] is None:
         optimization["lr"] = default_lr(lora=model.lora is not None, bundled_model=defaults.is_demo_model(model.path))
@@ -315,7 +318,8 @@ def _checked(argv: list[str] | None, *, defaults: FileDefaults, recipe: Recipe |
     inputs = _Inputs(
         run=run, batching=batching, world_size=world_size, backend_file=source, data=data, model=model,
         optimization=OptimizationSettings(**optimization, **placeholder),
-        checkpoints=CheckpointSettings(**{**flag_values(CheckpointSettings, args), "resume": resume}),
+        checkpoints=CheckpointSettings(**{**flag_values(CheckpointSettings, args), "resume": None}),  # (resume_tag:
+        # parse_config's last step, after the backend's file is read: it may remove the earlier run)
         logging=LoggingSettings(**flag_values(LoggingSettings, args)),
         preflight=PreflightSettings(**flag_values(PreflightSettings, args)))
     if Path(model.path).is_file():  # a model config JSON (random init): transformers must know its type

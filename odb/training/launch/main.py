@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None, *, defaults: FileDefaults | None = None,
     defaults = FileDefaults.bundled() if defaults is None else defaults
     try:  # every input checked, before any process group and before torch's import: a typo fails in a second
         config = parse_config(argv, defaults=defaults, recipe=recipe)
-    except (ValueError, OSError) as error:  # (argparse's own errors exit 2 with its usage)
+    except (ValueError, FileNotFoundError, NotADirectoryError) as error:  # (argparse's exit 2 with its usage)
         sys.exit(f"odb: rank {os.environ.get('RANK', '0')}: {error}")
     from odb.training.run.loop import Trainer
     from odb.training.run.startup import StartupError, check_startup
