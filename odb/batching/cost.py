@@ -55,7 +55,7 @@ def group_for(tokens: int, max_tokens: int, degrees: tuple[int, ...]) -> int:
     return next((d for d in degrees if tokens <= d * max_tokens), degrees[-1])
 
 
-def count_label_tokens(labels: list[int]) -> int:
+def count_label_tokens(labels: Sequence[int]) -> int:
     """Labels that reach the loss once packed: the first position of a sample never does (odb's
     collate masks it so that it cannot be predicted from the previous sample), nor does -100."""
     return sum(1 for label in labels[1:] if label != -100)
@@ -195,7 +195,7 @@ class CostModel:
         if labels is not None:
             if len(labels) != tokens:
                 raise ValueError(f"sample {uid}: {len(labels)} labels for {tokens} tokens")
-            label_tokens = count_label_tokens(list(labels[:kept]))
+            label_tokens = count_label_tokens(labels[:kept])
         elif label_tokens == 0 or label_tokens >= tokens - 1:  # no label, or every position: so is the prefix
             label_tokens = min(label_tokens, kept - 1)
         else:

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None, prog: str = "odb train") -> int:
         nproc = _nproc(recipe, args.nproc)
         if nproc > 1:  # the run's inputs checked here, before the launcher and its ranks' imports
             check_inputs([], defaults=defaults, recipe=recipe)
-    except (ValueError, OSError) as err:
+    except (ValueError, FileNotFoundError, NotADirectoryError) as err:
         sys.exit(f"{prog}: {err}")
     if nproc == 1:  # one rank: this process, as python launch/train.py alone
         from odb.training.launch.main import main as run_rank

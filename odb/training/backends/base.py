@@ -174,11 +174,6 @@ class BackendModule(Protocol):
     holding its resolved settings."""
     TITLE: str
     """Its name in messages ("DeepSpeed")."""
-    CONFIG_FLAG: str
-    """The flag naming its settings file (also the :class:`odb.training.launch.flags.FileDefaults` field of its
-    default file, without the dashes)."""
-    CONFIG_HELP: str
-    """The help of :data:`CONFIG_FLAG`."""
     JOINING: str
     """What joining its process group waits on besides the other ranks ('' for nothing more)."""
     TORCH_NEEDS: tuple[tuple[str, tuple[str, ...]], ...]

@@ -45,24 +45,19 @@ from odb.training.backends.deepspeed_config import (
 )
 from odb.training.backends.universal import LoadPlan, prepare_load
 from odb.training.backends.zero3 import Zero3Construction
-from odb.training.config.optimization import BACKEND_FILES
 from odb.training.model.build import build_model as build_hf_model
 
 if TYPE_CHECKING:
     from odb.training.config.optimization import OptimizationSettings
     from odb.training.config.settings import RunConfig
 
-__all__ = ["CONFIG_FLAG", "DeepSpeedBackend", "NAME", "build", "build_model", "deepspeed_shm_buffer",
+__all__ = ["DeepSpeedBackend", "NAME", "build", "build_model", "deepspeed_shm_buffer",
            "gather_state_dict", "init_distributed", "initialize_deepspeed", "local_launch", "release"]
 
 NAME = "deepspeed"
 
 
 TITLE = "DeepSpeed"
-
-
-CONFIG_FLAG = BACKEND_FILES[NAME].flag
-CONFIG_HELP = BACKEND_FILES[NAME].help
 
 
 JOINING = "DeepSpeed's communication op (built once per extension cache), then "

@@ -42,20 +42,18 @@ import torch
 
 from odb.settings import ConfigSource, field_names, load_json_config
 from odb.training.backends.base import optimizer_kept_fresh, torch_optimizer
-from odb.training.config.optimization import BACKEND_FILES, Fsdp2Settings, OptimizationSettings
+from odb.training.config.optimization import Fsdp2Settings, OptimizationSettings
 from odb.training.config.settings import ModelSettings
 from odb.training.model.build import build_model, hf_model
 
 if TYPE_CHECKING:
     from odb.training.config.settings import RunConfig
 
-__all__ = ["CONFIG_FLAG", "DCP_FOLDER", "Fsdp2Backend", "NAME", "build", "build_fsdp2", "init_distributed",
+__all__ = ["DCP_FOLDER", "Fsdp2Backend", "NAME", "build", "build_fsdp2", "init_distributed",
            "load_settings", "local_launch", "param_dtype"]
 
 NAME = "fsdp2"
 TITLE = "FSDP2"
-CONFIG_FLAG = BACKEND_FILES[NAME].flag
-CONFIG_HELP = BACKEND_FILES[NAME].help
 JOINING = ""
 TORCH_NEEDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("torch.distributed.fsdp", ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy",

@@ -5,19 +5,13 @@ lives in :mod:`odb.training.backends`."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from odb.settings import (
-    check,
-    check_bool,
-    check_number,
-    flag,
-)
+from odb.settings import check, check_bool, check_number, field_names, flag
 
-__all__ = ["BACKENDS", "Fsdp2Settings", "OptimizationSettings", "default_lr"]
+__all__ = ["BACKEND_FILES", "BACKENDS", "BackendFile", "Fsdp2Settings", "OptimizationSettings", "default_lr"]
 
 OPTIMIZERS = ("adamw", "sgd")
 
@@ -38,7 +32,8 @@ BACKENDS = ("deepspeed", "fsdp2")
 
 @dataclass(frozen=True)
 class BackendFile:
-    """The settings file of a backend, as the flags name it (light: read before torch is imported)."""
+    """The settings file of a backend (:data:`BACKEND_FILES`), as the flags name it: light, read
+    before torch is imported."""
 
     flag: str
     help: str
@@ -48,8 +43,6 @@ class BackendFile:
     """A bundled file to name in an error's fix."""
     unread: Any = None
     """Settings of the right type before the file is read (the light check's stand-in)."""
-
-
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,15 +79,16 @@ class Fsdp2Settings:
         check_number("--fsdp_config 'gradient_clipping'", self.gradient_clipping, 0)
 
 
-
 BACKEND_FILES = {
     "deepspeed": BackendFile("--deepspeed_config", "DeepSpeed JSON (--backend deepspeed); its batch keys may be "
                              "\"auto\" (odb fills them in)", "DeepSpeed config", "configs/ds_zero2.json"),
     "fsdp2": BackendFile("--fsdp_config", "FSDP2 settings JSON (--backend fsdp2): "
-                         + ", ".join(f.name for f in dataclasses.fields(Fsdp2Settings)), "FSDP2 config",
+                         + ", ".join(field_names(Fsdp2Settings)), "FSDP2 config",
                          "configs/fsdp2.json", Fsdp2Settings()),
 }
-"""Each backend's settings file (its module's ``CONFIG_FLAG``, ``CONFIG_HELP``)."""
+"""Each backend's settings file, by ``--backend`` name: its flag (also the
+:class:`odb.training.launch.flags.FileDefaults` field of its default file, without the dashes)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizationSettings:

@@ -26,12 +26,7 @@ from odb.data.mixture import SourceSpec, is_plain_path, parse_sources, source_wo
 from odb.recipe import Recipe, bundled_root, load_recipe
 from odb.settings import add_flags, field_docs, flag_values, load_json_config, read_json_object
 from odb.training.config.lora import lora_keys
-from odb.training.config.optimization import (
-    BACKEND_FILES,
-    BACKENDS,
-    OptimizationSettings,
-    default_lr,
-)
+from odb.training.config.optimization import BACKEND_FILES, BACKENDS, OptimizationSettings, default_lr
 from odb.training.config.settings import (
     CheckpointSettings,
     DataSettings,
@@ -240,21 +235,19 @@ def parse_config(argv: list[str] | None = None, *, defaults: FileDefaults, recip
     """The run's config from ``argv`` (default: ``sys.argv[1:]``) over ``recipe``'s (else the one
     ``--recipe`` names); raises naming the fix. What needs no torch is checked first
     (:func:`check_inputs`): a typo fails in a second, not after a minute of imports."""
-    args, inputs = _checked(argv, defaults=defaults, recipe=recipe)
+    args, backend_file, config = _checked(argv, defaults=defaults, recipe=recipe)
     import torch
 
     from odb.training import backends
 
     use_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     backend = backends.get(args.backend)
-    backend_settings = backend.load_settings(inputs.backend_file, gas=inputs.batching.gas,
-                                             world_size=inputs.world_size, use_bf16=use_bf16)
-    optimization = dataclasses.replace(inputs.optimization, **{backend.NAME: backend_settings})
+    settings = backend.load_settings(backend_file, gas=config.batching.gas, world_size=_world_size(),
+                                     use_bf16=use_bf16)
     # last, once every input is known good: --overwrite_output_dir removes the earlier run here
-    checkpoints = dataclasses.replace(inputs.checkpoints, resume=resume_tag(args))
-    return RunConfig(model=inputs.model, data=inputs.data, batching=inputs.batching, run=inputs.run,
-                     optimization=optimization, checkpoints=checkpoints, logging=inputs.logging,
-                     preflight=inputs.preflight)
+    optimization = dataclasses.replace(config.optimization, **{backend.NAME: settings})
+    return dataclasses.replace(config, optimization=optimization,
+                               checkpoints=dataclasses.replace(config.checkpoints, resume=resume_tag(args)))
 
 
 def check_inputs(argv: list[str] | None = None, *, defaults: FileDefaults, recipe: Recipe | None = None) -> None:
@@ -264,25 +257,11 @@ def check_inputs(argv: list[str] | None = None, *, defaults: FileDefaults, recip
     _checked(argv, defaults=defaults, recipe=recipe)
 
 
-@dataclass(frozen=True, kw_only=True)
-class _Inputs:
-    """The settings :func:`_checked` made, all but the backend's (which need torch)."""
-
-    run: RunSettings
-    batching: OdbConfig
-    world_size: int
-    backend_file: Any
-    """The backend's settings file (or a recipe's inline mapping; None: the built-in values)."""
-    data: DataSettings
-    model: ModelSettings
-    optimization: OptimizationSettings
-    checkpoints: CheckpointSettings
-    logging: LoggingSettings
-    preflight: PreflightSettings
-
-
 def _checked(argv: list[str] | None, *, defaults: FileDefaults, recipe: Recipe | None
-             ) -> tuple[argparse.Namespace, _Inputs]:
+             ) -> tuple[argparse.Namespace, Any, RunConfig]:
+    """The parsed flags, the backend's settings file (or a recipe's inline mapping; None: the
+    built-in values) and the run's config with the backend's settings not read yet (their type's
+    stand-in, :attr:`~odb.training.config.optimization.BackendFile.unread`) and no resume tag."""
     argv = list(sys.argv[1:] if argv is None else argv)
     p = parser(defaults)
     if recipe is None:
@@ -295,7 +274,7 @@ def _checked(argv: list[str] | None, *, defaults: FileDefaults, recipe: Recipe |
     args = p.parse_args(argv)
     run = RunSettings(**flag_values(RunSettings, args))
     batching = _batching(args, defaults)
-    world_size = _world_size()
+    _world_size()  # (checked here, read again by parse_config)
     if args.backend not in BACKENDS:
         raise ValueError(f"--backend must be one of {BACKENDS}, got {args.backend!r}")
     file = BACKEND_FILES[args.backend]
@@ -314,17 +293,16 @@ def _checked(argv: list[str] | None, *, defaults: FileDefaults, recipe: Recipe |
     optimization = flag_values(OptimizationSettings, args, skip=BACKENDS)
     if optimization["lr"] is None:
         optimization["lr"] = default_lr(lora=model.lora is not None, bundled_model=defaults.is_demo_model(model.path))
-    placeholder = {} if file.unread is None else {args.backend: file.unread}  # (the file's own: parse_config)
-    inputs = _Inputs(
-        run=run, batching=batching, world_size=world_size, backend_file=source, data=data, model=model,
+    placeholder = {} if file.unread is None else {args.backend: file.unread}
+    config = RunConfig(
+        model=model, data=data, batching=batching, run=run,
         optimization=OptimizationSettings(**optimization, **placeholder),
-        checkpoints=CheckpointSettings(**{**flag_values(CheckpointSettings, args), "resume": None}),  # (resume_tag:
-        # parse_config's last step, after the backend's file is read: it may remove the earlier run)
+        checkpoints=CheckpointSettings(**flag_values(CheckpointSettings, args)),
         logging=LoggingSettings(**flag_values(LoggingSettings, args)),
         preflight=PreflightSettings(**flag_values(PreflightSettings, args)))
     if Path(model.path).is_file():  # a model config JSON (random init): transformers must know its type
         _check_model_config(Path(model.path), _MODEL_FIX)
-    return args, inputs
+    return args, source, config
 
 
 def _named_recipe(argv: list[str]) -> str | None:
