@@ -66,3 +66,28 @@ def test_a_one_task_step_without_a_rendezvous_gets_one_on_this_host():
     given = {**srun_task(0, 0, 0), "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_TASKS_PER_NODE": "1"}
     assert rank_environment(given) == "slurm"  # a rendezvous the user (or the sbatch script) set is kept
     assert (given["MASTER_ADDR"], given["MASTER_PORT"]) == ("node1", "15001")
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "fsdp2"])
+def test_a_rendezvous_port_another_run_holds_names_the_port_and_master_port(backend, tmp_path, monkeypatch):
+    """A second ``deepspeed --num_gpus 2 launch/train.py`` on a node where another run holds port
+    29500: rank 0 stops in one line naming the port and ``--master_port`` (was torch's EADDRINUSE
+    traceback, while rank 1 joined the other run's store)."""
+    import torch.distributed as dist
+
+    from odb.training.launch.main import main
+
+    other_run = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)  # another run's rendezvous
+    for name in ("LOCAL_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(other_run.port))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as stopped:
+        main(["--backend", backend, "--output_dir", str(tmp_path / "run"), "--dist_timeout_s", "60"])
+    message = str(stopped.value.code)
+    assert message.startswith("odb: rank 0: ") and "\n" not in message
+    assert f"MASTER_PORT {other_run.port} is in use" in message and "--master_port" in message
+    assert not dist.is_initialized()

@@ -33,9 +33,9 @@ def main(argv: list[str] | None = None, *, defaults: FileDefaults | None = None,
 
     try:  # what this rank runs: torch, the backend's APIs, the packed attention path on its device
         check_startup(config)
-    except StartupError as error:
+        trainer = Trainer.init(config)  # (a rendezvous port another run holds); from here on every wait
+    except StartupError as error:       # before the first step is announced or bounded
         sys.exit(f"odb: rank {os.environ.get('RANK', '0')}: {error}")
-    trainer = Trainer.init(config)  # from here on every wait before the first step is announced or bounded
     try:
         trainer.build()
         trainer.train()

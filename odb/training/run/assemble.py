@@ -37,14 +37,14 @@ from odb.training.run.datasets import build_datasets, streaming_reader
 from odb.training.run.evaluate import Evaluator
 from odb.training.run.preflight import PreflightReport, run_preflight
 from odb.training.run.schedule import ProgressSchedule
-from odb.training.run.startup import probed_attention
+from odb.training.run.startup import StartupError, probed_attention
 from odb.training.run.waits import announced_wait
 from odb.training.run.watchdog import Watchdog, WatchedCommunicator
 from odb.training.step.engine import BLANK_IMAGE_TOKENS, OdbEngine
 from odb.training.step.sequence_parallel import SequenceParallel, long_sample_degrees, setup_groups
 from odb.training.step.sequence_parallel import setup as setup_sequence_parallel
 
-__all__ = ["Components", "build_backend", "build_components", "init_distributed"]
+__all__ = ["Components", "build_backend", "build_components", "init_distributed", "port_in_use"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,8 +117,24 @@ def init_distributed(config: RunConfig) -> tuple[int, int]:
     check = (f"every rank must be started with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE and reach {address} "
              f"(a firewall, another job on that port); the process group gives up after {timeout_s:.0f} s")
     with announced_wait(what, check, timeout_s=config.run.dist_timeout_s):
-        backend.init_distributed(timeout_s)
+        try:
+            backend.init_distributed(timeout_s)
+        except dist.DistNetworkError as error:
+            if "EADDRINUSE" not in str(error):
+                raise
+            raise StartupError(port_in_use(os.environ.get("MASTER_PORT", "?"))) from error
     return dist.get_rank(), dist.get_world_size()
+
+
+def port_in_use(port: str) -> str:
+    """The fix for a rendezvous port another process holds (rank 0 cannot open the process group's
+    store there; the other ranks of this run would join that process's store and wait)."""
+    from odb.training.config.environment import free_port
+
+    return (f"MASTER_PORT {port} is in use on this host (another run holds it), so this run's process group "
+            f"cannot open its rendezvous there: start this run on a free port (e.g. {free_port()}): "
+            "deepspeed --master_port <port> launch/train.py ..., torchrun --master_port <port> ..., "
+            "or export MASTER_PORT=<port> under srun; odb train picks a free port itself")
 
 
 def build_components(config: RunConfig, *, rank: int, world_size: int, report: Callable[[], np.ndarray],
