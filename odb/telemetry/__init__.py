@@ -49,18 +49,17 @@ from odb.telemetry.sources import SourceIntervals, sources_summary
 from odb.telemetry.totals import TRUNCATION_WARNING_SHARE, RunTotals
 from odb.telemetry.writer import MetricsWriter
 
-__all__ = ["TOTALS", "StepTimes", "Telemetry", "first_losses", "report_layout"]
+__all__ = ["TOTALS", "StepTimes", "Telemetry", "first_losses", "report_layout", "step_losses"]
 
 
-def first_losses(path: Path, known: list[float], *, before: int) -> list[float]:
-    """The run's first (up to 3) losses of steps with labels, from its ``metrics.jsonl`` rows of
-    steps before ``before`` (the checkpoint's: later rows are of steps a resume trains again),
-    where it holds more of them than ``known``. A line that does not parse (cut by a kill) is
-    skipped."""
-    found: list[float] = []
-    seen: set[int] = set()  # (a step's row twice: an earlier resume from an older checkpoint)
+def step_losses(path: Path, *, before: int) -> list[float]:
+    """The losses of the run's steps with labels before ``before`` (the checkpoint's: later rows are
+    of steps a resume trains again), in step order, from its ``metrics.jsonl``; a step's row twice (an
+    earlier resume from an older checkpoint) counts once, its last row. A line that does not parse
+    (cut by a kill) is skipped; no file, no losses."""
+    found: dict[int, float] = {}
     if not path.is_file():
-        return known
+        return []
     with open(path) as rows:
         for line in rows:
             try:
@@ -70,11 +69,15 @@ def first_losses(path: Path, known: list[float], *, before: int) -> list[float]:
             if not isinstance(row, dict):
                 continue
             step = row.get("step", before)
-            if "loss" in row and row.get("label_tokens") and step < before and step not in seen:
-                seen.add(step)
-                found.append(row["loss"])
-                if len(found) == 3:
-                    break
+            if "loss" in row and row.get("label_tokens") and isinstance(step, int) and step < before:
+                found[step] = row["loss"]
+    return [found[step] for step in sorted(found)]
+
+
+def first_losses(path: Path, known: list[float], *, before: int) -> list[float]:
+    """The run's first (up to 3) losses (:func:`step_losses`), where its ``metrics.jsonl`` holds more
+    of them than ``known`` (the checkpoint's)."""
+    found = step_losses(path, before=before)[:3]
     return found if len(found) > len(known) else known
 
 
@@ -302,6 +305,8 @@ class Telemetry:
             # reports ride on the next round): the run's first losses are in its metrics.jsonl
             self.totals.first_losses = first_losses(self.path, self.totals.first_losses,
                                                     before=self.totals.steps_done)
+        if self.writer is not None:  # the run's last losses before this process, for a resume of < 3 steps
+            self.totals.last_losses = step_losses(self.path, before=self.totals.steps_done)[-3:]
 
     redeal_states = staticmethod(RunTotals.redeal_states)
 

@@ -29,6 +29,7 @@ class RunTotals:
         self.samples_done = self.steps_done = 0
         self.counts = dict.fromkeys(COUNTS, 0)
         self.first_losses: list[float] = []  # the run's first (up to 3) global step losses, from before a resume
+        self.last_losses: list[float] = []  # its last (up to 3) before a resume (rank 0: from metrics.jsonl)
         self.skipped_before: Counter[str] = Counter()  # this rank's skipped records before a resume
         self.truncated_before: Counter[str] = Counter()  # this rank's data-worker cuts before a resume
         self.zero_label_steps = 0  # steps whose samples had no label token at all (the same on every rank)
@@ -89,7 +90,7 @@ class RunTotals:
         """
         wall_s = totals["wall_us"] / 1e6 / world_size  # every rank's train loop, averaged
         first = (self.first_losses + losses)[:3]  # (a resume after fewer than 3 steps completes them here)
-        last = losses[-3:] or first[-3:]
+        last = (self.last_losses + losses)[-3:] or first[-3:]  # (a resume of fewer than 3 steps)
         mine = self.this_process
         if epochs is None:
             epochs = round(totals["samples"] / max(1, self.dataset_size), 4)

@@ -114,13 +114,22 @@ def test_resume_continues_with_exactly_the_samples_not_yet_trained(tmp_path):
     first = audit(part, 2)
     shutil.move(part / "emitted_ids.rank0.jsonl", part / "first.rank0.jsonl")
     shutil.move(part / "emitted_ids.rank1.jsonl", part / "first.rank1.jsonl")
+    # --max_steps counts the run's steps: the same command again (a requeued job) trains none; 7 trains 2 more
+    again = deepspeed(common + ["--output_dir", str(part), "--resume", "--max_steps", "5"])
+    assert "the run has trained 5 steps, --max_steps 5: nothing to train" in again.stdout + again.stderr
+    assert [path.read_text() for path in sorted(part.glob("emitted_ids.rank*.jsonl"))] == ["", ""]
+    deepspeed(common + ["--output_dir", str(part), "--resume", "--max_steps", "7"])
+    middle = audit(part, 2)
+    assert [sorted({r["step"] for r in rows}) for rows in middle] == [[5, 6]] * 2
+    for rank in range(2):
+        shutil.move(part / f"emitted_ids.rank{rank}.jsonl", part / f"middle.rank{rank}.jsonl")
     deepspeed(common + ["--output_dir", str(part), "--resume"])
     second, reference = audit(part, 2), audit(full, 2)
     k = 5
     for rank in range(2):
         assert max(r["step"] for r in first[rank]) == k - 1
-        assert first[rank] + second[rank] == reference[rank]  # the same batches, from step k on too
-    ids = Counter(i for rows in first + second for r in rows for i in r["ids"])
+        assert first[rank] + middle[rank] + second[rank] == reference[rank]  # the same batches, from step k on too
+    ids = Counter(i for rows in first + middle + second for r in rows for i in r["ids"])
     assert ids == Counter(range(80))
     # the summary of the resumed run reports the whole run, as the uninterrupted one does
     whole, resumed = (json.loads((o / "summary.json").read_text()) for o in (full, part))
@@ -129,10 +138,10 @@ def test_resume_continues_with_exactly_the_samples_not_yet_trained(tmp_path):
                 "skipped"):
         assert resumed[key] == whole[key], key
     assert resumed["loss_first"] == pytest.approx(whole["loss_first"], rel=1e-4)
-    assert resumed["loss_last"] == pytest.approx(whole["loss_last"], rel=1e-4)
+    assert resumed["loss_last"] == pytest.approx(whole["loss_last"], rel=1e-4)  # (this process: 2 steps)
     mine = resumed["this_process"]
-    assert mine["steps"] == whole["steps"] - k
-    assert mine["samples"] == 80 - sum(len(r["ids"]) for rows in first for r in rows)
+    assert mine["steps"] == whole["steps"] - 7
+    assert mine["samples"] == 80 - sum(len(r["ids"]) for rows in first + middle for r in rows)
     assert mine["odb_collectives"] == mine["rounds"] + 2
 
 

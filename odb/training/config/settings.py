@@ -96,7 +96,8 @@ class RunSettings:
     epochs: int = 1
     """Passes over the data (join mode)."""
     max_steps: int | None = None
-    """Stop after this many optimizer steps in this process."""
+    """Stop once the run has trained this many optimizer steps (counted over the run: a resume's
+    earlier steps count, so a requeued job with the same flags trains none more)."""
     dist_timeout_s: int = 600
     """Every rank stops (exit 71) when any rank has had no heartbeat or no progress this long
     (frozen, killed, stuck loading data; ``odb.training.run.watchdog``): make it longer than the slowest

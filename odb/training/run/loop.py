@@ -49,7 +49,7 @@ class Trainer:
     def __init__(self, config: RunConfig, *, rank: int, world_size: int) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.parts: Components | None = None  # after build()
-        self.saved: str | None = None  # the last checkpoint tag written
+        self.saved: str | None = None  # the last checkpoint tag written (or resumed from)
         self.audit: IO[str] | None = None  # emitted_ids.rank<R>.jsonl while training
         self.evaluated_at: int | None = None  # steps done at the last evaluation
         self.watchdog: Watchdog | None = None  # from init() on (odb.training.run.watchdog)
@@ -87,6 +87,7 @@ class Trainer:
         self._track_sources()
         if plan is not None:
             load_checkpoint(self.parts, config, tag, plan, self.log)
+            self.saved = tag  # (a resume that trains no step, at --max_steps, saves it again for nothing)
         self.log("odb: " + ", ".join(f"{k} {v}" for k, v in self.parts.settings.items()))
         # rank 0's tracker runs, from this process's first step on (a resume's: its checkpoint's)
         self.parts.trackers.start(self.parts.telemetry.steps_done, self.log)
@@ -101,7 +102,8 @@ class Trainer:
     # ---- train ------------------------------------------------------------------------------
 
     def train(self) -> Trainer:
-        """The step loop (collective): until the batcher has no more steps, or ``--max_steps``.
+        """The step loop (collective): until the batcher has no more steps, or the run has trained
+        ``--max_steps`` steps (counted over the run: a resumed run's steps before its checkpoint count).
 
         Raises:
             Preempted: SIGTERM or SIGUSR1 reached a rank; every rank stopped after the same step
@@ -117,10 +119,13 @@ class Trainer:
         if progress is not None:
             progress.start(telemetry, bar_total=parts.schedule.total)
         telemetry.start()
-        steps_this_run = 0
+        max_steps = config.run.max_steps
+        if max_steps and telemetry.steps_done >= max_steps:
+            self.log(f"odb: the run has trained {telemetry.steps_done} steps, --max_steps {max_steps}: nothing to "
+                     "train (raise --max_steps to train on)")
         plans = iter(batcher)
         watchdog.arm()
-        while True:
+        while not (max_steps and telemetry.steps_done >= max_steps):  # the same on every rank
             began = time.perf_counter()
             before = batcher.stats
             watchdog.progress("fetching samples and planning", step=telemetry.steps_done, round=before.rounds)
@@ -130,7 +135,6 @@ class Trainer:
             watchdog.progress(f"training ({len(plan.micro_batches)} micro-batches)", step=plan.step)
             samples = [[parts.feed.take(uid) for uid in micro.uids] for micro in plan.micro_batches]
             self._record(plan, parts.engine.train_step(plan, samples, self._lr()), began=began, before=before)
-            steps_this_run += 1
             if progress is not None:
                 progress.step(plan, telemetry.last)
             if config.data.eval_steps and telemetry.steps_done % config.data.eval_steps == 0:
@@ -141,8 +145,6 @@ class Trainer:
                 preempted = f"step{telemetry.steps_done}"
                 if self.saved != preempted:
                     self.save(preempted)
-                break
-            if config.run.max_steps and steps_this_run >= config.run.max_steps:
                 break
         telemetry.stop()
         if progress is not None:
