@@ -1,6 +1,7 @@
 """The start-up check (torch, the backend's APIs, the packed attention path) and the announced waits
 (odb/training/run/startup.py), in one process. tests/e2e/test_startup_launch.py launches them for real."""
 
+import os
 import re
 import threading
 import time
@@ -168,6 +169,31 @@ def test_a_wait_is_reported_while_it_lasts_and_not_after(monkeypatch, capsys):
     assert 3 <= len(lines) <= 5, lines
     assert all(re.fullmatch(r"odb: rank 3: waiting \d s for the model to load from X; check the storage", x)
                for x in lines), lines
+
+
+def test_a_wait_on_a_datasets_cache_lock_names_the_lock_and_its_holder(monkeypatch, tmp_path, capsys):
+    """Hugging Face datasets converts a Parquet file into its cache under a filelock lock while every
+    other rank waits on it: the report names that lock and the process holding it (here this one,
+    through another descriptor), not only 'the data to be indexed'."""
+    from datasets.utils._filelock import FileLock
+
+    monkeypatch.setenv(WAIT_REPORT_ENV, "0.2")
+    lock = tmp_path / "parquet" / "default-0_builder.lock"
+    lock.parent.mkdir()
+    held = threading.Event()
+
+    def hold() -> None:  # another thread's descriptor (filelock refuses a second lock in one thread)
+        with FileLock(str(lock)):
+            held.set()
+            time.sleep(1.0)
+
+    threading.Thread(target=hold).start()
+    held.wait()
+    with announced_wait("the data x.parquet to be indexed", "check the storage", timeout_s=60):
+        with FileLock(str(lock)):  # what datasets' builder does before it converts the file
+            pass
+    lines = capsys.readouterr().err.splitlines()
+    assert lines and all(f"for the lock {lock}, held by pid {os.getpid()} (" in line for line in lines[1:]), lines
 
 
 def test_the_interval_must_be_a_positive_number(monkeypatch):

@@ -13,8 +13,11 @@ with no output. When the waiting thread is inside that wait (its stack shows tor
 ``FileBaton.wait``), the report names the lock; once no build has run there for the run's
 ``--dist_timeout_s`` (no process on this machine works in the build folder, and nothing in it
 changed), the rank ends (exit code :data:`odb.training.run.watchdog.EXIT_STALLED`) naming the file
-to delete. The other waits (the rendezvous, bounded by the process group's own timeout; a model
-load) are only reported."""
+to delete. A wait inside a ``filelock`` lock (Hugging Face ``datasets`` converting a Parquet file
+into its cache: one process converts, every other waits on ``<cache>/..._builder.lock`` with no
+output) is reported with the lock's file and the process that holds it (from ``/proc/locks``); such
+a lock dies with its holder, so it is only reported. The other waits (the rendezvous, bounded by
+the process group's own timeout; a model load) are only reported."""
 
 from __future__ import annotations
 
@@ -63,6 +66,41 @@ def _baton_lock(frame: FrameType | None) -> Path | None:
     return None
 
 
+def _file_lock(frame: FrameType | None) -> Path | None:
+    """The lock file a thread waits for, if its stack (``frame`` up) is acquiring a ``filelock`` lock
+    (``datasets``' cache locks are ones)."""
+    try:
+        from filelock import BaseFileLock
+    except ImportError:
+        return None
+    while frame is not None:
+        lock = frame.f_locals.get("self")
+        if isinstance(lock, BaseFileLock) and "acquire" in frame.f_code.co_name:
+            return Path(lock.lock_file)
+        frame = frame.f_back
+    return None
+
+
+def lock_holder(path: Path, locks: Path = Path("/proc/locks")) -> str | None:
+    """Which process on this machine holds the ``flock``/``fcntl`` lock on file ``path``: ``'pid N
+    (its command)'`` from ``locks`` (the kernel's table), or None (none, or not seen here)."""
+    try:
+        inode, table = path.stat().st_ino, locks.read_text()
+    except OSError:
+        return None
+    for line in table.splitlines():  # "1: FLOCK  ADVISORY  WRITE 1234 00:2a:5678 0 EOF"
+        fields = line.split()
+        if len(fields) > 5 and fields[5].rsplit(":", 1)[-1] == str(inode) and fields[4].isdigit():
+            pid = int(fields[4])
+            try:
+                command = " ".join(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0"))
+                command = " ".join(command.split())
+            except OSError:
+                command = ""
+            return f"pid {pid}" + (f" ({command[:120]})" if command else "")
+    return None
+
+
 def _building_in(folder: Path) -> bool:
     """Whether a process on this machine works in ``folder`` (torch runs ninja there, and the compilers
     it starts inherit that working directory). Processes of other users, and other machines sharing
@@ -101,6 +139,7 @@ class _Announcer:
         self.waiter = threading.get_ident()  # the thread that waits: the one entering the context
         self.started = time.monotonic()
         self.lock: _Lock | None = None
+        self.file_lock: Path | None = None  # a filelock lock the waiting thread waits for
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, name="odb-announced-wait", daemon=True)
 
@@ -109,6 +148,7 @@ class _Announcer:
         next_report = self.interval_s
         while not self.done.wait(tick):
             self._watch_lock()
+            self.file_lock = _file_lock(sys._current_frames().get(self.waiter))
             waited = time.monotonic() - self.started
             if waited >= next_report and not self.done.is_set():
                 next_report += self.interval_s
@@ -143,6 +183,11 @@ class _Announcer:
                     f"torch's C++ extension build (another process builds {lock.path.parent.name}, or a build killed "
                     f"while it held the lock left it behind: then delete it). This rank stops once no build has run "
                     f"there for {self.timeout_s:.0f} s")
+        if self.file_lock is not None:
+            holder = lock_holder(self.file_lock) or "another process, maybe on another machine"
+            return (f"odb: rank {self.rank}: waiting {waited:.0f} s for {self.what}: for the lock {self.file_lock}, "
+                    f"held by {holder} (Hugging Face datasets converts a file into its cache once, under this lock, "
+                    "while every other process waits; the lock is released when its holder finishes or dies)")
         return f"odb: rank {self.rank}: waiting {waited:.0f} s for {self.what}; {self.check}"
 
 
