@@ -42,7 +42,7 @@ import numpy as np
 from odb.batching.cost import SampleCost
 from odb.batching.wire import Layout
 
-__all__ = ["MIX_BY", "MIX_EPOCH", "Mixture", "redeal_mixture"]
+__all__ = ["MIX_BY", "MIX_EPOCH", "Mixture", "epoch_records", "redeal_mixture"]
 
 MIX_BY = ("label_tokens", "tokens", "samples")
 """The unit a mixture's weights share out."""
@@ -318,3 +318,17 @@ def redeal_mixture(states: Sequence[Mapping[str, Any] | None], again: Sequence[S
     zero = {k: [0] * len(sizes) for k in _COUNTS}
     return [{**dict(first), "mine": mine if r == 0 else zero, "closed": closed or first["closed"]}
             for r in range(world_size)]
+
+
+def epoch_records(sizes: Sequence[int], weights: Sequence[float], epoch_rule: str) -> list[int]:
+    """Each source's records in one epoch when every record carries the same units: the estimate
+    before any sample is measured (exact to a record under ``mix_by: samples``). The source that sets
+    the epoch is the one of the largest pass level, records / weight (``"all"``: it trains once, the
+    others up-sampled to their shares) or the smallest (``"first"``: the others down-sampled)."""
+    total = float(sum(weights))
+    shares = [float(w) / total for w in weights]
+    levels = [n / share for n, share in zip(sizes, shares)]
+    level = max(levels) if epoch_rule == "all" else min(levels)
+    bound = max if epoch_rule == "all" else min
+    return [int(bound(n, round(share * level))) for n, share in zip(sizes, shares)]
+

@@ -253,3 +253,21 @@ def test_weights_must_be_finite():
         Mixture([3, 4], [float("inf"), 1.0])
     mixture = Mixture([3, 4], [1e308, 1e308])  # normalized by the largest: no overflow
     assert mixture.weights == [0.5, 0.5]
+
+
+@pytest.mark.parametrize("rule", ["all", "first"])
+def test_the_start_estimate_of_an_epoch_is_what_a_samples_mix_trains(rule):
+    """The epoch size rank 0 states at start (odb.batching.mixture.epoch_records, before any sample
+    is measured) against what the mixture then trains by samples and the offline optimum: a tiny,
+    heavily weighted source under 'all' makes an epoch many times the data."""
+    from odb.batching.mixture import epoch_records
+
+    sizes, weights = [12, 150], [0.8, 0.2]
+    lengths = make_sources(sizes, [(20, 60), (100, 300)], seed=3)
+    result = run(lengths, sizes, weights, world=2, mix_by="samples", rule=rule)
+    units, _ = trained(result.steps, lengths, np.cumsum([0] + sizes), "samples")
+    best = oracle(lengths, sizes, weights, 0, "samples", rule)
+    estimate = epoch_records(sizes, weights, rule)
+    assert all(abs(e - b) <= 1 for e, b in zip(estimate, best)), (estimate, best)
+    assert all(abs(e - u) <= 1 for e, u in zip(estimate, units)), (estimate, units)
+    assert estimate == ([600, 150] if rule == "all" else [12, 3])  # 0.8 / 0.2 of the largest / smallest pass

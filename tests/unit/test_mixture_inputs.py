@@ -97,3 +97,21 @@ def test_one_named_source_keeps_its_name_and_a_path_with_an_equals_sign_is_a_pat
     plain = parse_config(["--data", str(folder / "train.jsonl"), "--output_dir", str(tmp_path / "o")],
                          defaults=DEFAULTS)
     assert plain.data.sources == () and plain.data.path == str(folder / "train.jsonl")
+
+
+def test_a_huge_weighted_epoch_is_warned_of_at_start_naming_the_source_and_the_ways_out(tmp_path):
+    """mix_epoch all with a tiny source at a large weight: about 100x the data's records an epoch."""
+    from odb.training.run.datasets import mixture_epoch
+
+    def line(rule, weights):
+        config = parse_config(["--data", f"tiny=data/chat.jsonl:{weights[0]}", f"big=data/chat.jsonl:{weights[1]}",
+                               "--mix_epoch", rule, "--mix_by", "samples", "--output_dir", str(tmp_path / "o")],
+                              defaults=DEFAULTS)
+        return mixture_epoch(config, [50, 5000], ["tiny", "big"])
+
+    warned = line("all", [0.99, 0.01])
+    assert warned.startswith("odb: WARNING: mixture (mix_epoch all): an epoch trains about 500000 records, 99 x")
+    assert "'tiny' (50 records at weight 0.99) passes about 9.9e+03 times" in warned
+    assert "--mix_epoch first" in warned and "--max_steps" in warned
+    assert line("first", [0.99, 0.01]).startswith("odb: mixture (mix_epoch first): an epoch trains about 51 records")
+    assert "WARNING" not in line("all", [0.5, 0.5])  # 2 x the data at most: no warning below LARGE_EPOCH

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,7 @@ from odb.training.backends.process_group import collective_timeout_s
 from odb.training.config.settings import RunConfig
 from odb.training.model.build import flops_model, hf_model, load_tokenizer, vision_spec
 from odb.training.model.mrope import supports_packing
-from odb.training.run.datasets import build_datasets, streaming_reader
+from odb.training.run.datasets import build_datasets, mixture_epoch, streaming_reader
 from odb.training.run.evaluate import Evaluator
 from odb.training.run.preflight import PreflightReport, run_preflight
 from odb.training.run.schedule import ProgressSchedule
@@ -234,6 +235,8 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
     if config.data.streaming:
         batching, reader, records = streaming_reader(config, batching, dataset, world_size // size, log)
     if config.data.is_weighted:
+        if rank == 0:
+            print(mixture_epoch(config, list(dataset.sizes), list(dataset.source_names)), file=sys.stderr, flush=True)
         mixture = Mixture(dataset.sizes, [s.weight for s in config.data.sources], mix_by=config.data.mix_by,
                           epoch_rule=config.data.mix_epoch, seed=batching.seed, quota=batching.mode == "quota")
     batcher = OnlineBatcher(batching, batcher_comm, dataset_size=len(dataset), feed=feed, num_epochs=config.run.epochs,

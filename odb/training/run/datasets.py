@@ -10,12 +10,16 @@ from collections.abc import Callable
 import numpy as np
 
 from odb.batching.config import OdbConfig
+from odb.batching.mixture import epoch_records
 from odb.data.mixture import MixedDataset, SourceSpec
 from odb.data.processing import SampleDataset
 from odb.data.streaming import ShardReader
 from odb.training.config.settings import RunConfig
 
-__all__ = ["build_datasets", "streaming_reader"]
+__all__ = ["build_datasets", "mixture_epoch", "streaming_reader"]
+
+LARGE_EPOCH = 2.0
+"""A weighted epoch this many times the data's records or more is warned of at start."""
 
 
 def streaming_reader(config: RunConfig, batching: OdbConfig, dataset: SampleDataset, world_size: int,
@@ -78,3 +82,29 @@ def build_datasets(config: RunConfig, tokenizer, vision, *, truncate_to: int | N
     return (joined(train, bool(data.sources)),
             joined(held_out, bool(data.eval_sources if data.eval_path is not None else data.sources))
             if held_out else None)
+
+
+def mixture_epoch(config: RunConfig, sizes: list[int], names: list[str]) -> str:
+    """The line rank 0 prints at the start of a weighted mixture (``sizes``: records per source, as
+    ``names``): the epoch's size by source, estimated at equal units per record; a WARNING when it is
+    :data:`LARGE_EPOCH` times the data or more (under ``mix_epoch: all`` a tiny, heavily weighted
+    source passes again and again to keep its share of the largest source's pass)."""
+    weights = [source.weight for source in config.data.sources]
+    records = epoch_records(sizes, weights, config.data.mix_epoch)
+    total, data = sum(records), sum(sizes)
+    parts = ", ".join(f"{name} {n} ({n / size:.3g} x its {size} records)"
+                      for name, n, size in zip(names, records, sizes))
+    unit = config.data.mix_by
+    line = (f"odb: mixture (mix_epoch {config.data.mix_epoch}): an epoch trains about {total} records, "
+            f"{total / data:.3g} x the data's {data}: {parts}"
+            + ("" if unit == "samples" else f" (at equal {unit} per record; the first rounds measure them)"))
+    if config.data.mix_epoch != "all" or total < LARGE_EPOCH * data:
+        return line
+    most = max(range(len(sizes)), key=lambda i: records[i] / sizes[i])  # the tiny, heavily weighted source
+    return (line.replace("odb: mixture", "odb: WARNING: mixture", 1) +
+            f". Source {names[most]!r} ({sizes[most]} records at weight {weights[most]:g}) passes about "
+            f"{records[most] / sizes[most]:.3g} times: every record of every source trains at least once, so the "
+            "smaller sources are up-sampled to their shares of the largest pass. For a shorter epoch: --mix_epoch "
+            f"first (every record at most once), a lower weight for {names[most]!r}, "
+            "or --max_steps")
+
