@@ -57,7 +57,8 @@ class OdbConfig:
     """Micro-batches per optimizer step on every rank (gradient accumulation steps)."""
     global_batch_tokens: int | None = None
     """Tokens an optimizer step should carry over all ranks: the trainer derives gas from it at
-    start (and at a resume on another number of ranks), :func:`gas_for_tokens`; gas then is ignored."""
+    start (and at a resume on another number of ranks), :func:`gas_for_tokens`, and writes it
+    where gas was (run_config.json, summary.json, DeepSpeed's config)."""
     mode: str = "join"
     """'join': every sample exactly once per epoch; 'quota': stop at a global sample count."""
     quota: int | None = None

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import torch
+
 from launch import ROOT, audit, deepspeed, ds_config, odb_config
 
 
@@ -20,6 +22,10 @@ def test_a_resume_on_four_ranks_derives_gas_again_and_keeps_the_tokens_per_step(
     first = deepspeed([*common, "--max_steps", "4", "--save_steps", "4", "--no_final_checkpoint"], nproc=2,
                       timeout=600)
     assert "global_batch_tokens 2048: gas 4 on 2 rank(s) of up to 256 tokens" in first.stdout
+    saved = json.loads((out / "checkpoints" / "step4" / "run_config.json").read_text())
+    assert saved["batching"]["gas"] == 4  # the derived gas where the configured one (1) was
+    assert (saved["optimization"]["deepspeed"]["gradient_accumulation_steps"],
+            saved["optimization"]["deepspeed"]["train_batch_size"]) == (4, 8)
     before = audit(out, 2)
     for r in range(2):
         (out / f"emitted_ids.rank{r}.jsonl").rename(out / f"first.rank{r}.jsonl")
@@ -30,6 +36,12 @@ def test_a_resume_on_four_ranks_derives_gas_again_and_keeps_the_tokens_per_step(
     assert {r["micro"] for rank in after for r in rank} == {0, 1}
     trained = Counter(i for rank in before + after for row in rank for i in row["ids"])
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["batching"]["gas"] == 2
+    assert (summary["config"]["optimization"]["deepspeed"]["gradient_accumulation_steps"],
+            summary["config"]["optimization"]["deepspeed"]["train_batch_size"]) == (2, 8)
+    [states] = (out / "checkpoints").glob(f"step{summary['steps']}/**/mp_rank_00_model_states.pt")
+    engine = torch.load(states, map_location="cpu", weights_only=False)  # DeepSpeed's engine's own
+    assert (engine["ds_config"]["gradient_accumulation_steps"], engine["ds_config"]["train_batch_size"]) == (2, 8)
     assert sum(trained.values()) + sum(summary["skipped"].values()) == 200 and set(trained.values()) == {1}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     per_step = summary["tokens_per_step"]

@@ -197,6 +197,7 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
             f"= {batching.max_tokens} (room for the blank image of imageless micro-batches)")
     if batching.global_batch_tokens is not None:
         batching = _gas_from_tokens(batching, world_size // size, log, packed=packed)
+        config = _with_gas(config, batching.gas, backend)
     if batching.over_cap == "sequence_parallel":
         degrees = tuple(groups)
         if degrees:
@@ -281,6 +282,26 @@ def _gas_from_tokens(batching: OdbConfig, ranks: int, log: Callable[[str], None]
         f"{batching.max_tokens} tokens a micro-batch (about {about} tokens a step; summary.json reports what the "
         "steps carried)")
     return dataclasses.replace(batching, gas=gas)
+
+
+def _with_gas(config: RunConfig, gas: int, backend: Backend) -> RunConfig:
+    """The run's config with the gas derived from ``global_batch_tokens`` where the configured one
+    was: odb's settings (``run_config.json``, ``summary.json``, the trackers) and, under DeepSpeed,
+    its config's ``gradient_accumulation_steps`` / ``train_batch_size`` and its engine's (what
+    DeepSpeed logs and saves with its checkpoints)."""
+    optimization = config.optimization
+    if optimization.backend == "deepspeed":
+        ds = dict(optimization.deepspeed)
+        ranks = ds["train_batch_size"] // ds["gradient_accumulation_steps"]  # (micro-batches of 1 row a rank)
+        ds.update(gradient_accumulation_steps=gas, train_batch_size=gas * ranks)
+        optimization = dataclasses.replace(optimization, deepspeed=ds)
+        engine = backend.engine  # type: ignore[attr-defined]
+        batch = gas * engine.train_micro_batch_size_per_gpu() * engine.dp_world_size
+        engine.set_train_batch_size(batch)
+        if isinstance(engine.config, dict):  # (the JSON it saves with each checkpoint)
+            engine.config.update(gradient_accumulation_steps=gas, train_batch_size=batch)
+    return dataclasses.replace(config, batching=dataclasses.replace(config.batching, gas=gas),
+                               optimization=optimization)
 
 
 def _long_sample_groups(config: RunConfig, model, *, host_backend: bool, packed: bool, rank: int,
