@@ -87,8 +87,9 @@ class LabelledChat:
     """A conversation rendered, tokenized and labelled.
 
     Attributes:
-        text: the full rendering (``apply_chat_template(messages, tools=tools, tokenize=False)``).
-        input_ids: its tokens, those of ``apply_chat_template(messages, tools=tools, tokenize=True)``.
+        text: the full rendering (``apply_chat_template(messages, tools=tools, tokenize=False,
+            **template_kwargs)``).
+        input_ids: its tokens, those of ``apply_chat_template(..., tokenize=True)``.
         label_spans: token ranges ``[start, end)`` to train on, in order.
         turn_ends: the token positions just past each complete assistant turn that was found, in
             order: where a sample may be cut between turns (see ``DataConfig.truncation``).
