@@ -18,7 +18,8 @@ the equivalent flags therefore give the same :class:`~odb.training.config.settin
 How a value becomes arguments: ``null`` leaves the flag at its default; a switch (``save_hf``) is
 given when true; a switch with a ``--no-`` form (``strict``) is given either way; a flag whose value
 is optional (``lora``, ``resume``) is given bare when true; a list is joined with commas
-(``wandb_tags``); anything else is the flag's value as text. The settings files (``odb_config``,
+(``wandb_tags``); a mapping, for a flag that takes a JSON object (``chat_template_kwargs``), is
+written as that JSON; anything else is the flag's value as text. The settings files (``odb_config``,
 ``data_config``, ``deepspeed_config``, ``fsdp_config``, ``lora``) take a path, relative to the
 recipe's folder (where a recipe keeps its companions), or a mapping with the keys the file would
 hold, handed to the loaders as an :class:`~odb.settings.Inline` that names where it was written.
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from odb.settings import Inline, nearest, read_json_object, read_yaml
+from odb.settings import JSON_METAVAR, Inline, nearest, read_json_object, read_yaml
 
 __all__ = ["LAUNCH_KEYS", "SUFFIXES", "Recipe", "bundled_root", "find_recipe", "load_recipe", "parse_overrides",
            "recipe_names"]
@@ -129,8 +130,11 @@ def _words(action: argparse.Action, value: Any, where: str) -> list[str]:
         return [flag] if _switch(value, where) else []
     if action.nargs == "?" and (isinstance(value, bool) or str(value).lower() in ("true", "false")):
         return [flag] if _switch(value, where) else []
+    if isinstance(value, Mapping) and action.metavar == JSON_METAVAR:  # (e.g. chat_template_kwargs)
+        return [f"{flag}={json.dumps(dict(value))}"]
     if isinstance(value, Mapping):
-        raise ValueError(f"{where} takes a value, not a mapping (only the settings files take their keys inline)")
+        raise ValueError(f"{where} takes a value, not a mapping (only the settings files and chat_template_kwargs "
+                         "take a mapping)")
     if isinstance(value, bool):
         raise ValueError(f"{where} takes a value, not {str(value).lower()}")
     if isinstance(value, (list, tuple)) and action.nargs == "+":  # (e.g. data: a list of sources)

@@ -21,13 +21,15 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["INT_LIMIT", "ConfigSource", "Flag", "Inline", "add_flags", "check", "check_bool", "check_int",
-           "check_number", "check_optional_int", "check_optional_str", "check_str", "field_default", "field_docs",
-           "field_names", "flag", "flag_fields", "flag_name", "flag_values", "load_json_config", "nearest",
-           "read_json_object", "read_yaml", "shown", "source_name"]
+__all__ = ["INT_LIMIT", "JSON_METAVAR", "ConfigSource", "Flag", "Inline", "add_flags", "check", "check_bool",
+           "check_int", "check_number", "check_optional_int", "check_optional_str", "check_str", "field_default",
+           "field_docs", "field_names", "flag", "flag_fields", "flag_name", "flag_values", "load_json_config",
+           "nearest", "read_json_object", "read_yaml", "shown", "source_name"]
 
 INT_LIMIT = 2**63
 """Integers odb reads from a config stay below this: ranks exchange them (and sums of them) as int64."""
+JSON_METAVAR = "JSON"
+"""The metavar of a flag whose value is a JSON object (a recipe writes a mapping as one, :mod:`odb.recipe`)."""
 
 
 def _is_int(value: Any) -> bool:
@@ -223,6 +225,8 @@ class Flag:
     const: Any = None
     parse: Callable[[Any], Any] | None = None
     """The command line's value -> the field's (e.g. a comma-separated list -> a tuple)."""
+    metavar: str | None = None
+    """How ``--help`` names the value (:data:`JSON_METAVAR`: a JSON object, which a recipe may give as a mapping)."""
     shown_default: str | None = None
     """What ``--help`` says the default is, where the field's own value is not what a user sees."""
 
@@ -315,6 +319,8 @@ def add_flags(parser: Any, cls: type, *, only: Iterable[str] | None = None, skip
                 options["choices"] = spec.choices
             if spec.nargs is not None:
                 options.update(nargs=spec.nargs, const=spec.const)
+            if spec.metavar is not None:
+                options["metavar"] = spec.metavar
         parser.add_argument(flag_name(f), **options)
 
 

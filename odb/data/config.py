@@ -5,18 +5,66 @@ processing itself is :mod:`odb.data.processing`'s."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from odb.data.formats import FORMATS
 from odb.data.labels import TRAIN_ON
-from odb.settings import ConfigSource, check_bool, check_int, check_number, check_str, flag, load_json_config
+from odb.settings import (
+    JSON_METAVAR,
+    ConfigSource,
+    check_bool,
+    check_int,
+    check_number,
+    check_str,
+    flag,
+    load_json_config,
+)
 
-__all__ = ["TRUNCATION", "DataConfig", "load_data_config"]
+__all__ = ["SYSTEM_MESSAGE", "TRUNCATION", "DataConfig", "load_data_config"]
 
 
 TRUNCATION = ("turns", "tokens")
 """Where a sample over the token cap is cut (``DataConfig.truncation``)."""
+SYSTEM_MESSAGE = ("keep", "fold")
+"""What becomes of a record's system message (``DataConfig.system_message``)."""
+_SET_BY_ODB = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+               "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+               "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
+"""``apply_chat_template``'s own arguments, which odb sets per rendering (or a record's ``tools``)."""
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """``--chat_template_kwargs``'s text -> the mapping it writes."""
+    try:
+        value = json.loads(text)
+    except ValueError:  # (not JSON: refused below)
+        value = None
+    if not isinstance(value, dict):
+        raise ValueError(f"--chat_template_kwargs must be a JSON object such as '{{\"enable_thinking\": false}}', "
+                         f"got {text!r}")
+    return value
+
+
+def _check_template_kwargs(value: Any) -> dict[str, Any]:
+    """``chat_template_kwargs`` checked, as a plain JSON copy (run_config.json and the ranks' settings
+    check hold it)."""
+    example = 'e.g. {"enable_thinking": false}'
+    if not isinstance(value, Mapping) or not all(isinstance(key, str) and key.isidentifier() for key in value):
+        raise ValueError(f"chat_template_kwargs must map template variable names to values ({example}), "
+                         f"got {value!r}")
+    taken = sorted(set(value) & set(_SET_BY_ODB))
+    if taken:
+        raise ValueError(f"chat_template_kwargs may not set {taken}: odb passes apply_chat_template's own arguments "
+                         "itself (the messages, each record's tools, the generation prompt, tokenize); give only "
+                         f"the variables the template reads ({example})")
+    try:
+        return json.loads(json.dumps(dict(value), allow_nan=False))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"chat_template_kwargs must hold JSON values (strings, numbers, true/false, null, lists, "
+                         f"objects), got {value!r}: {err}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +83,15 @@ class DataConfig:
     'tokens' cuts at the cap."""
     strict: bool = False
     """Stop at the first bad record (file, line, reason) instead of skipping and counting it."""
+    system_message: str = field(default="keep", metadata=flag(choices=SYSTEM_MESSAGE))
+    """'keep': a record's system message goes to the chat template as it is; 'fold': its text opens the
+    user turn after it (system text, blank line, user text), for templates that refuse a system
+    message (Gemma 2's) or drop it from a finished conversation (Mistral v0.3's, Mistral-Nemo's), whose
+    records 'keep' skips."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict, hash=False, metadata=flag(
+        parse=_json_object, metavar=JSON_METAVAR))
+    """Variables for the chat template, passed to every rendering odb makes (the training text and the
+    label search alike), e.g. {"enable_thinking": false} for Qwen3; on the command line a JSON object."""
     system_prompts: tuple[str, ...] = ()
     """Augmentation: with probability system_prompt_prob, a random one of these as system turn."""
     system_prompt_prob: float = 0.0
@@ -76,6 +133,9 @@ class DataConfig:
         if self.truncation not in TRUNCATION:
             raise ValueError(f"truncation must be one of {TRUNCATION}, got {self.truncation!r}")
         check_bool("strict", self.strict)
+        if self.system_message not in SYSTEM_MESSAGE:
+            raise ValueError(f"system_message must be one of {SYSTEM_MESSAGE}, got {self.system_message!r}")
+        object.__setattr__(self, "chat_template_kwargs", _check_template_kwargs(self.chat_template_kwargs))
         check_bool("turn_sampling", self.turn_sampling)
         prompts = self.system_prompts
         if not isinstance(prompts, (list, tuple)) or not all(isinstance(prompt, str) for prompt in prompts):

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["FORMATS", "IMAGE_PLACEHOLDER", "SKIP_REASONS", "VIDEO_PLACEHOLDER", "Conversation", "SkipSample",
-           "detect_format", "normalize", "text_of"]
+           "detect_format", "fold_system_messages", "normalize", "text_of"]
 
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
@@ -97,6 +97,28 @@ class Conversation:
 def text_of(message: dict[str, Any]) -> str:
     """A normalized message's text."""
     return message.get("content") or ""
+
+
+def fold_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each system message's text folded into the user turn after it, as users do
+    for a template that refuses or drops system messages (and as Gemma 3's and Mistral v0.1's own
+    templates do): ``system text + "\\n\\n" + user text``. Consecutive system messages join with a blank
+    line; one with no text is dropped (there is nothing to fold); one that no user turn follows
+    stays where it is. New dicts where anything changed; ``messages`` itself is left as it is."""
+    out: list[dict[str, Any]] = []
+    pending: list[dict[str, Any]] = []  # system messages not folded yet
+    for message in messages:
+        if message["role"] == "system":
+            pending.append(message)
+            continue
+        if pending and message["role"] == "user":
+            texts = [text_of(system) for system in pending if text_of(system).strip()]
+            message = {**message, "content": "\n\n".join([*texts, text_of(message)])} if texts else message
+        else:
+            out += pending
+        pending = []
+        out.append(message)
+    return out + pending
 
 
 def detect_format(record: dict[str, Any]) -> str:

@@ -57,14 +57,20 @@ which names where the renderings part and the two fallbacks of :data:`TRAIN_ON`:
 (labels on the final assistant turn, whose rendering still extends the prompt before it) and
 ``"all"`` (every token). A system message whose text the whole rendering lacks (Mistral v0.3 and
 Mistral-Nemo drop it once an assistant turn is last) is a mismatch under every ``train_on``: no
-rendering of that conversation trains on it.
+rendering of that conversation trains on it; so is one the template refuses (Gemma 2's raises)
+where the conversation renders with it folded. Both name ``DataConfig.system_message`` 'fold',
+which :mod:`odb.data.processing` applies before the first rendering. Every rendering gets the same
+template variables (``DataConfig.chat_template_kwargs``: Qwen3's ``enable_thinking``, Llama 3.1's
+``date_string``), so the spans are those of the text that is trained on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from odb.data.rendering import FOLD_FIX, Renderer, TemplateDropsFields, TemplateMismatch, whole_rendering
 
 __all__ = ["TRAIN_ON", "LabelledChat", "TemplateDropsFields", "TemplateMismatch", "assistant_char_spans", "encode_chat",
            "label_runs", "token_spans"]
@@ -76,25 +82,14 @@ _FALLBACKS = ("set train_on in the data config to 'last' (labels on the final as
               "(labels on every token)")
 
 
-class TemplateMismatch(ValueError):
-    """The chat template's renderings of a conversation's prefixes do not extend one another (or it
-    drops the system message), so its assistant turns cannot be found in the full rendering. The
-    message says where and names the fix."""
-
-
-class TemplateDropsFields(TemplateMismatch):
-    """The chat template renders the conversation the same without a field the record gives (a tool
-    call, a tool result, the tools offered, the final answer's reasoning): a template without tool or
-    reasoning support, which would train a tool call as an empty answer. The message names the field."""
-
-
 @dataclass(frozen=True)
 class LabelledChat:
     """A conversation rendered, tokenized and labelled.
 
     Attributes:
-        text: the full rendering (``apply_chat_template(messages, tools=tools, tokenize=False)``).
-        input_ids: its tokens, those of ``apply_chat_template(messages, tools=tools, tokenize=True)``.
+        text: the full rendering (``apply_chat_template(messages, tools=tools, tokenize=False,
+            **template_kwargs)``).
+        input_ids: its tokens, those of ``apply_chat_template(..., tokenize=True)``.
         label_spans: token ranges ``[start, end)`` to train on, in order.
         turn_ends: the token positions just past each complete assistant turn that was found, in
             order: where a sample may be cut between turns (see ``DataConfig.truncation``).
@@ -106,54 +101,6 @@ class LabelledChat:
     turn_ends: list[int]
 
 
-class _Renderer:
-    """Renders prefixes of one conversation, and finds where two renderings part."""
-
-    def __init__(self, tokenizer, messages: Sequence[dict], tools: list[dict[str, Any]] | None) -> None:
-        self.tokenizer, self.messages, self.tools = tokenizer, list(messages), tools
-        self._added: list[str] | None = None
-
-    def __call__(self, end: int, *, generation_prompt: bool = False) -> str:
-        """``messages[:end]`` rendered (with the generation prompt after them)."""
-        return self.tokenizer.apply_chat_template(self.messages[:end], tools=self.tools, tokenize=False,
-                                                  add_generation_prompt=generation_prompt)
-
-    def replaced(self, k: int, message: dict[str, Any] | None = None, *, tools: bool = True) -> str:
-        """The whole conversation rendered with ``messages[k]`` replaced by ``message`` (k < 0: none
-        replaced), and without the tools where ``tools`` is False."""
-        messages = [*self.messages[:k], message, *self.messages[k + 1:]] if k >= 0 else self.messages
-        return self.tokenizer.apply_chat_template(messages, tools=self.tools if tools else None, tokenize=False)
-
-    def parting(self, a: str, b: str) -> int:
-        """Where ``a`` and ``b`` part: ``len(a)`` if ``b`` extends ``a``; else the end of their common
-        prefix, moved back so that it falls inside no added token of either."""
-        if b.startswith(a):
-            return len(a)
-        at = _common_prefix(a, b)
-        if self._added is None:
-            self._added = [t for t in self.tokenizer.get_added_vocab() if len(t) > 1]
-        moved = True
-        while moved and at > 0:
-            moved = False
-            for text in (a, b):
-                for token in self._added:
-                    start = text.rfind(token, max(0, at - len(token) + 1), at + len(token) - 1)
-                    if start != -1 and start < at:
-                        at, moved = start, True
-        return at
-
-
-def _common_prefix(a: str, b: str) -> int:
-    low, high = 0, min(len(a), len(b))
-    while low < high:  # a[:low] == b[:low]; a[:high + 1] != b[:high + 1]
-        mid = (low + high + 1) // 2
-        if a[:mid] == b[:mid]:
-            low = mid
-        else:
-            high = mid - 1
-    return low
-
-
 def _mismatch(what: str, before: str, after: str, at: int, fix: str, example: str) -> TemplateMismatch:
     return TemplateMismatch(
         f"the chat template renders a conversation differently once later turns follow ({what}; they part at "
@@ -161,56 +108,9 @@ def _mismatch(what: str, before: str, after: str, at: int, fix: str, example: st
         f"{fix}")
 
 
-def _check_system_kept(messages: Sequence[dict], text: str) -> None:
-    for message in messages:
-        content = message.get("content")
-        if message["role"] == "system" and isinstance(content, str) and content.strip() \
-                and content.strip() not in text:
-            raise TemplateMismatch(
-                f"the chat template drops the system message ({content.strip()[:40]!r}) from this conversation's "
-                "rendering (e.g. Mistral v0.3's and Mistral-Nemo's show it only inside the last user turn while "
-                "that turn is last), so no rendering of it trains with the system prompt; put the system text at "
-                "the start of the first user turn instead, drop the system message, or use a template that "
-                "renders it in place")
-
-
-_REASONING = ("reasoning_content", "thinking", "reasoning")
-
-
-def _check_fields_kept(render: _Renderer, text: str) -> None:
-    """Raises :class:`TemplateDropsFields` where the whole rendering ``text`` stays the same without a
-    field the record gives: an assistant turn's tool calls, a tool turn's result, the tools offered,
-    or the final assistant turn's reasoning (earlier turns' reasoning a template may drop by design,
-    as Qwen3's does). One more rendering per such field; records without them cost nothing."""
-    messages = render.messages
-    last = max((k for k, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
-    probes: list[tuple[str, int, dict[str, Any] | None]] = []
-    for k, message in enumerate(messages):
-        if message.get("tool_calls"):
-            probes.append((f"the tool calls of messages[{k}]", k,
-                           {key: value for key, value in message.items() if key != "tool_calls"}))
-        if message["role"] == "tool":
-            probes.append((f"the tool result messages[{k}]", k, {**message, "content": f"{message['content']} #"}))
-        if k == last and any(message.get(key) for key in _REASONING):
-            probes.append((f"the reasoning of messages[{k}]", k,
-                           {key: value for key, value in message.items() if key not in _REASONING}))
-    if render.tools:
-        probes.append(("the tools offered", -1, None))
-    for what, k, changed in probes:
-        try:
-            probe = render.replaced(k, changed, tools=changed is not None)
-        except Exception:  # noqa: BLE001 - the template refuses the conversation without it: it reads the field
-            continue
-        if probe == text:
-            raise TemplateDropsFields(
-                f"the chat template renders this conversation the same without {what}: it has no support for "
-                "them, and training on its rendering would teach the model to answer without them (a tool call "
-                "as an empty answer); use the model's own tool-calling / reasoning template (--tokenizer), or "
-                "drop those fields or turns from the data")
-
-
 def assistant_char_spans(tokenizer, messages: Sequence[dict], *, last_only: bool = False,
-                         tools: list[dict[str, Any]] | None = None) -> tuple[str, list[tuple[int, int]]]:
+                         tools: list[dict[str, Any]] | None = None,
+                         template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The full rendering of ``messages`` and the character spans of its assistant turns.
 
     Args:
@@ -218,26 +118,27 @@ def assistant_char_spans(tokenizer, messages: Sequence[dict], *, last_only: bool
         messages: normalized messages (:func:`odb.data.formats.normalize`).
         last_only: find the final assistant turn only (``train_on="last"``).
         tools: the record's tools, passed to the template.
+        template_kwargs: the template's variables (``DataConfig.chat_template_kwargs``), passed to
+            every rendering.
 
     Returns:
-        ``(text, spans)``: ``text`` is ``apply_chat_template(messages, tools=tools, tokenize=False)``;
+        ``(text, spans)``: ``text`` is ``apply_chat_template(messages, tools=tools, tokenize=False,
+        **template_kwargs)``;
         each span ``[start, end)`` of it holds an assistant answer and its end-of-turn token (a turn
         that renders as whitespace only has none).
 
     Raises:
         TemplateMismatch: the renderings of the prefixes do not extend one another (see the module
             docstring), an assistant turn opens the conversation (no prompt renders before it), or
-            the template drops the system message.
+            the template drops or refuses the system message.
     """
-    render = _Renderer(tokenizer, messages, tools)
+    render = Renderer(tokenizer, messages, tools, template_kwargs)
     turns = [k for k, message in enumerate(messages) if message["role"] == "assistant"]
     if last_only:
         turns = turns[-1:]
     fix = "set train_on in the data config to 'all' (labels on every token)" if last_only else _FALLBACKS
     n = len(messages)
-    text = render(n)
-    _check_system_kept(messages, text)
-    _check_fields_kept(render, text)
+    text = whole_rendering(render)
     spans: list[tuple[int, int]] = []
     settled = 0  # text[:settled] is fixed: every later rendering extends it
     prompt = render(turns[0], generation_prompt=True) if turns and turns[0] > 0 else ""
@@ -267,7 +168,7 @@ def assistant_char_spans(tokenizer, messages: Sequence[dict], *, last_only: bool
     return text, spans
 
 
-def _answer_start(render: _Renderer, k: int, prompt: str, through: str, settled: int, fix: str) -> int:
+def _answer_start(render: Renderer, k: int, prompt: str, through: str, settled: int, fix: str) -> int:
     """Where the answer of ``messages[k]`` starts in ``through``: where it parts from ``prompt``,
     which must be inside the prompt's generation prompt (then the rest of it is a forced answer
     prefix) and past ``settled``."""
@@ -282,8 +183,7 @@ def _answer_start(render: _Renderer, k: int, prompt: str, through: str, settled:
 
 def _last_turn_fix(messages: Sequence[dict]) -> str:
     """The fix where even the final assistant turn cannot be found ('last' would not help)."""
-    moved = ", or move the system message's text into the first user turn" if any(
-        m["role"] == "system" for m in messages) else ""
+    moved = f", or {FOLD_FIX}" if any(m["role"] == "system" for m in messages) else ""
     return f"set train_on in the data config to 'all' (labels on every token){moved}"
 
 
@@ -326,7 +226,8 @@ def label_runs(tokenizer, input_ids: list[int], labels: list[int]) -> list[str]:
 
 
 def encode_chat(tokenizer, messages: Sequence[dict], train_on: str = "assistant",
-                tools: list[dict[str, Any]] | None = None) -> LabelledChat:
+                tools: list[dict[str, Any]] | None = None,
+                template_kwargs: Mapping[str, Any] | None = None) -> LabelledChat:
     """Renders, tokenizes and labels a conversation.
 
     Args:
@@ -337,13 +238,15 @@ def encode_chat(tokenizer, messages: Sequence[dict], train_on: str = "assistant"
             assistant turns are still looked for, for ``turn_ends``: where the template
             rewrites past turns there are none.
         tools: the record's tools (``apply_chat_template(..., tools=tools)``).
+        template_kwargs: the template's variables (``apply_chat_template(..., **template_kwargs)``),
+            the same for every rendering, so that the labels are those of the text trained on.
 
     Returns:
         The :class:`LabelledChat`.
 
     Raises:
         TemplateMismatch: see :func:`assistant_char_spans`; under ``"all"`` only where the template
-            drops the system message.
+            drops or refuses the system message (or ignores a field, :class:`TemplateDropsFields`).
         ValueError: ``train_on`` is unknown, or the tokenizer gives no offsets.
     """
     if train_on not in TRAIN_ON:
@@ -352,14 +255,12 @@ def encode_chat(tokenizer, messages: Sequence[dict], train_on: str = "assistant"
         raise ValueError(f"{type(tokenizer).__name__} gives no character offsets, which odb needs to find the "
                          "assistant tokens; load the model's fast tokenizer (AutoTokenizer, use_fast=True)")
     try:
-        text, char_spans = assistant_char_spans(tokenizer, messages, last_only=train_on == "last", tools=tools)
+        text, char_spans = assistant_char_spans(tokenizer, messages, last_only=train_on == "last", tools=tools,
+                                                template_kwargs=template_kwargs)
     except TemplateMismatch:
         if train_on != "all":
             raise
-        render = _Renderer(tokenizer, messages, tools)
-        text, char_spans = render(len(messages)), []
-        _check_system_kept(messages, text)
-        _check_fields_kept(render, text)
+        text, char_spans = whole_rendering(Renderer(tokenizer, messages, tools, template_kwargs)), []
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = list(encoded["input_ids"])
     spans = token_spans(encoded["offset_mapping"], char_spans)

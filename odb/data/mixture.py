@@ -73,8 +73,8 @@ class MixedDataset:
         return sample
 
 
-_PER_SOURCE = ("format", "train_on", "truncation", "strict", "system_prompts", "system_prompt_prob", "turn_sampling",
-               "image_folder", "min_pixels", "max_pixels")
+_PER_SOURCE = ("format", "train_on", "truncation", "strict", "system_message", "chat_template_kwargs", "system_prompts",
+               "system_prompt_prob", "turn_sampling", "image_folder", "min_pixels", "max_pixels")
 """The processing settings (:class:`odb.data.config.DataConfig`) a source may set for itself."""
 
 

@@ -11,9 +11,13 @@ processor does (the visual half of a sample: :mod:`odb.data.media`).
 
 Labels come from :mod:`odb.data.labels`, which finds the assistant turns (their tool calls and
 reasoning too) with any chat template (``DataConfig.train_on``); a record's ``tools`` reach the
-template. A template that rewrites past turns is skipped per record as ``template_mismatch`` (the
-detail says where the renderings part and names the fallback: ``train_on`` 'last' or 'all', or
-moving the system message); a sample left with no label token (template, ``train_on`` or
+template, and ``DataConfig.chat_template_kwargs`` reach every rendering. Under
+``DataConfig.system_message`` 'fold' each system message's text opens the user turn after it
+(:func:`odb.data.formats.fold_system_messages`, after augmentation), for templates that refuse or
+drop a system message. A template that rewrites past turns is skipped per record as
+``template_mismatch`` (the detail says where the renderings part and names the fallback:
+``train_on`` 'last' or 'all', or ``system_message`` 'fold' where the template drops, moves or
+refuses the system message); a sample left with no label token (template, ``train_on`` or
 truncation) as ``no_labels``: it would cost a slot and teach nothing. An image's or a video's
 tokens (with their vision start and end tokens and, for Qwen3-VL, the group times between) are
 never labels. For a vision-language model, a tokenized sample must hold exactly its images' and
@@ -44,7 +48,14 @@ from torch.utils.data import Dataset
 
 from odb.batching.cost import count_label_tokens
 from odb.data.config import TRUNCATION, DataConfig, load_data_config
-from odb.data.formats import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, SkipSample, normalize, text_of
+from odb.data.formats import (
+    IMAGE_PLACEHOLDER,
+    VIDEO_PLACEHOLDER,
+    SkipSample,
+    fold_system_messages,
+    normalize,
+    text_of,
+)
 from odb.data.images import ImageProcessor, VisionSpec
 from odb.data.labels import LabelledChat, TemplateDropsFields, TemplateMismatch, encode_chat
 from odb.data.media import MEDIA, MediaSamples, video_token, vision_tokens
@@ -145,6 +156,8 @@ class SampleDataset(MediaSamples, Dataset):
             raise SkipSample("video_not_supported", f"{len(conversation.videos)} video(s) for a model that takes "
                              f"none here: {self.no_video}")
         messages, images, videos = self._augment_with_media(conversation, random.Random(self.seed * 1_000_003 + uid))
+        if self.config.system_message == "fold":  # (after augmentation: an added system prompt is folded too)
+            messages = fold_system_messages(messages)
         sample: dict[str, Any] = {"uid": uid, "index": index, "source": 0, "patches": 0, "truncated_tokens": 0}
         if images:
             assert self.vision is not None, "normalize(text_only=True) lets no image through"
@@ -152,7 +165,8 @@ class SampleDataset(MediaSamples, Dataset):
         if videos:
             messages = self._add_videos(sample, messages, [self._load_video(video) for video in videos])
         try:
-            chat = encode_chat(self.tokenizer, messages, self.config.train_on, tools=conversation.tools)
+            chat = encode_chat(self.tokenizer, messages, self.config.train_on, tools=conversation.tools,
+                               template_kwargs=self.config.chat_template_kwargs)
         except TemplateDropsFields as err:
             raise SkipSample("template_drops_fields", str(err)) from None
         except TemplateMismatch as err:

@@ -48,6 +48,8 @@ FAMILIES = {  # the special tokens each template needs, which the bundled tokeni
     "phi3_5_mini": {"eos_token": "<|endoftext|>"},
     "deepseek_r1_distill_qwen": {"additional_special_tokens": ["<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"],
                                  "bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"},
+    # tests/unit/test_chat_options.py: a template that raises on a system message
+    "gemma2": {"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"], "bos_token": "<bos>"},
 }
 
 

@@ -187,13 +187,13 @@ def test_mistral_v0_3_trains_exactly_without_a_system_message_and_names_the_fix_
         dropped = sample_of(tmp_path, "mistral_v0_3", {"messages": [SYSTEM] + FIRST}, DataConfig(train_on=train_on))
         assert dropped["skip"] == "template_mismatch", train_on
         assert "drops the system message ('You are terse.')" in dropped["detail"]
-        assert "put the system text at the start of the first user turn" in dropped["detail"]
+        assert "set system_message to 'fold' in the data config" in dropped["detail"]
     assert "You are terse." not in tokenizer.apply_chat_template([SYSTEM] + FIRST, tokenize=False)
     moved = sample_of(tmp_path, "mistral_v0_3", {"messages": [SYSTEM] + FIRST + SECOND[:1]})  # a user turn last
     assert moved["skip"] == "template_mismatch"
     assert "shows the system message only while a user turn is last" in moved["detail"]
     assert "set train_on in the data config to 'all'" in moved["detail"]
-    assert "move the system message's text into the first user turn" in moved["detail"]
+    assert "or set system_message to 'fold'" in moved["detail"]
     every = sample_of(tmp_path, "mistral_v0_3", {"messages": [SYSTEM] + FIRST + SECOND[:1]}, DataConfig(train_on="all"))
     assert tokenizer.decode(every["input_ids"]) == "<s>[INST] Hello?[/INST] Hi there!</s>[INST] You are terse.\n\n" \
                                                    "And again?[/INST]"

@@ -97,8 +97,9 @@ def parser(defaults: FileDefaults) -> argparse.ArgumentParser:
                             f"{defaults.odb_config} for the bundled tiny models, the CPU demo's; {own} for a model "
                             "of your own)")
     files.add_argument("--data_config", default=None,
-                       help="data settings JSON (or YAML): the data keys (format, labels, truncation, augmentation, "
-                            "image sizes, strict) (default: none, the built-in values)")
+                       help="data settings JSON (or YAML): the data keys (format, labels, the system message, chat "
+                            "template variables, truncation, augmentation, image sizes, strict) (default: none, the "
+                            "built-in values)")
     for file in BACKEND_FILES.values():
         default = getattr(defaults, file.flag[2:])
         files.add_argument(file.flag, default=None,
@@ -129,7 +130,7 @@ SETTINGS_FILES = ("odb_config", "data_config", *(file.flag[2:] for file in BACKE
 """The flags that name a settings file; a recipe may give the file's keys inline instead."""
 
 
-_DATA_OVERRIDES = ("format", "strict")
+_DATA_OVERRIDES = ("format", "strict", "system_message", "chat_template_kwargs")
 """The data settings that are also flags, over --data_config's."""
 
 
