@@ -209,6 +209,10 @@ class BackendModule(Protocol):
     def shared_settings(self, optimization: OptimizationSettings) -> dict[str, Any]:
         """Its settings every rank must share (checked in the batcher's first collective)."""
 
+    def set_gas(self, optimization: OptimizationSettings, backend: Backend, gas: int) -> OptimizationSettings:
+        """Its settings, and ``backend`` built from them, with odb's gas now ``gas`` (derived from
+        ``global_batch_tokens`` after the build); its settings as they then are."""
+
     def holds_checkpoint(self, tag_folder: Path) -> bool:
         """Whether ``tag_folder`` holds this backend's checkpoint files."""
 

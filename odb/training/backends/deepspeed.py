@@ -105,6 +105,20 @@ def shared_settings(optimization: OptimizationSettings) -> dict[str, Any]:
     }
 
 
+def set_gas(optimization: OptimizationSettings, backend: Any, gas: int) -> OptimizationSettings:
+    """DeepSpeed's ``gradient_accumulation_steps`` / ``train_batch_size`` for odb's ``gas``, in its
+    config and its engine's (``set_train_batch_size``; the JSON it saves with each checkpoint)."""
+    ds = dict(optimization.deepspeed)
+    ranks = ds["train_batch_size"] // ds["gradient_accumulation_steps"]  # (micro-batches of 1 row a rank)
+    ds.update(gradient_accumulation_steps=gas, train_batch_size=gas * ranks)
+    engine = backend.engine  # (a DeepSpeedBackend)
+    batch = gas * engine.train_micro_batch_size_per_gpu() * engine.dp_world_size
+    engine.set_train_batch_size(batch)
+    if isinstance(engine.config, dict):
+        engine.config.update(gradient_accumulation_steps=gas, train_batch_size=batch)
+    return dataclasses.replace(optimization, deepspeed=ds)
+
+
 # ---- process group, build ---------------------------------------------------------------------------
 
 def local_launch(module: str, args: list[str], *, nproc: int, port: int) -> list[str]:

@@ -120,6 +120,10 @@ def shared_settings(optimization: OptimizationSettings) -> dict[str, Any]:
     return {"fsdp2": dataclasses.asdict(optimization.fsdp2)}
 
 
+def set_gas(optimization: OptimizationSettings, backend: Any, gas: int) -> OptimizationSettings:
+    return optimization  # (FSDP2 has no accumulation setting: odb's loop is all there is)
+
+
 def release() -> None:
     pass
 

@@ -286,22 +286,11 @@ def _gas_from_tokens(batching: OdbConfig, ranks: int, log: Callable[[str], None]
 
 def _with_gas(config: RunConfig, gas: int, backend: Backend) -> RunConfig:
     """The run's config with the gas derived from ``global_batch_tokens`` where the configured one
-    was: odb's settings (``run_config.json``, ``summary.json``, the trackers) and, under DeepSpeed,
-    its config's ``gradient_accumulation_steps`` / ``train_batch_size`` and its engine's (what
-    DeepSpeed logs and saves with its checkpoints)."""
-    optimization = config.optimization
-    if optimization.backend == "deepspeed":
-        ds = dict(optimization.deepspeed)
-        ranks = ds["train_batch_size"] // ds["gradient_accumulation_steps"]  # (micro-batches of 1 row a rank)
-        ds.update(gradient_accumulation_steps=gas, train_batch_size=gas * ranks)
-        optimization = dataclasses.replace(optimization, deepspeed=ds)
-        engine = backend.engine  # type: ignore[attr-defined]
-        batch = gas * engine.train_micro_batch_size_per_gpu() * engine.dp_world_size
-        engine.set_train_batch_size(batch)
-        if isinstance(engine.config, dict):  # (the JSON it saves with each checkpoint)
-            engine.config.update(gradient_accumulation_steps=gas, train_batch_size=batch)
+    was: odb's settings (``run_config.json``, ``summary.json``, the trackers) and the backend's
+    (DeepSpeed's ``gradient_accumulation_steps``, what it logs and saves with its checkpoints)."""
+    module = backends.get(config.optimization.backend)
     return dataclasses.replace(config, batching=dataclasses.replace(config.batching, gas=gas),
-                               optimization=optimization)
+                               optimization=module.set_gas(config.optimization, backend, gas))
 
 
 def _long_sample_groups(config: RunConfig, model, *, host_backend: bool, packed: bool, rank: int,
