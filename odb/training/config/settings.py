@@ -206,7 +206,8 @@ class CheckpointSettings:
     """Checkpoint at the end (the flag skips it)."""
     resume: str | None = field(default=None, metadata=flag(nargs="?", const="latest"))
     """Continue from OUTPUT_DIR/checkpoints: latest (the flag alone), a tag such as step20, or auto
-    (the latest if there is one, else start over: for torchrun --max-restarts and requeued jobs)."""
+    (the latest if there is one, else the newest complete one, else start over: for torchrun
+    --max-restarts and requeued jobs)."""
     save_total_limit: int | None = None
     """Keep only the newest N checkpoints (None: all)."""
     save_hf: bool = False
