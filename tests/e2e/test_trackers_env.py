@@ -21,22 +21,28 @@ from wandb_offline import offline_runs, read_wandb_history, read_wandb_run
 RANK_0 = """
 import sys
 from pathlib import Path
-from odb.telemetry.trackers import RunInfo, Trackers
-out, project = Path(sys.argv[1]), sys.argv[2] or None
-trackers = Trackers(("wandb",), RunInfo(output_dir=out, name="tiny-run", params={"lr": 1.0}, wandb_project=project))
+from odb.telemetry.trackers import Trackers
+from odb.training.launch.flags import FileDefaults, parse_config
+from odb.training.run.assemble import _run_info
+root, loss, flags = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
+config = parse_config(flags, defaults=FileDefaults.bundled(root))  # (the run's flags, as rank 0 builds its trackers)
+trackers = Trackers(config.logging.report_to, _run_info(config, {"lr": 1.0}, config.batching))
 trackers.start(0, log=print)
 for step in range(2):
-    trackers.log({"step": step, "time": 1_700_000_000.0 + step, "loss": float(sys.argv[3]) + step})
+    trackers.log({"step": step, "time": 1_700_000_000.0 + step, "loss": loss + step})
 for tracker in trackers:
     tracker.finish(0)
 """
 
 
 def wandb_run(out: Path, *, project: str | None, loss: float = 1.0, environ: dict[str, str] | None = None) -> None:
-    """Rank 0's W&B run of two rows in ``out`` (``project``: ``--wandb_project``), offline."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    """Rank 0's W&B run of two rows in ``out`` (``project``: ``--wandb_project``), offline, its
+    trackers built from the run's flags."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k not in ("RANK", "WORLD_SIZE")}
     env.update(WANDB_MODE="offline", WANDB_SILENT="true", **(environ or {}))
-    proc = subprocess.run([sys.executable, "-c", RANK_0, str(out), project or "", str(loss)], capture_output=True,
+    flags = ["--output_dir", str(out), "--report_to", "wandb",
+             *(["--wandb_project", project] if project else [])]
+    proc = subprocess.run([sys.executable, "-c", RANK_0, str(ROOT), str(loss), *flags], capture_output=True,
                           text=True, cwd=ROOT, env=env, timeout=180)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
 
