@@ -1,7 +1,8 @@
 """The output folder's policy (odb/training/launch/flags.py), before any process group: a fresh run refuses
 a folder that holds an earlier run unless told to continue it (``--resume``) or to start over
 (``--overwrite_output_dir``: the earlier run's records removed, by rank 0 only); ``--resume auto``
-continues from the latest checkpoint if there is one, else starts over."""
+continues from the latest checkpoint if there is one (without 'latest', a job killed in a save:
+the newest complete tag, over each backend's file set, tests/checkpoint_tags.py), else starts over."""
 
 from __future__ import annotations
 
