@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 
-def read_wandb_history(path: Path) -> list[dict]:
-    """History rows of an offline run, read from its .wandb file (a LevelDB-style log of
-    protobuf records; wandb 0.31 has no public reader for offline history)."""
+def _records(path: Path) -> Iterator:
+    """The protobuf records of an offline run's .wandb file (a LevelDB-style log; wandb 0.31 has no
+    public reader for offline runs)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    data, pos, block, buffer, rows = path.read_bytes(), 7, 32768, b"", []
+    data, pos, block, buffer = path.read_bytes(), 7, 32768, b""
     while pos < len(data):
         if block - pos % block < 7:
             pos += block - pos % block
@@ -27,13 +28,26 @@ def read_wandb_history(path: Path) -> list[dict]:
             record = pb.Record()
             record.ParseFromString(buffer)
             buffer = b""
-            if record.WhichOneof("record_type") == "history":
-                rows.append({item.key or ".".join(item.nested_key): json.loads(item.value_json)
-                             for item in record.history.item})
-    return rows
+            yield record
+
+
+def read_wandb_history(path: Path) -> list[dict]:
+    """History rows of an offline run, read from its .wandb file."""
+    return [{item.key or ".".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            for record in _records(path) if record.WhichOneof("record_type") == "history"]
+
+
+def read_wandb_run(path: Path) -> dict:
+    """An offline run's id, project and name, as its .wandb file's run record holds them."""
+    run = next(record.run for record in _records(path) if record.WhichOneof("record_type") == "run")
+    return {"id": run.run_id, "project": run.project, "name": run.display_name}
+
+
+def offline_runs(out: Path) -> list[Path]:
+    """The .wandb file of every offline run under ``out/wandb``, in the order they were started."""
+    return [next(run.glob("*.wandb")) for run in sorted((out / "wandb").glob("offline-run-*"))]
 
 
 def offline_histories(out: Path) -> list[list[dict]]:
     """The history of every offline run under ``out/wandb``, in the order they were started."""
-    runs = sorted((out / "wandb").glob("offline-run-*"))
-    return [read_wandb_history(next(run.glob("*.wandb"))) for run in runs]
+    return [read_wandb_history(path) for path in offline_runs(out)]

@@ -19,12 +19,18 @@ allows it. :meth:`Trackers.start` opens them once the checkpoint has loaded, at 
 step in this process:
 
 * W&B: the run id saved in ``OUTPUT_DIR/trackers.json``, ``resume="allow"`` (offline: a second
-  offline run folder with the same id, which ``wandb sync`` appends to it). Its charts are over
-  the rows' ``step``; a step trained again after a crash has two points, as in MLflow.
+  offline run folder with the same id, which ``wandb sync`` appends to it), unless ``WANDB_RUN_ID``
+  names another. Its charts are over the rows' ``step``; a step trained again after a crash has two
+  points, as in MLflow.
 * TensorBoard: the same log folder, ``purge_step`` at the first step: TensorBoard hides what an
   earlier process wrote from that step on (the steps trained again, the earlier summary).
 * MLflow: the run id saved in ``trackers.json`` (where the tracking URI is the same), set back to
-  RUNNING. MLflow keeps every value, so a step trained again after a crash has two points.
+  RUNNING, unless ``MLFLOW_RUN_ID`` names another. MLflow keeps every value, so a step trained
+  again after a crash has two points.
+
+The environment a tracker's own clients read: ``WANDB_PROJECT`` (under ``--wandb_project``),
+``WANDB_RUN_ID`` and W&B's other variables; ``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_NAME``,
+``MLFLOW_RUN_ID``; ``TENSORBOARD_LOGGING_DIR`` (as the Hugging Face Trainer reads it).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 __all__ = ["RUN_IDS", "TRACKERS", "RunInfo", "Tracker", "Trackers", "check_installed", "numeric_fields",
-           "summary_fields"]
+           "summary_fields", "wandb_project"]
 
 TRACKERS = ("wandb", "tensorboard", "mlflow")
 """What ``--report_to`` may name (besides ``none``)."""
@@ -97,7 +103,8 @@ class RunInfo:
     """The effective settings: W&B's config, MLflow's parameters (flattened)."""
     resume: bool = False
     """This process continues an earlier one's run (``--resume``): reuse its saved tracker runs."""
-    wandb_project: str = "odb"
+    wandb_project: str | None = None
+    """``--wandb_project`` (None: :func:`wandb_project`'s choice)."""
     wandb_tags: tuple[str, ...] = ()
     odb_version: str = ""
 
@@ -168,6 +175,12 @@ class Trackers:
 
 # ---- W&B -----------------------------------------------------------------------------------------
 
+def wandb_project(flag: str | None) -> str:
+    """The W&B project: ``--wandb_project``, else the environment's ``WANDB_PROJECT`` (as W&B's own
+    clients read it), else ``odb``."""
+    return flag or os.environ.get("WANDB_PROJECT") or "odb"
+
+
 class WandbTracker:
     """A W&B run (``wandb.init`` in ``OUTPUT_DIR/wandb``); ``WANDB_MODE=offline`` works."""
 
@@ -180,7 +193,7 @@ class WandbTracker:
         # a resume continues the saved run (unless WANDB_RUN_ID names one: the user's choice wins)
         resume = {"id": saved["id"], "resume": "allow"} if saved and saved.get("id") and \
             not os.environ.get("WANDB_RUN_ID") else {}
-        self.run = wandb.init(project=run.wandb_project, name=run.name, tags=list(run.wandb_tags),
+        self.run = wandb.init(project=wandb_project(run.wandb_project), name=run.name, tags=list(run.wandb_tags),
                               dir=str(run.output_dir), **resume)
         # (after init: a resumed run's config may differ, e.g. its world size, which W&B allows only so)
         self.run.config.update(dict(run.params), allow_val_change=True)
@@ -241,9 +254,11 @@ class TensorBoardTracker:
 
 class MlflowTracker:
     """An MLflow run, through the client API (no global active run): the tracking URI from
-    ``MLFLOW_TRACKING_URI``, else a local file store in ``OUTPUT_DIR/mlruns``; the experiment
-    ``MLFLOW_EXPERIMENT_NAME``, else ``odb``. MLflow 3 refuses a file store unless
-    ``MLFLOW_ALLOW_FILE_STORE`` is true: odb sets it for its own default (not for a URI you name)."""
+    ``MLFLOW_TRACKING_URI``, else a local file store in ``OUTPUT_DIR/mlruns``; the run
+    ``MLFLOW_RUN_ID`` names (continued, as MLflow's ``start_run`` does), else a resume's saved one,
+    else a new one in the experiment ``MLFLOW_EXPERIMENT_NAME``, else ``odb``. MLflow 3 refuses a
+    file store unless ``MLFLOW_ALLOW_FILE_STORE`` is true: odb sets it for its own default (not for
+    a URI you name)."""
 
     title = "MLflow"
     MAX_PARAMS = 100  # parameters per log_batch call (MLflow's limit)
@@ -258,7 +273,9 @@ class MlflowTracker:
             uri = (run.output_dir / "mlruns").resolve().as_uri()
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
-        self.run_id = self._continued(saved, uri, first_step, log) or self._created(run)
+        named = os.environ.get("MLFLOW_RUN_ID")  # (the user's choice wins, as with MLflow's own start_run)
+        self.run_id = self._named(named, uri, first_step, log) if named else \
+            self._continued(saved, uri, first_step, log) or self._created(run)
         logged = self.client.get_run(self.run_id).data.params  # (a resumed run's: MLflow refuses to change one)
         params = [Param(k, v) for k, v in _params(run.params).items() if k not in logged]
         for i in range(0, len(params), self.MAX_PARAMS):
@@ -280,6 +297,21 @@ class MlflowTracker:
         self.client.update_run(saved["run_id"], status="RUNNING")
         log(f"odb: MLflow: continuing run {saved['run_id']} from step {first_step}")
         return saved["run_id"]
+
+    def _named(self, run_id: str, uri: str, first_step: int, log: Callable[[str], None]) -> str:
+        """The run ``MLFLOW_RUN_ID`` names, set RUNNING again; raises ``ValueError`` naming the fix
+        where this tracking store has no such run."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_run(run_id)
+        except MlflowException as err:
+            raise ValueError(f"MLFLOW_RUN_ID {run_id}: no such run in the MLflow tracking store {uri} "
+                             f"({err.error_code}): set MLFLOW_TRACKING_URI to the store that holds it, or unset "
+                             "MLFLOW_RUN_ID for a new run") from err
+        self.client.update_run(run_id, status="RUNNING")
+        log(f"odb: MLflow: continuing run {run_id} (MLFLOW_RUN_ID) from step {first_step}")
+        return run_id
 
     def _created(self, run: RunInfo) -> str:
         from mlflow.exceptions import MlflowException

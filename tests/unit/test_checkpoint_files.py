@@ -1,16 +1,19 @@
 """A checkpoint that is truncated, incomplete, foreign or of another odb version gives an error
-that says what is wrong and what to do (odb.training.run.checkpoint), never a KeyError from inside."""
+that says what is wrong and what to do (odb.training.run.checkpoint), never a KeyError from inside;
+and what marks a tag complete (missing_parts), which --resume auto reads where no 'latest' names one."""
 
 import json
+import shutil
 from types import SimpleNamespace
 
 import pytest
 
+from checkpoint_tags import write_deepspeed_files, write_fsdp2_files, write_odb_files, write_tag
 from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import OdbConfig
 from odb.batching.simulate import SimulatedFeed, run_ranks
 from odb.telemetry import Telemetry
-from odb.training.run.checkpoint import checkpoint_states, resolve_tag
+from odb.training.run.checkpoint import checkpoint_states, missing_parts, resolve_tag, sorted_tags
 
 
 def saved(tmp_path, world=2):
@@ -90,3 +93,55 @@ def test_a_checkpoint_resumes_only_under_the_backend_that_saved_it(tmp_path, sav
     with pytest.raises(ValueError, match=f"saved by --backend {saved_by}, this run is --backend {resumed_by}; "
                                          f"resume it with --backend {saved_by}"):
         load_plan(config, "step1", rank=0, world_size=2)
+
+
+# ---- what marks a tag complete --------------------------------------------------------------------
+
+LAYOUTS = {"deepspeed-zero0": ("deepspeed", 0, False), "deepspeed-zero2": ("deepspeed", 2, False),
+           "deepspeed-zero2-bf16": ("deepspeed", 2, True), "deepspeed-zero3": ("deepspeed", 3, False),
+           "fsdp2": ("fsdp2", None, False)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_tag_is_complete_only_with_every_file_a_killed_save_may_lack_there_whole(tmp_path, layout):
+    """A save killed part-way leaves its tag without some files, or with one cut short. The oracle
+    is the file set itself: each file a killed save may not have finished, removed or cut to half
+    its bytes, is named. Those are odb's JSON files (3 ranks: the world size odb_state.rank0.json
+    names), every DeepSpeed file, and FSDP2's DCP .metadata, which DCP renames into place once every
+    rank's shards are written (a shard without it is not whole either)."""
+    backend, stage, bf16 = LAYOUTS[layout]
+    tag = tmp_path / "checkpoints" / "step4"
+    write_odb_files(tag, world=3, backend=backend)
+    odb_files = sorted(p.name for p in tag.iterdir())
+    assert len(odb_files) == 7  # run_config.json and 2 per rank
+    if backend == "fsdp2":
+        backend_files, cut = write_fsdp2_files(tag), []  # (.metadata appears at once whole, or not at all)
+        assert "fsdp2/.metadata" in backend_files
+        backend_files = ["fsdp2/.metadata"]
+    else:
+        backend_files = cut = write_deepspeed_files(tag, world=3, stage=stage, bf16=bf16)
+    assert missing_parts(tag) == []
+    for name in [*odb_files, *backend_files, *(f"cut:{name}" for name in [*odb_files, *cut])]:
+        case = shutil.copytree(tag, tmp_path / "cases" / name.replace("/", "_") / "step4")
+        path = case / name.removeprefix("cut:")
+        if name.startswith("cut:"):
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        else:
+            path.unlink()
+        gaps = missing_parts(case)
+        what = "cut short" if name.startswith("cut:") else "missing"
+        # (a rank-0 file cut short hides what it would name: the other ranks' files)
+        assert len(gaps) == 1 and name.removeprefix("cut:") in gaps[0] and what in gaps[0], (name, gaps)
+
+
+def test_tags_are_sorted_by_their_step_the_incomplete_ones_apart(tmp_path):
+    folder = tmp_path / "checkpoints"
+    for step in (2, 10, 12, 9):
+        write_tag(folder, f"step{step}", backend="fsdp2", world=2)
+    (folder / "step12" / "fsdp2" / ".metadata").unlink()
+    (folder / "step9" / "run_state.rank1.json").unlink()
+    (folder / "latest").write_text("step10")  # (a file: no tag)
+    complete, incomplete = sorted_tags(folder)
+    assert complete == ["step2", "step10"]
+    assert incomplete == {"step9": ["run_state.rank1.json missing"], "step12": ["fsdp2/.metadata missing"]}
+    assert sorted_tags(tmp_path / "none") == ([], {})

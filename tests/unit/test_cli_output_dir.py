@@ -1,7 +1,8 @@
 """The output folder's policy (odb/training/launch/flags.py), before any process group: a fresh run refuses
 a folder that holds an earlier run unless told to continue it (``--resume``) or to start over
 (``--overwrite_output_dir``: the earlier run's records removed, by rank 0 only); ``--resume auto``
-continues from the latest checkpoint if there is one, else starts over."""
+continues from the latest checkpoint if there is one (without 'latest', a job killed in a save:
+the newest complete tag, over each backend's file set, tests/checkpoint_tags.py), else starts over."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from checkpoint_tags import write_tag
 from conftest import train_defaults
 from odb.training.launch.flags import parse_config
 
@@ -164,8 +166,85 @@ def test_flags_are_never_abbreviated(tmp_path):
         parse(tmp_path / "run", "--overwrite")
 
 
-def test_resume_auto_refuses_checkpoints_without_latest_naming_them(tmp_path):
-    out = earlier_run(tmp_path / "run", latest=False)
-    with pytest.raises(ValueError, match=r"holds \['step3'\] but no 'latest'.*--resume TAG"):
+# ---- --resume auto where no 'latest' names a checkpoint: a job killed while saving -----------------
+
+BACKEND_FLAGS = {"deepspeed": (), "fsdp2": ("--backend", "fsdp2")}
+LAST_WRITTEN = {"deepspeed": "zero_pp_rank_1_mp_rank_00_optim_states.pt", "fsdp2": "fsdp2/.metadata"}
+"""A file the backend's save writes last: without it, the save did not finish."""
+
+
+def killed_in_save(checkpoints: Path, tag: str, backend: str) -> dict[str, bytes]:
+    """A tag as a job killed in its save leaves it (the backend's last file not written); its files."""
+    folder = write_tag(checkpoints, tag, backend=backend)
+    (folder / LAST_WRITTEN[backend]).unlink()
+    return files(folder)
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("backend", BACKEND_FLAGS)
+def test_resume_auto_without_latest_resumes_from_the_newest_complete_checkpoint(tmp_path, capsys, backend):
+    """A job killed in a save (here its third) leaves a tag and no 'latest' naming it (the backend
+    writes 'latest' last; here it is gone too): --resume auto refused the folder. It resumes from
+    the newest complete tag (by step: step10, not step2), the incomplete one moved aside whole, in
+    one line; nothing else touched."""
+    out = tmp_path / "run"
+    for tag in ("step2", "step10"):
+        write_tag(out / "checkpoints", tag, backend=backend)
+    killed = killed_in_save(out / "checkpoints", "step12", backend)
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": 1.0}) + "\n")
+    assert parse(out, "--resume", "auto", *BACKEND_FLAGS[backend]).checkpoints.resume == "step10"
+    aside = out / "incomplete_checkpoints" / "step12"
+    assert capsys.readouterr().out == (
+        f"odb: --resume auto: {out / 'checkpoints'} has no 'latest' (a save that did not finish): resuming from "
+        f"step10, the newest complete checkpoint; moved the incomplete step12 ({LAST_WRITTEN[backend]} missing) "
+        f"to {aside}\n")
+    assert files(aside) == killed and sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step10", "step2"]
+    assert names(out) == {"checkpoints", "incomplete_checkpoints", "metrics.jsonl"}
+
+
+@pytest.mark.parametrize("backend", BACKEND_FLAGS)
+def test_resume_auto_with_no_complete_checkpoint_starts_over_moving_the_incomplete_aside(tmp_path, capsys, backend):
+    """A job killed in its first save: no checkpoint to continue. --resume auto starts over, as
+    after an attempt that failed before its first save (its records replaced), and moves the tag
+    aside whole rather than deleting it; the same again keeps both attempts' tags."""
+    out = tmp_path / "run"
+    killed = killed_in_save(out / "checkpoints", "step2", backend)
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": 1.0}) + "\n")
+    (out / "notes.txt").write_text("mine")
+    assert parse(out, "--resume", "auto", *BACKEND_FLAGS[backend]).checkpoints.resume is None
+    aside = out / "incomplete_checkpoints"
+    assert capsys.readouterr().out == (
+        f"odb: --resume auto: no complete checkpoint in {out / 'checkpoints'}: starting over in {out}; moved the "
+        f"incomplete step2 ({LAST_WRITTEN[backend]} missing) to {aside / 'step2'}; removed the earlier run's "
+        "metrics.jsonl\n")
+    assert files(aside / "step2") == killed and not list((out / "checkpoints").iterdir())
+    assert names(out) == {"checkpoints", "incomplete_checkpoints", "notes.txt"}
+
+    again = killed_in_save(out / "checkpoints", "step2", backend)  # the next attempt killed in its first save too
+    assert parse(out, "--resume", "auto", *BACKEND_FLAGS[backend]).checkpoints.resume is None
+    assert f"to {aside / 'step2.1'}" in capsys.readouterr().out
+    assert files(aside / "step2") == killed and files(aside / "step2.1") == again
+
+
+def test_only_rank_0_moves_an_incomplete_checkpoint_the_others_decide_alike(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    write_tag(out / "checkpoints", "step2", backend="fsdp2")
+    killed_in_save(out / "checkpoints", "step4", "fsdp2")
+    monkeypatch.setenv("RANK", "1")
+    assert parse(out, "--resume", "auto").checkpoints.resume == "step2"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step2", "step4"]
+    assert capsys.readouterr().out == ""
+    shutil.rmtree(out / "checkpoints" / "step2")
+    assert parse(out, "--resume", "auto").checkpoints.resume is None
+    assert (out / "checkpoints" / "step4").is_dir() and names(out) == {"checkpoints"}
+
+
+def test_resume_auto_never_replaces_a_finished_run_with_incomplete_checkpoints(tmp_path):
+    out = earlier_run(tmp_path / "run", latest=False)  # (its step3 holds one file: incomplete)
+    before = names(out)
+    with pytest.raises(ValueError, match=r"holds a finished run \(summary.json, hf\) and no complete checkpoint"):
         parse(out, "--resume", "auto")
-    assert (out / "checkpoints" / "step3").is_dir()
+    assert names(out) == before and (out / "checkpoints" / "step3").is_dir()

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conftest import ROOT, train_defaults
-from odb.telemetry.trackers import RUN_IDS, TRACKERS, RunInfo, Trackers, check_installed
+from odb.telemetry.trackers import RUN_IDS, TRACKERS, RunInfo, Trackers, check_installed, wandb_project
 from odb.training.config.settings import LoggingSettings
 from odb.training.launch.flags import parse_config
 
@@ -122,7 +122,7 @@ def history(client, run_id: str, key: str) -> list[tuple[int, float]]:
 @pytest.fixture
 def store(monkeypatch):
     """A fresh MLflow environment: odb's defaults (a file store in the output folder, experiment odb)."""
-    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "TENSORBOARD_LOGGING_DIR"):
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID", "TENSORBOARD_LOGGING_DIR"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # (this process reads the store back)
 
@@ -218,3 +218,103 @@ def test_without_trackers_nothing_is_opened_or_written(tmp_path):
     trackers.start(0)
     trackers.log(step_row(0, 1.0))
     assert not trackers and list(trackers) == [] and list(tmp_path.iterdir()) == []
+
+
+# ---- the output folder and the environment -------------------------------------------------------
+
+def test_overwrite_output_dir_starts_the_trackers_over_too(tmp_path, store, parse):
+    """--overwrite_output_dir removed the earlier run's metrics.jsonl and checkpoints but left its
+    tensorboard/, mlruns/ and trackers.json: the fresh run's TensorBoard folder held the earlier
+    run's event file, MLflow's store its run beside the new one (and a fresh run that failed before
+    its trackers opened left trackers.json for a later --resume to continue the old runs). Read back
+    with TensorBoard's and MLflow's own readers, the fresh run's trackers now hold it alone."""
+    out = tmp_path / "run"
+    out.mkdir()
+    run_part(out, range(4), loss=2.0, resume=False, evals={1: 1.5})
+    (out / "metrics.jsonl").write_text(json.dumps(step_row(0, 2.0)) + "\n")
+    assert {"tensorboard", "mlruns", RUN_IDS} <= {p.name for p in out.iterdir()}
+    parse("--overwrite_output_dir")
+    assert not [p.name for p in out.iterdir()]
+    # the fresh run, in a process of its own as a run is (MLflow keeps a file store's state per
+    # process: this one's still knows the removed store)
+    proc = subprocess.run([sys.executable, "-c", FRESH_RUN, str(out)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(list((out / "tensorboard").iterdir())) == 1
+    scalars = tensorboard_scalars(out / "tensorboard")
+    assert scalars["loss"] == [(0, 5.0), (1, 6.0)] and "eval_loss" not in scalars
+    client = mlflow_client(out)
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    fresh = json.loads((out / RUN_IDS).read_text())["mlflow"]["run_id"]
+    assert [(r.info.run_id, r.info.run_name) for r in runs] == [(fresh, "fresh")]
+    assert history(client, fresh, "loss") == [(0, 5.0), (1, 6.0)]
+
+
+FRESH_RUN = """
+import sys
+from pathlib import Path
+from odb.telemetry.trackers import RunInfo, Trackers
+trackers = Trackers(("tensorboard", "mlflow"), RunInfo(output_dir=Path(sys.argv[1]), name="fresh", params={}))
+trackers.start(0, log=print)
+for step in range(2):
+    trackers.log({"step": step, "time": 1_700_000_000.0 + step, "loss": 5.0 + step})
+for tracker in trackers:
+    tracker.finish(0)
+"""
+
+
+def test_mlflow_run_id_names_the_run_to_continue(tmp_path, store, monkeypatch):
+    """MLFLOW_RUN_ID was not read: a user who named the run to continue (MLflow's own start_run
+    continues it) got a new run. Now it is that run, over a resume's saved one too."""
+    out = tmp_path / "run"
+    out.mkdir()
+    client = mlflow_client(out)  # (odb's default store: OUTPUT_DIR/mlruns)
+    experiment = client.create_experiment("mine")
+    mine, other = (client.create_run(experiment, run_name=name).info.run_id for name in ("mine", "other"))
+    client.set_terminated(mine, status="KILLED")
+    monkeypatch.setenv("MLFLOW_RUN_ID", mine)
+    messages = []
+    trackers = Trackers(("mlflow",), RunInfo(output_dir=out, name="tiny-run", params=PARAMS, odb_version="9.9"))
+    trackers.start(0, log=messages.append)
+    assert client.get_run(mine).info.status == "RUNNING"
+    assert messages == [f"odb: MLflow: continuing run {mine} (MLFLOW_RUN_ID) from step 0"]
+    for step in range(3):
+        trackers.log(step_row(step, 1.0 + step))
+    trackers.opened["mlflow"].finish(0)
+    assert history(client, mine, "loss") == [(0, 1.0), (1, 2.0), (2, 3.0)]
+    assert client.get_run(mine).info.status == "FINISHED" and client.get_run(mine).data.params["model"] == "tiny"
+    assert client.get_experiment_by_name("odb") is None  # no run of odb's own
+    assert json.loads((out / RUN_IDS).read_text())["mlflow"]["run_id"] == mine
+
+    monkeypatch.setenv("MLFLOW_RUN_ID", other)  # a resume whose trackers.json names `mine`
+    run_part(out, range(2, 4), loss=10.0, resume=True)
+    assert history(client, other, "loss") == [(2, 12.0), (3, 13.0)]
+    assert history(client, mine, "loss") == [(0, 1.0), (1, 2.0), (2, 3.0)]
+
+
+def test_an_mlflow_run_id_the_store_does_not_hold_is_refused_naming_the_fix(tmp_path, store, monkeypatch):
+    out = tmp_path / "run"
+    out.mkdir()
+    mlflow_client(out).create_experiment("odb")  # (the store exists; the run does not)
+    monkeypatch.setenv("MLFLOW_RUN_ID", "0123456789abcdef0123456789abcdef")
+    trackers = Trackers(("mlflow",), RunInfo(output_dir=out, name="tiny-run", params=PARAMS))
+    with pytest.raises(ValueError, match=r"MLFLOW_RUN_ID 0123456789abcdef0123456789abcdef: no such run in the "
+                                         r"MLflow tracking store file:.*mlruns \(RESOURCE_DOES_NOT_EXIST\): set "
+                                         r"MLFLOW_TRACKING_URI to the store that holds it, or unset MLFLOW_RUN_ID"):
+        trackers.start(0, log=lambda message: None)
+
+
+@pytest.mark.parametrize(("flag", "env", "project"), [
+    ("mine", "theirs", "mine"), (None, "theirs", "theirs"), (None, None, "odb"), (None, "", "odb"),
+])
+def test_the_wandb_project_is_the_flag_else_wandb_project_else_odb(monkeypatch, parse, flag, env, project):
+    """The SLURM docs' `export WANDB_PROJECT=...` did nothing: --wandb_project's default (odb) was
+    always passed to wandb.init, over the variable. The real W&B run's project:
+    tests/e2e/test_trackers_env.py."""
+    if env is None:
+        monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    else:
+        monkeypatch.setenv("WANDB_PROJECT", env)
+    config = parse(*(["--wandb_project", flag] if flag else []))
+    assert config.logging.wandb_project == flag
+    assert wandb_project(config.logging.wandb_project) == project

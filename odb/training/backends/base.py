@@ -216,6 +216,10 @@ class BackendModule(Protocol):
     def holds_checkpoint(self, tag_folder: Path) -> bool:
         """Whether ``tag_folder`` holds this backend's checkpoint files."""
 
+    def incomplete_files(self, tag_folder: Path) -> list[str]:
+        """Its files of the checkpoint in ``tag_folder`` that a save killed part-way left missing or
+        cut short, each with what is wrong (``"fsdp2/.metadata missing"``); [] when every rank's are whole."""
+
     def consolidated_state_dict(self, tag_folder: Path, *, run: Mapping[str, Any], model_path: str | Path,
                                 exclude_frozen: bool) -> dict[str, torch.Tensor]:
         """A saved checkpoint's full weights in one process, no process group (an export)."""

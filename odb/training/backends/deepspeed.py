@@ -43,7 +43,7 @@ from odb.training.backends.deepspeed_config import (
     training_dtype,
     zero_stage_of,
 )
-from odb.training.backends.universal import LoadPlan, prepare_load
+from odb.training.backends.universal import LoadPlan, incomplete_files, prepare_load
 from odb.training.backends.zero3 import Zero3Construction
 from odb.training.model.build import build_model as build_hf_model
 
@@ -51,8 +51,8 @@ if TYPE_CHECKING:
     from odb.training.config.optimization import OptimizationSettings
     from odb.training.config.settings import RunConfig
 
-__all__ = ["DeepSpeedBackend", "NAME", "build", "build_model", "deepspeed_shm_buffer",
-           "gather_state_dict", "init_distributed", "initialize_deepspeed", "local_launch", "release"]
+__all__ = ["DeepSpeedBackend", "NAME", "build", "build_model", "deepspeed_shm_buffer", "gather_state_dict",
+           "incomplete_files", "init_distributed", "initialize_deepspeed", "local_launch", "release"]
 
 NAME = "deepspeed"
 

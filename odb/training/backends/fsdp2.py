@@ -49,7 +49,7 @@ from odb.training.model.build import build_model, hf_model
 if TYPE_CHECKING:
     from odb.training.config.settings import RunConfig
 
-__all__ = ["DCP_FOLDER", "Fsdp2Backend", "NAME", "build", "build_fsdp2", "init_distributed",
+__all__ = ["DCP_FOLDER", "Fsdp2Backend", "NAME", "build", "build_fsdp2", "incomplete_files", "init_distributed",
            "load_settings", "local_launch", "param_dtype"]
 
 NAME = "fsdp2"
@@ -147,6 +147,12 @@ def build(config: RunConfig, *, rank: int, vocab_size: int, load: LoadPlan | Non
 
 def holds_checkpoint(tag_folder: Path) -> bool:
     return (tag_folder / DCP_FOLDER / ".metadata").is_file()
+
+
+def incomplete_files(tag_folder: Path) -> list[str]:
+    """DCP writes its ``.metadata`` last, renamed into place once every rank's shards are written:
+    without it the save did not finish."""
+    return [] if holds_checkpoint(tag_folder) else [f"{DCP_FOLDER}/.metadata missing"]
 
 
 def consolidated_state_dict(tag_folder: Path, *, run: Mapping[str, Any], model_path: str | Path,

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -56,8 +57,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-__all__ = ["LoadPlan", "UNIVERSAL", "plan_load", "prepare_load", "saved_world_size", "saved_zero_stage",
-           "to_universal", "universal_folder", "with_universal_load"]
+__all__ = ["LoadPlan", "UNIVERSAL", "incomplete_files", "plan_load", "prepare_load", "saved_world_size",
+           "saved_zero_stage", "to_universal", "universal_folder", "with_universal_load"]
 
 UNIVERSAL = "universal"
 """The conversion's folder name inside the tag folder."""
@@ -93,6 +94,54 @@ def _saved(folder: Path, tag: str) -> tuple[int, int]:
 
     states = torch.load(_model_states_file(folder, tag), map_location="cpu", weights_only=False, mmap=True)
     return int(states["dp_world_size"]), _zero_stage(states.get("ds_config") or {})
+
+
+def incomplete_files(tag_folder: Path) -> list[str]:
+    """DeepSpeed's files of the checkpoint in ``tag_folder`` that a save killed part-way left missing
+    or cut short, each with what is wrong; [] when every rank wrote its files whole.
+
+    DeepSpeed 0.19.8's save: rank 0 writes the model states (``mp_rank_00_model_states.pt``, with
+    the number of ZeRO partitions, ``dp_world_size``, and the config); at ZeRO-3 each partition
+    writes its own (``zero_pp_rank_<r>_mp_rank_00_model_states.pt``); at ZeRO-1/2/3 each partition
+    writes its optimizer state (``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt``, ``bf16_``
+    under bf16), at ZeRO-0 only DeepSpeed's bf16 optimizer does (else the optimizer's state is in the
+    model states). ``torch.save`` writes a zip archive whose directory comes last: a file cut short
+    is no zip archive.
+    """
+    try:
+        first = _model_states_file(tag_folder.parent, tag_folder.name)
+    except FileNotFoundError:
+        return ["mp_rank_00_model_states.pt (at ZeRO-3 zero_pp_rank_0_mp_rank_00_model_states.pt) missing"]
+    if not _is_whole(first):
+        return [f"{first.name} cut short"]
+    import torch
+
+    try:
+        states = torch.load(first, map_location="cpu", weights_only=False, mmap=_is_zip(first))
+        world, ds_config = int(states["dp_world_size"]), states.get("ds_config") or {}
+    except Exception as err:  # noqa: BLE001 - whatever it is, this file cannot be resumed from
+        return [f"{first.name} unreadable ({type(err).__name__})"]
+    stage = _zero_stage(ds_config)
+    bf16 = any((ds_config.get(key) or {}).get("enabled") is True for key in ("bf16", "bfloat16"))
+    names = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)] if stage == 3 else []
+    if stage > 0 or any(tag_folder.glob("*_optim_states.pt")):
+        names += [f"{'bf16_' if bf16 else ''}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world)]
+    return [f"{name} {'cut short' if (tag_folder / name).exists() else 'missing'}" for name in names
+            if not _is_whole(tag_folder / name)]
+
+
+def _is_zip(path: Path) -> bool:
+    with path.open("rb") as file:
+        return file.read(4) == b"PK\x03\x04"
+
+
+def _is_whole(path: Path) -> bool:
+    """Whether ``path`` is a file ``torch.save`` finished: a whole zip archive (its format since torch
+    1.6; a file of the legacy format, which a config may ask for, only needs to be there)."""
+    try:
+        return zipfile.is_zipfile(path) if _is_zip(path) else path.stat().st_size > 0
+    except OSError:  # (none, or moved away right now)
+        return False
 
 
 def saved_world_size(folder: str | Path, tag: str) -> int:

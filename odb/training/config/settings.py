@@ -207,7 +207,8 @@ class CheckpointSettings:
     """Checkpoint at the end (the flag skips it)."""
     resume: str | None = field(default=None, metadata=flag(nargs="?", const="latest"))
     """Continue from OUTPUT_DIR/checkpoints: latest (the flag alone), a tag such as step20, or auto
-    (the latest if there is one, else start over: for torchrun --max-restarts and requeued jobs)."""
+    (the latest if there is one, else the newest complete one, else start over: for torchrun
+    --max-restarts and requeued jobs)."""
     save_total_limit: int | None = None
     """Keep only the newest N checkpoints (None: all)."""
     save_hf: bool = False
@@ -232,8 +233,8 @@ class LoggingSettings:
     report_to: tuple[str, ...] = field(default=(), metadata=flag(parse=_names, shown_default="none"))
     """Also log the metrics rows to these trackers, comma-separated: wandb, tensorboard, mlflow
     (rank 0, one run per job, each offline-capable; docs/operations.md#trackers), or none."""
-    wandb_project: str = "odb"
-    """The W&B project."""
+    wandb_project: str | None = field(default=None, metadata=flag(shown_default="$WANDB_PROJECT, else odb"))
+    """The W&B project (over the environment's WANDB_PROJECT)."""
     run_name: str | None = field(default=None, metadata=flag(shown_default="the output_dir's name"))
     """The run's name in W&B and MLflow."""
     wandb_tags: tuple[str, ...] = field(default=(), metadata=flag(parse=lambda v: tuple(t for t in v.split(",") if t)))
@@ -256,7 +257,7 @@ class LoggingSettings:
         check("none" not in names or set(names) == {"none"},
               f"--report_to: none means no tracker, yet {','.join(names)} names some; drop none, or the others")
         object.__setattr__(self, "report_to", tuple(dict.fromkeys(n for n in names if n != "none")))
-        check_str("--wandb_project", self.wandb_project)
+        check_optional_str("--wandb_project", self.wandb_project)
         check_optional_str("--run_name", self.run_name)
         check(isinstance(self.wandb_tags, (list, tuple)) and all(isinstance(t, str) for t in self.wandb_tags),
                f"--wandb_tags must be a list of strings, got {self.wandb_tags!r}")

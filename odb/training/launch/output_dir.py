@@ -11,10 +11,15 @@ from pathlib import Path
 
 from odb.data.mixture import is_plain_path, parse_source, source_words
 
-__all__ = ["RUN_RECORDS", "earlier_run", "resume_tag"]
+__all__ = ["INCOMPLETE", "RUN_RECORDS", "earlier_run", "resume_tag"]
 
-RUN_RECORDS = ("checkpoints/", "metrics.jsonl", "summary.json", "emitted_ids.rank*.jsonl", "hf/")
-"""What a run writes into its ``--output_dir``: an earlier run's, removed by ``--overwrite_output_dir``."""
+RUN_RECORDS = ("checkpoints/", "metrics.jsonl", "summary.json", "emitted_ids.rank*.jsonl", "hf/", "trackers.json",
+               "tensorboard/", "mlruns/", "wandb/")
+"""What a run writes into its ``--output_dir`` (its trackers' files too: ``--report_to``'s): an earlier
+run's, removed by ``--overwrite_output_dir``, so that no tracker mixes the new run with it."""
+INCOMPLETE = "incomplete_checkpoints"
+"""Where ``--resume auto`` moves the checkpoint tags a save killed part-way left (no run reads them:
+kept for you to look at or delete)."""
 
 
 def earlier_run(folder: Path) -> list[Path]:
@@ -41,14 +46,17 @@ def resume_tag(args: argparse.Namespace) -> str | None:
     """The checkpoint tag to resume (``--resume``; ``auto`` resolved), or None for a fresh run.
 
     The whole output-folder policy, the same on every rank (every rank reads the same folder, before
-    any process group; the folder's state only changes when rank 0 removes an earlier run here, and
+    any process group; the folder's state only changes when rank 0 moves an incomplete checkpoint
+    aside, which every rank judges incomplete before and after, or removes an earlier run here, and
     then only what makes every rank start fresh anyway):
 
     * ``--resume [TAG]``: continue; the folder must hold checkpoints.
-    * ``--resume auto``: 'latest' if the folder has it; else a fresh run, replacing an earlier run
-      that saved no checkpoint and did not finish (a restarted attempt that failed before its first);
-      a finished run (``summary.json`` or ``hf/``) is refused, as is a folder with checkpoints but no
-      'latest' (a save that did not finish), naming its tags.
+    * ``--resume auto``: 'latest' if the folder has it; else its newest complete checkpoint
+      (:func:`~odb.training.run.checkpoint.missing_parts`: a save killed part-way left no 'latest'),
+      the incomplete tags moved into :data:`INCOMPLETE`; else a fresh run, replacing an earlier run
+      that saved no complete checkpoint and did not finish (a restarted attempt that failed before
+      its first save finished), its incomplete tags moved aside too; a finished run
+      (``summary.json`` or ``hf/``) is refused. Rank 0 says which in one line.
     * no ``--resume``: a folder that holds an earlier run (:func:`earlier_run`) is refused unless
       ``--overwrite_output_dir``, which removes it (rank 0): no second run is appended to its
       metrics.jsonl, no old checkpoint or summary outlives it. In a restarted attempt of the same job
@@ -69,12 +77,18 @@ def resume_tag(args: argparse.Namespace) -> str | None:
                          "pass one of them")
     checkpoints = out / "checkpoints"
     tags = _entries(checkpoints)
+    incomplete: dict[str, list[str]] = {}
     if args.resume == "auto":
         if (checkpoints / "latest").is_file():
             return "latest"
-        if tags:
-            raise ValueError(f"--resume auto: {checkpoints} holds {tags} but no 'latest' (a save that did not "
-                             "finish?): pass --resume TAG with one of them, or --overwrite_output_dir to start over")
+        from odb.training.run.checkpoint import sorted_tags  # (parse_config has loaded torch by now)
+
+        complete, incomplete = sorted_tags(checkpoints)
+        if complete:
+            moved = _set_aside(out, incomplete)
+            _say(f"--resume auto: {checkpoints} has no 'latest' (a save that did not finish): resuming from "
+                 f"{complete[-1]}, the newest complete checkpoint{moved}")
+            return complete[-1]
     elif args.resume:
         if not tags:
             raise FileNotFoundError(f"--resume: no checkpoints in {checkpoints}; resume with the --output_dir of the "
@@ -88,14 +102,48 @@ def resume_tag(args: argparse.Namespace) -> str | None:
     finished = [p.name for p in found if p.name in ("summary.json", "hf")]
     if args.resume == "auto" and finished:
         raise ValueError(f"--resume auto: --output_dir {out} holds a finished run ({', '.join(finished)}) and no "
-                         "checkpoint to continue it from: pass --overwrite_output_dir to replace it, or another "
-                         "--output_dir")
+                         f"{'complete ' if incomplete else ''}checkpoint to continue it from: pass "
+                         "--overwrite_output_dir to replace it, or another --output_dir")
     _check_not_an_input(args, found)
-    if found and os.environ.get("RANK", "0") == "0":
-        _remove(found)
-        print(f"odb: starting over in {out}: removed the earlier run's "
-              f"{', '.join(str(p.relative_to(out)) for p in found)}", flush=True)
+    if found:
+        why = f"--resume auto: no complete checkpoint in {checkpoints}: " if incomplete else ""
+        moved = _set_aside(out, incomplete)  # (first: what is moved aside is not removed)
+        if _is_rank_0():
+            gone = earlier_run(out)
+            _remove(gone)
+            removed = f"; removed the earlier run's {', '.join(str(p.relative_to(out)) for p in gone)}" if gone else ""
+            _say(f"{why}starting over in {out}{moved}{removed}")
     return None
+
+
+def _is_rank_0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _say(line: str) -> None:
+    """One line on rank 0's console (every rank decides alike)."""
+    if _is_rank_0():
+        print(f"odb: {line}", flush=True)
+
+
+def _set_aside(out: Path, incomplete: dict[str, list[str]]) -> str:
+    """Moves the ``incomplete`` checkpoint tags (what each lacks) into :data:`INCOMPLETE` (rank 0;
+    the other ranks judge a tag being moved incomplete too): no later save of the same step writes
+    into one, and nothing is deleted. Returns what it did, as the end of a line ('' for nothing)."""
+    if not incomplete:
+        return ""
+    aside, moved = out / INCOMPLETE, []
+    for tag, gaps in incomplete.items():
+        target, n = aside / tag, 0
+        while target.exists():  # (an earlier attempt's of the same step)
+            n += 1
+            target = aside / f"{tag}.{n}"
+        if _is_rank_0():
+            aside.mkdir(exist_ok=True)
+            (out / "checkpoints" / tag).rename(target)
+        more = f" and {len(gaps) - 1} more" if len(gaps) > 1 else ""
+        moved.append(f"{tag} ({gaps[0]}{more}) to {target}")
+    return f"; moved the incomplete {', '.join(moved)}"
 
 
 def _restart_attempt() -> int:

@@ -32,8 +32,8 @@ from odb.training.backends.base import CheckpointLoad
 from odb.training.config.settings import RunConfig
 from odb.training.run.assemble import Components
 
-__all__ = ["FINISHED", "checkpoint_states", "load_checkpoint", "load_plan", "mark_finished", "resolve_tag",
-           "restore_states", "save_checkpoint", "write_states"]
+__all__ = ["FINISHED", "checkpoint_states", "load_checkpoint", "load_plan", "mark_finished", "missing_parts",
+           "resolve_tag", "restore_states", "save_checkpoint", "sorted_tags", "write_states"]
 
 FINISHED = "finished"
 """A file in a checkpoint's tag folder: the run that saved it went on to finish there (evaluation,
@@ -158,7 +158,10 @@ def saved_budgets(config: RunConfig, tag: str, log: Callable[[str], None]) -> Ru
 
 
 def _tags(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+    try:
+        return sorted(p.name for p in folder.iterdir() if p.is_dir())
+    except (FileNotFoundError, NotADirectoryError):  # (none, or rank 0 removing it right now)
+        return []
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -174,6 +177,58 @@ def _read_json(path: Path, what: str) -> dict:
     if not isinstance(value, dict) or "version" not in value and what == "batcher state":
         raise ValueError(f"--resume: {path} is not an odb {what}; {fix}")
     return value
+
+
+def missing_parts(tag_folder: Path) -> list[str]:
+    """What checkpoint ``tag_folder`` lacks to be resumed, each named with what is wrong
+    (``"odb_state.rank1.json missing"``); [] when it is complete, as a save killed part-way never
+    leaves it: every file a resume reads is there whole. odb's own, as :func:`load_plan` and
+    :func:`checkpoint_states` read them (``run_config.json``, and the batcher and run states of
+    every rank of the world size ``odb_state.rank0.json`` names, each a JSON object of odb's), then
+    the backend's (its ``incomplete_files``; the backend the run config names, else the one whose
+    files are there)."""
+    gaps: list[str] = []
+
+    def whole(name: str, what: str) -> dict | None:
+        try:
+            return _read_json(tag_folder / name, what)
+        except FileNotFoundError:
+            gaps.append(f"{name} missing")
+        except ValueError:
+            gaps.append(f"{name} cut short or not odb's")
+        return None
+
+    config = whole("run_config.json", "run config")
+    first = whole("odb_state.rank0.json", "batcher state")
+    world = first.get("world_size") if first is not None else None
+    if first is not None and not (isinstance(world, int) and world >= 1):
+        gaps.append("odb_state.rank0.json names no world size")
+    for rank in range(world if isinstance(world, int) else 0):
+        if rank:
+            whole(f"odb_state.rank{rank}.json", "batcher state")
+        whole(f"run_state.rank{rank}.json", "run state")
+    saved_by = config.get("optimization", {}).get("backend", "deepspeed") if config is not None else None
+    backend = backends.get(saved_by) if saved_by in backends.NAMES else backends.for_checkpoint(tag_folder)
+    if backend is None:
+        return [*gaps, f"no checkpoint files of {' or '.join(backends.NAMES)}"]
+    return [*gaps, *backend.incomplete_files(tag_folder)]
+
+
+def sorted_tags(folder: Path) -> tuple[list[str], dict[str, list[str]]]:
+    """The checkpoint tags in ``folder`` (``OUTPUT_DIR/checkpoints``), oldest first (by the step of a
+    ``step<k>`` tag; a tag of another name before them): the complete ones, and the others with
+    what each lacks (:func:`missing_parts`)."""
+    def age(name: str) -> tuple[int, str]:
+        return (int(name[4:]) if re.fullmatch(r"step\d+", name) else -1, name)
+
+    complete, incomplete = [], {}
+    for tag in sorted(_tags(folder), key=age):
+        gaps = missing_parts(folder / tag)
+        if gaps:
+            incomplete[tag] = gaps
+        else:
+            complete.append(tag)
+    return complete, incomplete
 
 
 def checkpoint_states(folder: Path, *, rank: int, world_size: int) -> tuple[dict, dict, int]:
