@@ -27,6 +27,7 @@ from odb.batching.config import AUTO
 from odb.batching.redeal import redeal_states
 from odb.batching.state import is_finished, upgrade_state
 from odb.telemetry import Telemetry
+from odb.telemetry.writer import SUPERSEDED
 from odb.training import backends
 from odb.training.backends.base import CheckpointLoad
 from odb.training.config.settings import RunConfig
@@ -234,3 +235,8 @@ def load_checkpoint(parts: Components, config: RunConfig, tag: str, plan: Checkp
     ending = "; every step is trained: finishing the run (evaluation, checkpoint, export, summary)" \
         if trained_all else ""
     log(f"resumed from {folder / tag}: {parts.telemetry.samples_done} samples done{extended}{moved}{ending}")
+    superseded = parts.telemetry.superseded  # (rank 0: rows of an earlier process past the checkpoint)
+    if superseded is not None:
+        log(f"odb: metrics.jsonl: {superseded.rows} row(s) of steps {superseded.first}-{superseded.last}, written "
+            f"after this checkpoint by an earlier process, moved to {SUPERSEDED}: this process trains those steps "
+            "again")

@@ -88,8 +88,10 @@ class Trainer:
         if plan is not None:
             load_checkpoint(self.parts, config, tag, plan, self.log)
         self.log("odb: " + ", ".join(f"{k} {v}" for k, v in self.parts.settings.items()))
-        # rank 0's tracker runs, from this process's first step on (a resume's: its checkpoint's)
-        self.parts.trackers.start(self.parts.telemetry.steps_done, self.log)
+        # rank 0's tracker runs, from this process's first step on (a resume's: its checkpoint's), told
+        # of the rows past it that an earlier process wrote (odb.telemetry.writer)
+        telemetry = self.parts.telemetry
+        self.parts.trackers.start(telemetry.steps_done, self.log, superseded=telemetry.superseded)
         return self
 
     def _track_sources(self) -> None:
@@ -133,16 +135,20 @@ class Trainer:
             steps_this_run += 1
             if progress is not None:
                 progress.step(plan, telemetry.last)
+            stopping = stop.should_stop(telemetry.steps_done)  # the same step on every rank
+            is_last = stopping or bool(config.run.max_steps) and steps_this_run >= config.run.max_steps
             if config.data.eval_steps and telemetry.steps_done % config.data.eval_steps == 0:
                 self.evaluate()
+            if is_last:  # before this step's checkpoint: a resume from it starts a new interval
+                self._end_log_interval(f"step{telemetry.steps_done}")
             if config.checkpoints.save_steps and telemetry.steps_done % config.checkpoints.save_steps == 0:
                 self.save(f"step{telemetry.steps_done}")
-            if stop.should_stop(telemetry.steps_done):  # the same step on every rank
+            if stopping:
                 preempted = f"step{telemetry.steps_done}"
                 if self.saved != preempted:
                     self.save(preempted)
                 break
-            if config.run.max_steps and steps_this_run >= config.run.max_steps:
+            if is_last:
                 break
         telemetry.stop()
         if progress is not None:
@@ -237,6 +243,16 @@ class Trainer:
                                          "epochs": [u // size for u in micro.uids]}) + "\n")
         self.audit.flush()  # a run that fails later still shows what it trained
 
+    def _end_log_interval(self, tag: str) -> bool:
+        """The run's last per-source log interval ends at this step (the run's end, a stop,
+        ``--max_steps``: :meth:`odb.telemetry.Telemetry.end_interval`). Returns whether checkpoint
+        ``tag``, this step's, was already saved with that interval open: it must be saved again, or
+        a resume from it would add the interval's steps to a second row."""
+        stale = self._built().telemetry.end_interval() and self.saved == tag
+        if stale:
+            self.saved = None
+        return stale
+
     # ---- checkpoints ------------------------------------------------------------------------
 
     def save(self, tag: str) -> None:
@@ -281,7 +297,8 @@ class Trainer:
         if parts.evaluator is not None and self.evaluated_at != telemetry.steps_done:
             self.evaluate()
         final = f"step{telemetry.steps_done}"
-        if config.checkpoints.final and self.saved != final:
+        stale = self._end_log_interval(final)  # (a --save_steps checkpoint of the last step: saved again)
+        if (config.checkpoints.final or stale) and self.saved != final:
             self.save(final)
         if config.checkpoints.save_hf:
             out = config.output_dir / "hf"
