@@ -13,7 +13,8 @@ from odb.data.mixture import is_plain_path, parse_source, source_words
 
 __all__ = ["RUN_RECORDS", "earlier_run", "resume_tag"]
 
-RUN_RECORDS = ("checkpoints/", "metrics.jsonl", "summary.json", "emitted_ids.rank*.jsonl", "hf/")
+RUN_RECORDS = ("checkpoints/", "metrics.jsonl", "metrics.superseded.jsonl", "summary.json", "emitted_ids.rank*.jsonl",
+               "hf/")
 """What a run writes into its ``--output_dir``: an earlier run's, removed by ``--overwrite_output_dir``."""
 
 
