@@ -7,9 +7,10 @@ import struct
 from pathlib import Path
 
 
-def read_wandb_history(path: Path) -> list[dict]:
+def read_wandb_history(path: Path, kind: str = "history") -> list[dict]:
     """History rows of an offline run, read from its .wandb file (a LevelDB-style log of
-    protobuf records; wandb 0.31 has no public reader for offline history)."""
+    protobuf records; wandb 0.31 has no public reader for offline history); ``kind="summary"``:
+    its summary updates instead, one dict each."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     data, pos, block, buffer, rows = path.read_bytes(), 7, 32768, b"", []
@@ -27,9 +28,9 @@ def read_wandb_history(path: Path) -> list[dict]:
             record = pb.Record()
             record.ParseFromString(buffer)
             buffer = b""
-            if record.WhichOneof("record_type") == "history":
-                rows.append({item.key or ".".join(item.nested_key): json.loads(item.value_json)
-                             for item in record.history.item})
+            if record.WhichOneof("record_type") == kind:
+                items = record.history.item if kind == "history" else record.summary.update
+                rows.append({item.key or ".".join(item.nested_key): json.loads(item.value_json) for item in items})
     return rows
 
 
@@ -37,3 +38,16 @@ def offline_histories(out: Path) -> list[list[dict]]:
     """The history of every offline run under ``out/wandb``, in the order they were started."""
     runs = sorted((out / "wandb").glob("offline-run-*"))
     return [read_wandb_history(next(run.glob("*.wandb"))) for run in runs]
+
+
+def offline_summaries(out: Path) -> list[dict]:
+    """What each offline run under ``out/wandb`` set in its summary (its updates merged), in the
+    order they were started."""
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    merged = []
+    for run in runs:
+        summary: dict = {}
+        for update in read_wandb_history(next(run.glob("*.wandb")), kind="summary"):
+            summary.update(update)
+        merged.append(summary)
+    return merged

@@ -159,8 +159,8 @@ class Trackers:
         saved = self._saved(log) if self.run.resume else {}
         for name in self.names:
             self.opened[name] = _OPEN[name](self.run, saved.get(name), first_step, log)
-            if superseded is not None and superseded.first <= superseded.last:
-                self.opened[name].supersede(f"{superseded.first}-{superseded.last}")
+            if superseded is not None and superseded.steps is not None:
+                self.opened[name].supersede(superseded.steps)
         ids = {**saved, **{name: tracker.saved for name, tracker in self.opened.items()}}  # (one left out now: kept)
         (self.run.output_dir / RUN_IDS).write_text(json.dumps(ids, indent=2) + "\n")
 

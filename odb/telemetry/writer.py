@@ -25,13 +25,18 @@ SUPERSEDED = "metrics.superseded.jsonl"
 
 @dataclass(frozen=True)
 class Superseded:
-    """What :func:`supersede_rows` moved aside: ``rows`` lines (``torn`` of them a line cut by a
-    kill, which no reader can parse) of steps ``first`` to ``last``."""
+    """What :func:`supersede_rows` moved aside: ``rows`` lines, the rows of steps ``first`` to
+    ``last`` (None: none, only torn lines) and ``torn`` lines cut by a kill, which no reader parses."""
 
     rows: int
-    first: int
-    last: int
+    first: int | None
+    last: int | None
     torn: int = 0
+
+    @property
+    def steps(self) -> str | None:
+        """``"first-last"``, or None where only torn lines moved."""
+        return None if self.first is None else f"{self.first}-{self.last}"
 
 
 def _step(line: str) -> int | None:
@@ -81,8 +86,7 @@ def supersede_rows(path: Path, from_step: int) -> Superseded | None:
         rewritten.flush()
         os.fsync(rewritten.fileno())
     os.replace(temporary, path)
-    return Superseded(rows=len(moved), first=min(steps, default=from_step), last=max(steps, default=from_step),
-                      torn=torn)
+    return Superseded(rows=len(moved), first=min(steps, default=None), last=max(steps, default=None), torn=torn)
 
 
 class MetricsWriter:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from launch import deepspeed, ds_config, odb_config
-from wandb_offline import offline_histories
+from wandb_offline import offline_histories, offline_summaries
 
 SAVED, STOPPED = 2, 3  # the first process saves a checkpoint after 2 steps and stops after 3
 NAME = "odb-trackers"
@@ -138,3 +138,5 @@ def test_the_resumed_process_continues_each_run_where_its_checkpoint_left_off(jo
             for key, value in row.items():
                 if not isinstance(value, dict):
                     assert logged[key] == pytest.approx(value), (row["step"], key)
+    summaries = offline_summaries(out)  # the resumed process names the steps it trains again
+    assert "superseded_steps" not in summaries[0] and summaries[1]["superseded_steps"] == f"{SAVED}-{STOPPED - 1}"

@@ -61,6 +61,17 @@ def test_a_file_without_rows_past_the_step_is_left_as_it_is(tmp_path):
     assert writer.supersede_rows(tmp_path / "missing.jsonl", 0) is None
 
 
+def test_a_line_cut_by_a_kill_moves_aside_alone_and_names_no_step(tmp_path):
+    """A process killed while writing the row of a step before its checkpoint: the cut line would
+    glue onto the resumed process's first row."""
+    path = tmp_path / "metrics.jsonl"
+    every = written(path, [{"step": s, "loss": 1.0} for s in range(3)], torn='{"step": 3, "lo')
+    moved = writer.supersede_rows(path, 5)
+    assert moved == writer.Superseded(rows=1, first=None, last=None, torn=1) and moved.steps is None
+    assert lines(path) == every[:3] and lines(tmp_path / writer.SUPERSEDED) == [every[3]]
+    assert path.read_text().endswith("\n")
+
+
 def plan(step: int) -> StepPlan:
     sample = SampleCost(uid=step, tokens=10, label_tokens=5, patches=0, cost=10)
     return StepPlan(epoch=0, step=step, micro_batches=(MicroBatch((sample,)),), num_label_tokens=10, num_samples=2,

@@ -237,6 +237,7 @@ def load_checkpoint(parts: Components, config: RunConfig, tag: str, plan: Checkp
     log(f"resumed from {folder / tag}: {parts.telemetry.samples_done} samples done{extended}{moved}{ending}")
     superseded = parts.telemetry.superseded  # (rank 0: rows of an earlier process past the checkpoint)
     if superseded is not None:
-        log(f"odb: metrics.jsonl: {superseded.rows} row(s) of steps {superseded.first}-{superseded.last}, written "
-            f"after this checkpoint by an earlier process, moved to {SUPERSEDED}: this process trains those steps "
-            "again")
+        torn = f", {superseded.torn} of them cut by a kill" if superseded.torn else ""
+        steps = f" of steps {superseded.steps}" if superseded.steps else ""
+        log(f"odb: metrics.jsonl: {superseded.rows} row(s){steps}{torn}, written after this checkpoint by an earlier "
+            f"process, moved to {SUPERSEDED}: this process trains those steps again")
