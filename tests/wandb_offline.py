@@ -7,9 +7,9 @@ import struct
 from pathlib import Path
 
 
-def read_wandb_history(path: Path, kind: str = "history") -> list[dict]:
+def read_wandb_history(path: Path, record_type: str = "history") -> list[dict]:
     """History rows of an offline run, read from its .wandb file (a LevelDB-style log of
-    protobuf records; wandb 0.31 has no public reader for offline history); ``kind="summary"``:
+    protobuf records; wandb 0.31 has no public reader for offline history); ``record_type="summary"``:
     its summary updates instead, one dict each."""
     from wandb.proto import wandb_internal_pb2 as pb
 
@@ -28,8 +28,8 @@ def read_wandb_history(path: Path, kind: str = "history") -> list[dict]:
             record = pb.Record()
             record.ParseFromString(buffer)
             buffer = b""
-            if record.WhichOneof("record_type") == kind:
-                items = record.history.item if kind == "history" else record.summary.update
+            if record.WhichOneof("record_type") == record_type:
+                items = record.history.item if record_type == "history" else record.summary.update
                 rows.append({item.key or ".".join(item.nested_key): json.loads(item.value_json) for item in items})
     return rows
 
@@ -47,7 +47,7 @@ def offline_summaries(out: Path) -> list[dict]:
     merged = []
     for run in runs:
         summary: dict = {}
-        for update in read_wandb_history(next(run.glob("*.wandb")), kind="summary"):
+        for update in read_wandb_history(next(run.glob("*.wandb")), record_type="summary"):
             summary.update(update)
         merged.append(summary)
     return merged
