@@ -50,6 +50,7 @@ class Trainer:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.parts: Components | None = None  # after build()
         self.saved: str | None = None  # the last checkpoint tag written
+        self.resumed: str | None = None  # the checkpoint tag this process resumed
         self.audit: IO[str] | None = None  # emitted_ids.rank<R>.jsonl while training
         self.evaluated_at: int | None = None  # steps done at the last evaluation
         self.watchdog: Watchdog | None = None  # from init() on (odb.training.run.watchdog)
@@ -87,6 +88,7 @@ class Trainer:
         self._track_sources()
         if plan is not None:
             load_checkpoint(self.parts, config, tag, plan, self.log)
+            self.resumed = tag
         self.log("odb: " + ", ".join(f"{k} {v}" for k, v in self.parts.settings.items()))
         # rank 0's tracker runs, from this process's first step on (a resume's: its checkpoint's), told
         # of the rows past it that an earlier process wrote (odb.telemetry.writer)
@@ -246,9 +248,9 @@ class Trainer:
     def _end_log_interval(self, tag: str) -> bool:
         """The run's last per-source log interval ends at this step (the run's end, a stop,
         ``--max_steps``: :meth:`odb.telemetry.Telemetry.end_interval`). Returns whether checkpoint
-        ``tag``, this step's, was already saved with that interval open: it must be saved again, or
-        a resume from it would add the interval's steps to a second row."""
-        stale = self._built().telemetry.end_interval() and self.saved == tag
+        ``tag``, this step's, holds that interval open (saved, or resumed into the run's end): it must
+        be saved again, or a resume from it would add the interval's steps to a second row."""
+        stale = self._built().telemetry.end_interval() and tag in (self.saved, self.resumed)
         if stale:
             self.saved = None
         return stale
