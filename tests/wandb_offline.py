@@ -31,10 +31,15 @@ def _records(path: Path) -> Iterator:
             yield record
 
 
-def read_wandb_history(path: Path) -> list[dict]:
-    """History rows of an offline run, read from its .wandb file."""
-    return [{item.key or ".".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-            for record in _records(path) if record.WhichOneof("record_type") == "history"]
+def read_wandb_history(path: Path, record_type: str = "history") -> list[dict]:
+    """History rows of an offline run, read from its .wandb file; ``record_type="summary"``: its
+    summary updates instead, one dict each."""
+    rows = []
+    for record in _records(path):
+        if record.WhichOneof("record_type") == record_type:
+            items = record.history.item if record_type == "history" else record.summary.update
+            rows.append({item.key or ".".join(item.nested_key): json.loads(item.value_json) for item in items})
+    return rows
 
 
 def read_wandb_run(path: Path) -> dict:
@@ -51,3 +56,15 @@ def offline_runs(out: Path) -> list[Path]:
 def offline_histories(out: Path) -> list[list[dict]]:
     """The history of every offline run under ``out/wandb``, in the order they were started."""
     return [read_wandb_history(path) for path in offline_runs(out)]
+
+
+def offline_summaries(out: Path) -> list[dict]:
+    """What each offline run under ``out/wandb`` set in its summary (its updates merged), in the
+    order they were started."""
+    merged = []
+    for path in offline_runs(out):
+        summary: dict = {}
+        for update in read_wandb_history(path, record_type="summary"):
+            summary.update(update)
+        merged.append(summary)
+    return merged

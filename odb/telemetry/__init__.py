@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -47,7 +48,7 @@ from odb.telemetry.reports import STEP_FIELDS, TOTALS, Step, StepReports, StepTi
 from odb.telemetry.rows import eval_row, step_loss, step_row
 from odb.telemetry.sources import SourceIntervals, sources_summary
 from odb.telemetry.totals import TRUNCATION_WARNING_SHARE, RunTotals
-from odb.telemetry.writer import MetricsWriter
+from odb.telemetry.writer import MetricsWriter, Superseded
 
 __all__ = ["TOTALS", "StepTimes", "Telemetry", "first_losses", "report_layout", "step_losses"]
 
@@ -113,6 +114,7 @@ class Telemetry:
         self.source_totals: tuple[list[int], list[int]] | None = None  # the final gather's, several sources
         self.losses: list[float] = []  # rank 0: the global loss per token of each step with labels
         self.last: dict[str, Any] = {}  # rank 0: the last metrics row
+        self.superseded: Superseded | None = None  # rank 0, resumed: an earlier process's rows moved aside
         self._rows_samples_done = 0  # rank 0: samples_done as of the last row written
         # rank 0, this process's steps: sums of the ranks' mean and slowest forward time,
         # and of the cost model's mean and slowest estimate per micro-batch position
@@ -162,6 +164,12 @@ class Telemetry:
         self.totals.record(plan)
         self.totals.sources.record(source_samples, source_label_tokens)
         self.sources.record(plan.step, source_loss, source_label_tokens)
+
+    def end_interval(self) -> bool:
+        """The run's last per-source log interval ends at the last step recorded (every rank alike:
+        the run's end, a stop, ``--max_steps``), whole or not; its figures go on its last step's row
+        (:meth:`odb.telemetry.sources.SourceIntervals.close`). Returns whether one was open."""
+        return self.sources.close()
 
     def record_eval(self, step: int, *, loss: float | None, label_tokens: int, samples: int, seconds: float,
                     over_cap: int = 0, sources: Mapping[str, tuple[float | None, int]] | None = None) -> None:
@@ -216,6 +224,10 @@ class Telemetry:
         by_source = self.sources.complete(fields)  # the rows that end a log interval: per-source figures
         if self.writer is None:  # only rank 0 writes the rows
             return []
+        # an interval whose last step's row went out before it closed (a last round that planned no
+        # step): a row of its own, after the steps' (odb.telemetry.sources)
+        late = [{"step": step, **keys, "time": round(time.time(), 3)} for step, keys in by_source.items()
+                if step not in {s.plan.step for s in reported}]
         rows = []
         for i, step in enumerate(reported):
             self._rows_samples_done += step.plan.num_samples
@@ -231,7 +243,7 @@ class Telemetry:
                 self.losses.append(step_loss(step, per_rank))
         if rows:
             self.last = rows[-1]
-        self.writer.write(rows)
+        self.writer.write(rows + late)
         for row in rows if self.on_row is not None else ():
             self.on_row(row)
         self.writer.write_evals(up_to=rows[-1]["step"] if rows else -1)
@@ -291,13 +303,20 @@ class Telemetry:
     # ---- state ------------------------------------------------------------------------------
 
     def state_dict(self, skipped: Mapping[str, int], truncated: Mapping[str, int]) -> dict[str, Any]:
-        """The run's progress and this rank's whole-run counts (``skipped``, ``truncated``: this
-        process's data-worker counts), for a checkpoint; JSON-able."""
-        return self.totals.state_dict(skipped, truncated, losses=self.losses, fetched_lost=(self.fetched, self.lost))
+        """The run's progress, this rank's whole-run counts (``skipped``, ``truncated``: this
+        process's data-worker counts) and its open per-source interval, for a checkpoint; JSON-able."""
+        totals = self.totals.state_dict(skipped, truncated, losses=self.losses, fetched_lost=(self.fetched, self.lost))
+        return {**totals, "source_interval": self.sources.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continues the counts of a checkpoint's :meth:`state_dict` (a resumed run)."""
+        """Continues the counts of a checkpoint's :meth:`state_dict` (a resumed run) and its open
+        per-source interval; rank 0 moves an earlier process's rows of the checkpoint's step and
+        later out of ``metrics.jsonl`` (:func:`odb.telemetry.writer.supersede_rows`: steps this
+        process trains again), into :attr:`superseded`."""
         self.totals.load_state_dict(state)
+        self.sources.load_state_dict(state.get("source_interval"))  # (none in a checkpoint of an older odb)
+        if self.writer is not None:
+            self.superseded = self.writer.supersede(self.totals.steps_done)
         self._rows_samples_done = self.totals.samples_done
         self.fetched, self.lost = self.totals.fetched_lost
         if self.writer is not None and len(self.totals.first_losses) < 3:
@@ -308,7 +327,14 @@ class Telemetry:
         if self.writer is not None:  # the run's last losses before this process, for a resume of < 3 steps
             self.totals.last_losses = step_losses(self.path, before=self.totals.steps_done)[-3:]
 
-    redeal_states = staticmethod(RunTotals.redeal_states)
+    @staticmethod
+    def redeal_states(states: list[Mapping[str, Any]], world_size: int) -> list[dict[str, Any]]:
+        """Every old rank's :meth:`state_dict` as ``world_size`` new ranks' (a resume on another
+        number of ranks: :meth:`odb.telemetry.totals.RunTotals.redeal_states`, and the open
+        per-source interval's sums on new rank 0)."""
+        out = RunTotals.redeal_states(states, world_size)
+        intervals = SourceIntervals.redealt([s.get("source_interval") for s in states], world_size)
+        return [{**state, "source_interval": interval} for state, interval in zip(out, intervals, strict=True)]
 
     def close(self) -> None:
         """Flushes and closes ``metrics.jsonl`` (local; safe to call twice)."""

@@ -16,10 +16,19 @@ rounded) and writes, on the row of the interval's last step::
     label_tokens/<source>  the source's label tokens over ranks and the interval's steps
 
 So ``loss/<source>`` is a per-token mean over the interval, as ``loss`` is over its step; the label
-tokens weigh it. An interval is counted by the process that trains it: the steps a process trains
-after its last multiple of ``every`` (the run's end, a stop) are in no row (HF Trainer's
-``logging_steps`` leaves the same tail); a resumed process's first interval starts at its first
-step. ``summary.json`` counts every step.
+tokens weigh it. Every step is in exactly one interval:
+
+* the run's last interval ends at its last step, whole or not (:meth:`SourceIntervals.close`: at
+  the run's end, at a stop on request, after ``--max_steps``), before the checkpoint of that step,
+  so a resume from it starts a new interval, which ends at the next multiple of ``every``;
+* a checkpoint saved inside an interval (``--save_steps``) holds each rank's open interval
+  (:meth:`SourceIntervals.state_dict`): a resume from it (after a crash, the rows past the
+  checkpoint superseded: :mod:`odb.telemetry.writer`) goes on adding to it, so the row that
+  closes it is the uninterrupted run's.
+
+The row of an interval is its last step's; where that row was written before the interval was
+known to be the last (a run whose last round planned no step), the interval's figures are a row
+of their own, ``{"step", "loss/<source>", "label_tokens/<source>", "time"}``.
 
 Run totals per source: each rank counts its samples and label tokens per source (kept across
 resumes, by source name, in the checkpoint's run state); the run's one final gather sums them
@@ -76,7 +85,8 @@ class SourceIntervals:
     def __init__(self, names: Sequence[str], *, every: int, max_steps: int) -> None:
         self.names = tuple(names)
         self.every = max(1, every)
-        self.slots = max_steps // self.every + 1  # intervals closed among max_steps consecutive steps
+        # intervals closed among max_steps consecutive steps: ceil(max_steps / every) at most, + the last one
+        self.slots = max_steps // self.every + 2
         self.open: _Interval | None = None
         self.pending: list[_Interval] = []  # closed, not yet reported
         self.reported: list[_Interval] = []  # reported, not yet gathered
@@ -107,6 +117,52 @@ class SourceIntervals:
         if (step + 1) % self.every == 0:
             self.pending.append(self.open)
             self.open = None
+
+    def close(self) -> bool:
+        """The run's last interval ends here, at its last step so far (the run's end, a stop, on
+        every rank alike): it rides on the next report as a closed one. Returns whether one was open."""
+        if self.open is None:
+            return False
+        self.pending.append(self.open)
+        self.open = None
+        return True
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The open interval, for a checkpoint (JSON-able, sums by source name): a resume goes on
+        adding to it. None when none is open (the checkpoint's step ends an interval)."""
+        if self.open is None:
+            return None
+        return {"last_step": self.open.last_step, "loss": dict(zip(self.names, self.open.loss)),
+                "label_tokens": dict(zip(self.names, self.open.label_tokens))}
+
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        """Reopens a checkpoint's open interval (:meth:`state_dict`; a source this run no longer has
+        is left out of it); None: a new interval starts at the next step."""
+        if not self.active or state is None:
+            return
+        self.open = _Interval(state["last_step"], [float(state["loss"].get(name, 0.0)) for name in self.names],
+                              [int(state["label_tokens"].get(name, 0)) for name in self.names])
+
+    @staticmethod
+    def redealt(states: Sequence[Mapping[str, Any] | None], world_size: int) -> list[dict[str, Any] | None]:
+        """Several ranks' :meth:`state_dict` as ``world_size`` new ranks' (a resume on another number
+        of ranks): the sums on new rank 0, an empty interval of the same steps on the others (every
+        rank closes the same intervals)."""
+        first = next((state for state in states if state is not None), None)
+        if first is None:
+            return [None] * world_size
+        loss: dict[str, list[float]] = {}
+        tokens: dict[str, int] = {}
+        for state in states:
+            for name, value in (state or {}).get("loss", {}).items():
+                loss.setdefault(name, []).append(value)
+            for name, value in (state or {}).get("label_tokens", {}).items():
+                tokens[name] = tokens.get(name, 0) + value
+        merged = {"last_step": first["last_step"], "loss": {name: math.fsum(v) for name, v in loss.items()},
+                  "label_tokens": tokens}
+        empty = {"last_step": first["last_step"], "loss": dict.fromkeys(loss, 0.0),
+                 "label_tokens": dict.fromkeys(tokens, 0)}
+        return [merged if r == 0 else empty for r in range(world_size)]
 
     def fields(self) -> dict[str, Any]:
         """The report's fields: the intervals closed since the last report, which become the reported ones."""

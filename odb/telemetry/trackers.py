@@ -16,17 +16,22 @@ count (:func:`summary_fields`), to W&B as its run summary.
 
 A resumed process (``--resume``) continues the runs of the process it resumes where the tracker
 allows it. :meth:`Trackers.start` opens them once the checkpoint has loaded, at the run's first
-step in this process:
+step in this process. Where an earlier process logged steps past that checkpoint (it died without
+saving: the rows ``metrics.jsonl`` moves aside, :mod:`odb.telemetry.writer`), each tracker is told
+(:meth:`Tracker.supersede`):
 
 * W&B: the run id saved in ``OUTPUT_DIR/trackers.json``, ``resume="allow"`` (offline: a second
   offline run folder with the same id, which ``wandb sync`` appends to it), unless ``WANDB_RUN_ID``
-  names another. Its charts are over the rows' ``step``; a step trained again after a crash has two
-  points, as in MLflow.
+  names another. Its charts are over the rows' ``step``. W&B keeps every history row: its rewind
+  (``resume_from``) is a private preview for online runs whose ``_step`` is the chart's axis, not
+  odb's ``step``; so a step trained again after a crash has two points, and the run's summary says
+  which steps (``superseded_steps``).
 * TensorBoard: the same log folder, ``purge_step`` at the first step: TensorBoard hides what an
   earlier process wrote from that step on (the steps trained again, the earlier summary).
 * MLflow: the run id saved in ``trackers.json`` (where the tracking URI is the same), set back to
-  RUNNING, unless ``MLFLOW_RUN_ID`` names another. MLflow keeps every value, so a step trained
-  again after a crash has two points.
+  RUNNING, unless ``MLFLOW_RUN_ID`` names another. MLflow has no call that removes a logged value,
+  so a step trained again after a crash has two points (the later timestamp the resumed
+  process's); the run's tag ``odb.superseded_steps`` says which steps.
 
 The environment a tracker's own clients read: ``WANDB_PROJECT`` (under ``--wandb_project``),
 ``WANDB_RUN_ID`` and W&B's other variables; ``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_NAME``,
@@ -43,6 +48,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+from odb.telemetry.writer import Superseded
 
 __all__ = ["RUN_IDS", "TRACKERS", "RunInfo", "Tracker", "Trackers", "check_installed", "numeric_fields",
            "summary_fields", "wandb_project"]
@@ -126,6 +133,9 @@ class Tracker(Protocol):
     def finish(self, exit_code: int = 0, *, preempted: bool = False) -> None:
         """Ends the run: finished (0), stopped on request to be resumed (``preempted``), or failed."""
 
+    def supersede(self, steps: str) -> None:
+        """A resumed process trains ``steps`` (``"K-L"``) again: an earlier process logged them."""
+
 
 class Trackers:
     """The trackers ``names`` of rank 0's run (no names: no tracker, nothing imported).
@@ -144,14 +154,18 @@ class Trackers:
     def __iter__(self) -> Iterator[Tracker]:
         return iter(self.opened.values())
 
-    def start(self, first_step: int, log: Callable[[str], None] = print) -> None:
+    def start(self, first_step: int, log: Callable[[str], None] = print, *,
+              superseded: Superseded | None = None) -> None:
         """Opens each tracker's run at ``first_step`` (this process's first: 0, or a resume's
-        checkpoint step) and saves what a resumed process needs in :data:`RUN_IDS`."""
+        checkpoint step) and saves what a resumed process needs in :data:`RUN_IDS`; ``superseded``:
+        the rows of later steps an earlier process wrote (:meth:`Tracker.supersede`)."""
         if not self.names:
             return
         saved = self._saved(log) if self.run.resume else {}
         for name in self.names:
             self.opened[name] = _OPEN[name](self.run, saved.get(name), first_step, log)
+            if superseded is not None and superseded.steps is not None:
+                self.opened[name].supersede(superseded.steps)
         ids = {**saved, **{name: tracker.saved for name, tracker in self.opened.items()}}  # (one left out now: kept)
         (self.run.output_dir / RUN_IDS).write_text(json.dumps(ids, indent=2) + "\n")
 
@@ -216,6 +230,10 @@ class WandbTracker:
             self.run.mark_preempting()  # W&B shows the run as preempted, to be resumed
         self.run.finish(exit_code=exit_code)
 
+    def supersede(self, steps: str) -> None:
+        earlier = self.run.summary.get("superseded_steps")  # (an online run's earlier resumes)
+        self.run.summary["superseded_steps"] = f"{earlier}, {steps}" if earlier else steps
+
 
 # ---- TensorBoard ---------------------------------------------------------------------------------
 
@@ -249,6 +267,9 @@ class TensorBoardTracker:
     def finish(self, exit_code: int = 0, *, preempted: bool = False) -> None:
         self.writer.close()
 
+    def supersede(self, steps: str) -> None:
+        """Nothing to do: ``purge_step`` hides the earlier process's events of those steps."""
+
 
 # ---- MLflow --------------------------------------------------------------------------------------
 
@@ -262,6 +283,7 @@ class MlflowTracker:
 
     title = "MLflow"
     MAX_PARAMS = 100  # parameters per log_batch call (MLflow's limit)
+    SUPERSEDED_TAG = "odb.superseded_steps"  # the steps an earlier process logged and this one trains again
 
     def __init__(self, run: RunInfo, saved: Mapping[str, Any] | None, first_step: int,
                  log: Callable[[str], None]) -> None:
@@ -342,6 +364,10 @@ class MlflowTracker:
     def finish(self, exit_code: int = 0, *, preempted: bool = False) -> None:
         status = "FINISHED" if exit_code == 0 else "KILLED" if preempted else "FAILED"
         self.client.set_terminated(self.run_id, status=status)
+
+    def supersede(self, steps: str) -> None:
+        earlier = self.client.get_run(self.run_id).data.tags.get(self.SUPERSEDED_TAG)
+        self.client.set_tag(self.run_id, self.SUPERSEDED_TAG, f"{earlier}, {steps}" if earlier else steps)
 
 
 def _params(settings: Mapping[str, Any], prefix: str = "") -> dict[str, str]:

@@ -1,6 +1,7 @@
 """2-rank runs on a mixture of named sources (ZeRO-2, the tiny model, the bundled tokenizer),
 through launch/train.py's ``--data NAME=PATH ...``: ``loss/<source>`` and ``label_tokens/<source>``
-rows over ``--log_steps`` intervals that add up to the rows' own loss and label tokens, the eval loss
+rows over ``--log_steps`` intervals (the last one ending at the run's last step) that add up to the
+rows' own loss and label tokens, the eval loss
 per source, ``summary.json``'s ``sources``, and audit rows whose ``(source, id)`` pairs are every
 record of each source once; with weights (``NAME=PATH:WEIGHT``), the trained label tokens of each
 source within one micro-batch of its share, every record at least once."""
@@ -69,9 +70,10 @@ def test_rows_carry_each_sources_loss_over_log_intervals(mixture_run):
     steps = [r for r in rows(out) if "eval_loss" not in r]
     assert [r["step"] for r in steps] == list(range(len(steps))) and len(steps) >= 2 * LOG_STEPS
     carrying = [r for r in steps if "loss/chat" in r]
-    assert [r["step"] for r in carrying] == [s for s in range(len(steps)) if (s + 1) % LOG_STEPS == 0]
-    for row in carrying:
-        interval = steps[row["step"] + 1 - LOG_STEPS:row["step"] + 1]
+    last = len(steps) - 1  # (the run's last interval ends at its last step, whole or not)
+    assert [r["step"] for r in carrying] == [s for s in range(len(steps)) if (s + 1) % LOG_STEPS == 0 or s == last]
+    for row, start in zip(carrying, [0] + [r["step"] + 1 for r in carrying[:-1]]):
+        interval = steps[start:row["step"] + 1]
         tokens = {name: row[f"label_tokens/{name}"] for name in ("chat", "short")}
         assert sum(tokens.values()) == sum(r["label_tokens"] for r in interval)
         assert all(tokens.values())

@@ -1,7 +1,9 @@
 """--report_to wandb,tensorboard,mlflow on a launched 2-rank run, stopped after 3 steps (its
 checkpoint after 2) and resumed: each tracker, read back with its own reader (TensorBoard's
 EventAccumulator, MLflow's client, the offline W&B files), holds what metrics.jsonl holds, in one
-run per job, the resumed process continuing it. The oracle is metrics.jsonl as odb wrote it.
+run per job, the resumed process continuing it; the first process's rows of step 2, which the
+resumed process trains again, are in metrics.superseded.jsonl, hidden in TensorBoard, kept in
+MLflow and W&B. The oracle is metrics.jsonl as odb wrote it.
 (Parsing, errors and the trackers in one process: tests/unit/test_trackers.py.)"""
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from launch import deepspeed, ds_config, odb_config
-from wandb_offline import offline_histories
+from wandb_offline import offline_histories, offline_summaries
 
 SAVED, STOPPED = 2, 3  # the first process saves a checkpoint after 2 steps and stops after 3
 NAME = "odb-trackers"
@@ -98,8 +100,11 @@ def test_the_first_process_logs_its_rows_to_one_run_of_each_tracker(job):
 def test_the_resumed_process_continues_each_run_where_its_checkpoint_left_off(job):
     out, first = job
     rows = metrics(out)
-    earlier, resumed = rows[:len(first["rows"])], rows[len(first["rows"]):]
-    assert earlier == first["rows"] and min(r["step"] for r in resumed) == SAVED  # (its third step trained again)
+    earlier = [r for r in first["rows"] if r["step"] < SAVED]  # (its third step is trained again)
+    assert rows[:len(earlier)] == earlier and min(r["step"] for r in rows[len(earlier):]) == SAVED
+    resumed = rows[len(earlier):]
+    superseded = [json.loads(line) for line in (out / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert superseded == [r for r in first["rows"] if r["step"] >= SAVED]
     summary = json.loads((out / "summary.json").read_text())
     assert max(r["step"] for r in resumed) == summary["steps"] - 1 > STOPPED
 
@@ -107,27 +112,31 @@ def test_the_resumed_process_continues_each_run_where_its_checkpoint_left_off(jo
     # step on are hidden (purge_step), so each step shows the value that the run kept
     files = sorted(out.rglob("events.out.tfevents.*"))
     assert len(files) == 2 and {f.parent for f in files} == {out / "tensorboard"}
-    kept = [r for r in earlier if r["step"] < SAVED] + resumed
     scalars = tensorboard(out)
     for key in ("loss", "lr", "real_tokens", "sync_efficiency", "eval_loss"):
-        assert scalars[key] == [(s, pytest.approx(v, rel=1e-6)) for s, v in series(kept, key)], key
+        assert scalars[key] == [(s, pytest.approx(v, rel=1e-6)) for s, v in series(rows, key)], key
     assert scalars["summary/steps"] == [(summary["steps"], summary["steps"])]  # (the first process's: hidden)
 
-    # MLflow: the same run, finished again, every value logged (the step trained twice has two points)
+    # MLflow: the same run, finished again, every value logged (the step trained twice has two
+    # points), its tag naming the steps superseded
     (run,) = mlflow_runs(out)
+    both = first["rows"] + resumed
     assert run["id"] == first["mlflow"][0]["id"] and run["status"] == "FINISHED"
+    assert run["tags"]["odb.superseded_steps"] == f"{SAVED}-{STOPPED - 1}"
     assert [(s, t, v) for s, t, v in run["history"]["loss"]] == sorted(
-        (r["step"], round(1000 * r["time"]), r["loss"]) for r in rows if "loss" in r)
-    assert [(s, v) for s, _, v in run["history"]["eval_loss"]] == series(rows, "eval_loss")
+        (r["step"], round(1000 * r["time"]), r["loss"]) for r in both if "loss" in r)
+    assert [(s, v) for s, _, v in run["history"]["eval_loss"]] == series(both, "eval_loss")
     saved = json.loads((out / "trackers.json").read_text())
     assert saved["mlflow"]["run_id"] == run["id"]
 
     # W&B (offline): a run folder per process, the same run id, each with its process's rows
     folders = sorted((out / "wandb").glob("offline-run-*"))
     assert len(folders) == 2 and {f.name.rsplit("-", 1)[1] for f in folders} == {saved["wandb"]["id"]}
-    for history, written in zip(offline_histories(out), (earlier, resumed), strict=True):
+    for history, written in zip(offline_histories(out), (first["rows"], resumed), strict=True):
         assert len(history) == len(written)  # every row, the evaluations too, charted over its step
         for logged, row in zip(history, written):
             for key, value in row.items():
                 if not isinstance(value, dict):
                     assert logged[key] == pytest.approx(value), (row["step"], key)
+    summaries = offline_summaries(out)  # the resumed process names the steps it trains again
+    assert "superseded_steps" not in summaries[0] and summaries[1]["superseded_steps"] == f"{SAVED}-{STOPPED - 1}"

@@ -40,6 +40,7 @@ def earlier_run(out: Path, *, checkpoints: bool = True, latest: bool = True) -> 
             (out / "checkpoints" / "latest").write_text("step3")
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": 1.0}) + "\n")
+    (out / "metrics.superseded.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")  # (a crash, resumed)
     (out / "summary.json").write_text("{}")
     for rank in range(2):
         (out / f"emitted_ids.rank{rank}.jsonl").write_text("")

@@ -226,8 +226,9 @@ def telemetry_plan(index: int) -> StepPlan:
 
 def test_rows_carry_loss_per_source_over_log_intervals_and_the_summary_the_runs_counts(tmp_path):
     """Two ranks' telemetry, their reports gathered by hand: rank 0's rows at each third step carry
-    the interval's per-source loss (sums over ranks and steps / label tokens); the steps after the
-    last whole interval are in no row; the summary counts every step per source."""
+    the interval's per-source loss (sums over ranks and steps / label tokens); the run's last,
+    partial interval (step 6) is on the last step's row; the summary counts every step per source.
+    (Resumes: tests/unit/test_source_intervals.py.)"""
     ranks = [Telemetry(rank=r, max_steps_per_round=4, max_tokens=64, dataset_size=100, output_dir=tmp_path)
              for r in range(2)]
     for telemetry in ranks:
@@ -236,15 +237,17 @@ def test_rows_carry_loss_per_source_over_log_intervals_and_the_summary_the_runs_
     # step s on rank r: alpha loss (s + 1) * (r + 1) over 2 tokens, beta 10 + s over 3 tokens (rank 1: none)
     figures = {(s, r): ((2.0 * (s + 1) * (r + 1), (10.0 + s) if r == 0 else 0.0), (2, 3 if r == 0 else 0),
                         (1, 1 if r == 0 else 0)) for s in range(7) for r in range(2)}
-    for first, last in ((0, 4), (4, 7)):  # two rounds' reports
+    for first, last in ((0, 4), (4, 7)):  # steps 0-3 reported on a round, 4-6 on the final gather
         for s in range(first, last):
             for r, telemetry in enumerate(ranks):
                 loss, tokens, samples = figures[s, r]
                 telemetry.record(telemetry_plan(s), loss_sum=sum(loss), lr=0.1, times=times, source_loss=loss,
                                  source_label_tokens=tokens, source_samples=samples)
-        gathered = np.stack([t.report({}) for t in ranks])
-        for telemetry in ranks:
-            telemetry.on_reports(gathered)
+        if first == 0:
+            gathered = np.stack([t.report({}) for t in ranks])
+            for telemetry in ranks:
+                telemetry.on_reports(gathered)
+    assert all(t.end_interval() for t in ranks)  # the run ends (Trainer.finish), inside an interval
     final = np.stack([t.final_report({}, dropped=0) for t in ranks])
     totals = [t.on_final_reports(final) for t in ranks][0]
     summary = ranks[0].summary(totals, world_size=2, epochs=1, rounds=2, collectives=3, policy="odb")
@@ -252,14 +255,14 @@ def test_rows_carry_loss_per_source_over_log_intervals_and_the_summary_the_runs_
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(7))
     with_sources = {r["step"]: r for r in rows if "loss/alpha" in r}
-    assert sorted(with_sources) == [2, 5]  # steps 6 (after the last whole interval) in none
-    for last in (2, 5):
-        steps = range(last - 2, last + 1)
-        alpha = sum(figures[s, r][0][0] for s in steps for r in range(2)) / (2 * 2 * 3)
-        beta = sum(10.0 + s for s in steps) / (3 * 3)
+    assert sorted(with_sources) == [2, 5, 6]  # (6: the run's last interval, of one step)
+    for first, last in ((0, 2), (3, 5), (6, 6)):
+        steps = range(first, last + 1)
+        alpha = sum(figures[s, r][0][0] for s in steps for r in range(2)) / (2 * 2 * len(steps))
+        beta = sum(10.0 + s for s in steps) / (3 * len(steps))
         row = with_sources[last]
         assert row["loss/alpha"] == pytest.approx(alpha) and row["loss/beta"] == pytest.approx(beta)
-        assert row["label_tokens/alpha"] == 12 and row["label_tokens/beta"] == 9
+        assert row["label_tokens/alpha"] == 4 * len(steps) and row["label_tokens/beta"] == 3 * len(steps)
     assert summary["sources"] == {"alpha": {"samples": 14, "label_tokens": 28, "share": 0.571429},
                                   "beta": {"samples": 7, "label_tokens": 21, "share": 0.428571}}
 

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import ROOT, train_defaults
 from odb.telemetry.trackers import RUN_IDS, TRACKERS, RunInfo, Trackers, check_installed, wandb_project
+from odb.telemetry.writer import Superseded
 from odb.training.config.settings import LoggingSettings
 from odb.training.launch.flags import parse_config
 
@@ -128,10 +129,10 @@ def store(monkeypatch):
 
 
 def run_part(out, steps: range, *, loss: float, resume: bool, exit_code: int = 0, preempted: bool = False,
-             evals: dict[int, float | None] | None = None) -> Trackers:
+             evals: dict[int, float | None] | None = None, superseded: Superseded | None = None) -> Trackers:
     trackers = Trackers(("tensorboard", "mlflow"), RunInfo(output_dir=out, name="tiny-run", params=PARAMS,
                                                            resume=resume, odb_version="9.9"))
-    trackers.start(steps.start, log=lambda message: None)
+    trackers.start(steps.start, log=lambda message: None, superseded=superseded)
     for step in steps:
         trackers.log(step_row(step, loss + step))
         if evals and step in evals:
@@ -194,6 +195,23 @@ def test_a_resumed_process_continues_the_same_runs_from_its_first_step(tmp_path,
     # MLflow keeps every value: steps 3 and 4 twice, the earlier process's first
     assert history(client, run_id, "loss") == [(0, 2.0), (1, 3.0), (2, 4.0), (3, 5.0), (3, 13.0), (4, 6.0),
                                                (4, 14.0), (5, 15.0), (6, 16.0)]
+
+
+def test_steps_an_earlier_process_logged_past_the_checkpoint_are_named_on_the_mlflow_run(tmp_path, store):
+    """After a crash the resumed process trains steps 3-4 again (metrics.jsonl moved the earlier rows
+    aside): TensorBoard hides the earlier values (purge_step), MLflow keeps them and its run's tag
+    names the steps, each crash's in turn."""
+    out = tmp_path / "run"
+    out.mkdir()
+    run_id = run_part(out, range(5), loss=2.0, resume=False, exit_code=1).opened["mlflow"].run_id
+    run_part(out, range(3, 7), loss=10.0, resume=True, exit_code=1, superseded=Superseded(rows=2, first=3, last=4))
+    client = mlflow_client(out)
+    assert client.get_run(run_id).data.tags["odb.superseded_steps"] == "3-4"
+    run_part(out, range(5, 8), loss=20.0, resume=True, superseded=Superseded(rows=2, first=5, last=6))
+    assert client.get_run(run_id).data.tags["odb.superseded_steps"] == "3-4, 5-6"
+    assert [s for s, _ in history(client, run_id, "loss")] == [0, 1, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7]
+    assert tensorboard_scalars(out / "tensorboard")["loss"] == [(0, 2.0), (1, 3.0), (2, 4.0), (3, 13.0), (4, 14.0),
+                                                                (5, 25.0), (6, 26.0), (7, 27.0)]
 
 
 def test_a_resume_with_another_tracking_uri_starts_a_new_mlflow_run(tmp_path, store, monkeypatch):

@@ -13,8 +13,8 @@ from odb.data.mixture import is_plain_path, parse_source, source_words
 
 __all__ = ["INCOMPLETE", "RUN_RECORDS", "earlier_run", "resume_tag"]
 
-RUN_RECORDS = ("checkpoints/", "metrics.jsonl", "summary.json", "emitted_ids.rank*.jsonl", "hf/", "trackers.json",
-               "tensorboard/", "mlruns/", "wandb/")
+RUN_RECORDS = ("checkpoints/", "metrics.jsonl", "metrics.superseded.jsonl", "summary.json", "emitted_ids.rank*.jsonl",
+               "hf/", "trackers.json", "tensorboard/", "mlruns/", "wandb/")
 """What a run writes into its ``--output_dir`` (its trackers' files too: ``--report_to``'s): an earlier
 run's, removed by ``--overwrite_output_dir``, so that no tracker mixes the new run with it."""
 INCOMPLETE = "incomplete_checkpoints"

@@ -27,6 +27,7 @@ from odb.batching.config import AUTO
 from odb.batching.redeal import redeal_states
 from odb.batching.state import is_finished, upgrade_state
 from odb.telemetry import Telemetry
+from odb.telemetry.writer import SUPERSEDED
 from odb.training import backends
 from odb.training.backends.base import CheckpointLoad
 from odb.training.config.settings import RunConfig
@@ -289,3 +290,9 @@ def load_checkpoint(parts: Components, config: RunConfig, tag: str, plan: Checkp
     ending = "; every step is trained: finishing the run (evaluation, checkpoint, export, summary)" \
         if trained_all else ""
     log(f"resumed from {folder / tag}: {parts.telemetry.samples_done} samples done{extended}{moved}{ending}")
+    superseded = parts.telemetry.superseded  # (rank 0: rows of an earlier process past the checkpoint)
+    if superseded is not None:
+        torn = f", {superseded.torn} of them cut by a kill" if superseded.torn else ""
+        steps = f" of steps {superseded.steps}" if superseded.steps else ""
+        log(f"odb: metrics.jsonl: {superseded.rows} row(s){steps}{torn}, written after this checkpoint by an earlier "
+            f"process, moved to {SUPERSEDED}: this process trains those steps again")

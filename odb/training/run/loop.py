@@ -50,6 +50,7 @@ class Trainer:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.parts: Components | None = None  # after build()
         self.saved: str | None = None  # the last checkpoint tag written (or resumed from)
+        self.resumed: str | None = None  # the checkpoint tag this process resumed
         self.audit: IO[str] | None = None  # emitted_ids.rank<R>.jsonl while training
         self.evaluated_at: int | None = None  # steps done at the last evaluation
         self.watchdog: Watchdog | None = None  # from init() on (odb.training.run.watchdog)
@@ -87,10 +88,12 @@ class Trainer:
         self._track_sources()
         if plan is not None:
             load_checkpoint(self.parts, config, tag, plan, self.log)
-            self.saved = tag  # (a resume that trains no step, at --max_steps, saves it again for nothing)
+            self.saved = self.resumed = tag  # (saved again only to close a log interval: _end_log_interval)
         self.log("odb: " + ", ".join(f"{k} {v}" for k, v in self.parts.settings.items()))
-        # rank 0's tracker runs, from this process's first step on (a resume's: its checkpoint's)
-        self.parts.trackers.start(self.parts.telemetry.steps_done, self.log)
+        # rank 0's tracker runs, from this process's first step on (a resume's: its checkpoint's), told
+        # of the rows past it that an earlier process wrote (odb.telemetry.writer)
+        telemetry = self.parts.telemetry
+        self.parts.trackers.start(telemetry.steps_done, self.log, superseded=telemetry.superseded)
         return self
 
     def _track_sources(self) -> None:
@@ -137,11 +140,15 @@ class Trainer:
             self._record(plan, parts.engine.train_step(plan, samples, self._lr()), began=began, before=before)
             if progress is not None:
                 progress.step(plan, telemetry.last)
+            stopping = stop.should_stop(telemetry.steps_done)  # the same step on every rank
+            is_last = stopping or bool(max_steps) and telemetry.steps_done >= max_steps
             if config.data.eval_steps and telemetry.steps_done % config.data.eval_steps == 0:
                 self.evaluate()
+            if is_last:  # before this step's checkpoint: a resume from it starts a new interval
+                self._end_log_interval(f"step{telemetry.steps_done}")
             if config.checkpoints.save_steps and telemetry.steps_done % config.checkpoints.save_steps == 0:
                 self.save(f"step{telemetry.steps_done}")
-            if stop.should_stop(telemetry.steps_done):  # the same step on every rank
+            if stopping:
                 preempted = f"step{telemetry.steps_done}"
                 if self.saved != preempted:
                     self.save(preempted)
@@ -239,6 +246,16 @@ class Trainer:
                                          "epochs": [u // size for u in micro.uids]}) + "\n")
         self.audit.flush()  # a run that fails later still shows what it trained
 
+    def _end_log_interval(self, tag: str) -> bool:
+        """The run's last per-source log interval ends at this step (the run's end, a stop,
+        ``--max_steps``: :meth:`odb.telemetry.Telemetry.end_interval`). Returns whether checkpoint
+        ``tag``, this step's, holds that interval open (saved, or resumed into the run's end): it must
+        be saved again, or a resume from it would add the interval's steps to a second row."""
+        stale = self._built().telemetry.end_interval() and tag in (self.saved, self.resumed)
+        if stale:
+            self.saved = None
+        return stale
+
     # ---- checkpoints ------------------------------------------------------------------------
 
     def save(self, tag: str) -> None:
@@ -283,7 +300,8 @@ class Trainer:
         if parts.evaluator is not None and self.evaluated_at != telemetry.steps_done:
             self.evaluate()
         final = f"step{telemetry.steps_done}"
-        if config.checkpoints.final and self.saved != final:
+        stale = self._end_log_interval(final)  # (a --save_steps checkpoint of the last step: saved again)
+        if (config.checkpoints.final or stale) and self.saved != final:
             self.save(final)
         if config.checkpoints.save_hf:
             out = config.output_dir / "hf"
