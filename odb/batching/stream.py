@@ -36,7 +36,7 @@ __all__ = ["Reader", "UidStream", "epoch_order"]
 class Reader(Protocol):
     """A rank's records of a streaming source, read in order (:class:`odb.data.streaming.ShardReader`).
 
-    Its state is plain data with ``segments`` (the shards still to read, ``[shard, byte offset]``)
+    Its state is plain data with ``segments`` (the shards still to read, ``[shard, offset]``)
     and ``buffer`` (uids read, not handed out yet), which :func:`odb.batching.redeal.redeal_readers`
     deals to another number of ranks."""
 

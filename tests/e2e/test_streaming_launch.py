@@ -1,13 +1,18 @@
 """A streaming source through launch/train.py (ZeRO-2, the tiny model, the bundled data cut into
-five uneven JSONL shards with blank lines): 2 passes on 2 ranks, stopped mid-pass and resumed on
-3 ranks. The oracle is the shards split into lines by Python: every record trains exactly once per
-pass over the two runs together (audit ids: ``shard * stride + byte offset``), ranks stay aligned,
-and the learning-rate schedule plans the estimated records."""
+five uneven JSONL shards with blank lines, or five Parquet shards of row groups of 4 rows): 2
+passes on 2 ranks, stopped mid-pass and resumed on 3 ranks. The oracle is the shards split into
+lines by Python (a Parquet shard: read whole by pyarrow): every record trains exactly once per
+pass over the two runs together (audit ids: ``shard * stride + offset``, a byte or a row), ranks
+stay aligned, and the learning-rate schedule plans the counted records."""
 
 from __future__ import annotations
 
 import json
 from collections import Counter
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
 
 from launch import ROOT, audit, deepspeed, ds_config, odb_config
 from odb.data.streaming import StreamShards
@@ -16,9 +21,13 @@ SHARDS = [7, 25, 3, 14, 11]  # records per shard: 60 in all
 
 
 def records(shards: StreamShards) -> Counter:
-    """(shard, byte offset) of every non-blank line, from the files as Python splits them."""
+    """(shard, offset) of every record: a non-blank line's byte, from the files as Python splits
+    them, or a Parquet row, from the table pyarrow reads whole."""
     out = Counter()
     for shard, file in enumerate(shards.files):
+        if file.suffix == ".parquet":
+            out.update((shard, row) for row in range(len(pq.read_table(file))))
+            continue
         offset = 0
         for line in file.read_bytes().splitlines(keepends=True):
             if line.strip():
@@ -27,16 +36,21 @@ def records(shards: StreamShards) -> Counter:
     return out
 
 
-def test_two_passes_stopped_and_resumed_on_three_ranks_train_every_record_once_a_pass(tmp_path):
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_two_passes_stopped_and_resumed_on_three_ranks_train_every_record_once_a_pass(tmp_path, kind):
     chat = (ROOT / "data" / "chat.jsonl").read_text().splitlines()
     folder, start = tmp_path / "shards", 0
     folder.mkdir()
     for number, count in enumerate(SHARDS):
         lines = chat[start:start + count]
         start += count
-        (folder / f"train-{number:05d}.jsonl").write_text("\n\n".join(lines) + "\n")
+        if kind == "parquet":
+            rows = pa.Table.from_pylist([json.loads(line) for line in lines])
+            pq.write_table(rows, folder / f"train-{number:05d}.parquet", row_group_size=4)
+        else:
+            (folder / f"train-{number:05d}.jsonl").write_text("\n\n".join(lines) + "\n")
     shards = StreamShards(folder)
-    assert shards.estimate_records() == sum(SHARDS)  # up to 16 MiB in all, every line is counted
+    assert shards.estimate_records() == sum(SHARDS)  # up to 16 MiB in all every line is counted; every row
     out = tmp_path / "run"
     args = ["--deepspeed_config", str(ds_config(tmp_path, 2)),
             "--odb_config", str(odb_config(tmp_path, max_tokens=512, window=4, lookahead=2, gas=2)),

@@ -12,6 +12,7 @@ import numpy as np
 from odb.batching.config import OdbConfig
 from odb.data.mixture import MixedDataset, SourceSpec
 from odb.data.processing import SampleDataset
+from odb.data.row_groups import CACHED_GROUPS
 from odb.data.streaming import ShardReader
 from odb.training.config.settings import RunConfig
 
@@ -27,8 +28,12 @@ def streaming_reader(config: RunConfig, batching: OdbConfig, dataset: SampleData
     batching = dataclasses.replace(batching, sharding="static")
     records = shards.estimate_records()
     log(f"odb: streaming {len(shards.files)} shard(s) of {config.data.path}, about {records} records a pass "
-        f"(estimated from samples of each shard: the learning-rate schedule's length); "
-        f"each rank reads its own shards through a buffer of {config.data.shuffle_buffer} records")
+        f"(Parquet rows counted, JSONL lines estimated from samples of each shard: the learning-rate schedule's "
+        f"length); each rank reads its own shards through a buffer of {config.data.shuffle_buffer} records")
+    rows, decoded = shards.largest_row_group()
+    if rows:
+        log(f"odb: the largest Parquet row group holds {rows} rows ({decoded / 2**20:.0f} MiB decoded); a "
+            f"DataLoader worker decodes the row group of each record it reads and keeps the last {CACHED_GROUPS}")
     idle = world_size - len(shards.files)
     if idle > 0:
         log(f"odb: WARNING: {len(shards.files)} shard(s) for {world_size} data-parallel ranks: {idle} of them read "
