@@ -42,7 +42,7 @@ import numpy as np
 from odb.batching.cost import SampleCost
 from odb.batching.wire import Layout
 
-__all__ = ["MIX_BY", "MIX_EPOCH", "Mixture", "redeal_mixture"]
+__all__ = ["MIX_BY", "MIX_EPOCH", "Mixture", "epoch_records", "redeal_mixture"]
 
 MIX_BY = ("label_tokens", "tokens", "samples")
 """The unit a mixture's weights share out."""
@@ -296,6 +296,30 @@ class Mixture:
             raise ValueError(f"the state's mixture has sources of {state['sizes']} records mixed by "
                              f"{state['mix_by']!r}, this run {self.sizes} by {self.mix_by!r}: resume with the "
                              "same data")
+
+
+def epoch_records(sizes: Sequence[int], weights: Sequence[float], means: Sequence[float], *,
+                  epoch_rule: str) -> int:
+    """Records one epoch of a mixture draws when each source's records carry ``means`` units on
+    average: :class:`Mixture`'s rule in closed form. The level ``L`` is the largest (``"all"``) or
+    smallest (``"first"``) pass level ``size * mean / w`` of the sources with units; each such
+    source draws ``w * L / mean`` records, at least its whole pass (``"all"``) or at most it
+    (``"first"``); a source of no units draws its pass (``"all"``) or nothing. Exact for
+    ``mix_by: samples`` with no record skipped (every mean 1), up to the last records' rounding."""
+    if epoch_rule not in MIX_EPOCH:
+        raise ValueError(f"mix_epoch must be one of {MIX_EPOCH}, got {epoch_rule!r}")
+    total = sum(float(w) for w in weights)
+    shares = [float(w) / total for w in weights]
+    active = [i for i, mean in enumerate(means) if mean > 0]
+    if not active:
+        return sum(sizes) if epoch_rule == "all" else 0
+    levels = [sizes[i] * means[i] / shares[i] for i in active]
+    level = max(levels) if epoch_rule == "all" else min(levels)
+    out = 0
+    for i, size in enumerate(sizes):
+        records = round(shares[i] * level / means[i]) if i in active else 0
+        out += max(size, records) if epoch_rule == "all" else min(size, records)
+    return out
 
 
 def redeal_mixture(states: Sequence[Mapping[str, Any] | None], again: Sequence[Sequence[int]],

@@ -11,7 +11,7 @@ import pytest
 from conftest import check_aligned, run_to_state
 from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import OdbConfig
-from odb.batching.mixture import Mixture
+from odb.batching.mixture import Mixture, epoch_records
 from odb.batching.redeal import redeal_states
 from odb.batching.simulate import SimulatedFeed, run_ranks, simulate
 
@@ -253,3 +253,23 @@ def test_weights_must_be_finite():
         Mixture([3, 4], [float("inf"), 1.0])
     mixture = Mixture([3, 4], [1e308, 1e308])  # normalized by the largest: no overflow
     assert mixture.weights == [0.5, 0.5]
+
+
+@pytest.mark.parametrize("rule", ["all", "first"])
+@pytest.mark.parametrize("mix_by", ["label_tokens", "samples"])
+def test_the_closed_form_of_an_epochs_records_is_what_the_mixture_draws(rule, mix_by):
+    """``epoch_records`` (a host's step bound, odb.integrations) against the records the mixture
+    draws over 2 simulated ranks (trained and skipped), each source's mean units a record taken
+    from the inputs. The run's sources end within a record of their shares, and one record more of
+    the source that sets the level lifts every other's share with it (here by 2%): within 3%."""
+    sizes, weights = [240, 50, 90], [0.5, 0.3, 0.2]
+    lengths = make_sources(sizes, [(30, 31), (900, 901), (200, 201)], skip_every=9)
+    starts = np.cumsum([0] + sizes)
+    means = [sum(unit(e, mix_by) for e in lengths[starts[i]:starts[i + 1]]) / size for i, size in enumerate(sizes)]
+    result = run(lengths, sizes, weights, world=2, mix_by=mix_by, rule=rule)
+    records = sum(len(m.uids) for rank in result.steps for s in rank for m in s.micro_batches)
+    skipped = sum(b.stats.skipped for b in result.batchers)
+    expected = epoch_records(sizes, weights, means, epoch_rule=rule)
+    print(f"{rule}, {mix_by}: {records} trained + {skipped} skipped, closed form {expected}")
+    assert abs(records + skipped - expected) <= 0.03 * expected + len(sizes)
+    assert expected <= sum(sizes) or rule == "all"

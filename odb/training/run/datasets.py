@@ -1,6 +1,7 @@
 """The run's data as the run reads it: the training and validation datasets of every source
-(:func:`build_datasets`: a seeded ``--val_ratio`` share held out, or ``--eval_data``), and a
-streaming source's per-rank reader (:func:`streaming_reader`)."""
+(:func:`build_datasets`: a seeded ``--val_ratio`` share held out, or ``--eval_data``), a
+streaming source's per-rank reader (:func:`streaming_reader`), and a mixture's mean units per
+record from a seeded probe of each source (:func:`mean_units`)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,17 @@ from collections.abc import Callable
 import numpy as np
 
 from odb.batching.config import OdbConfig
+from odb.batching.cost import CostModel
 from odb.data.mixture import MixedDataset, SourceSpec
-from odb.data.processing import SampleDataset
+from odb.data.processing import SampleDataset, sample_sizes
 from odb.data.row_groups import CACHED_GROUPS
 from odb.data.streaming import ShardReader
 from odb.training.config.settings import RunConfig
 
-__all__ = ["build_datasets", "streaming_reader"]
+__all__ = ["PROBE_RECORDS", "build_datasets", "mean_units", "streaming_reader"]
+
+PROBE_RECORDS = 64
+"""Records of each source :func:`mean_units` processes."""
 
 
 def streaming_reader(config: RunConfig, batching: OdbConfig, dataset: SampleDataset, world_size: int,
@@ -83,3 +88,21 @@ def build_datasets(config: RunConfig, tokenizer, vision, *, truncate_to: int | N
     return (joined(train, bool(data.sources)),
             joined(held_out, bool(data.eval_sources if data.eval_path is not None else data.sources))
             if held_out else None)
+
+
+def mean_units(dataset: MixedDataset, cost_model: CostModel, mix_by: str, *, seed: int,
+               records: int = PROBE_RECORDS) -> list[float]:
+    """Each source's mean ``mix_by`` units a record (:data:`odb.batching.mixture.MIX_BY`), from up
+    to ``records`` of its records in a seeded choice, processed here as a DataLoader worker
+    processes them and admitted as the batcher admits them (a skipped or dropped one: 0 units).
+    The same on every rank (the same records, processed alike)."""
+    means = []
+    for source, (start, size) in enumerate(zip(dataset.starts, dataset.sizes)):
+        chosen = np.random.default_rng([seed, source, 2]).choice(size, min(size, records), replace=False)
+        uids = [start + int(index) for index in chosen]
+        samples = [dataset[uid] for uid in uids]
+        raw = [None if "skip" in s else (*sample_sizes(s), s["labels"].tolist()) for s in samples]
+        admitted, _ = cost_model.measure_many(uids, raw)
+        units = len(admitted) if mix_by == "samples" else sum(getattr(sample, mix_by) for sample in admitted)
+        means.append(units / len(uids))
+    return means
