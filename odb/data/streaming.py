@@ -292,6 +292,9 @@ class ShardReader:
             self._chunk = self.shards.read_bytes(shard, offset, max(self.chunk_bytes, 2 * grown))
             self._chunk_at = (shard, offset)
 
+    def observe(self, fetched, admitted) -> None:
+        """(One source reads in order, whatever was measured.)"""
+
     def state_dict(self) -> dict[str, Any]:
         return {"pass": self.pass_index, "segments": [list(s) for s in self.segments], "buffer": list(self.buffer),
                 "draws": self.draws}

@@ -203,7 +203,7 @@ def test_what_a_stream_cannot_do_is_refused_with_the_fix(tmp_path, monkeypatch):
                         (["--shuffle_buffer", "0"], "shuffle_buffer")]:
         with pytest.raises(ValueError, match=match):
             parse_config(["--data", "data/chat.jsonl", "--streaming", *args, *out], defaults=DEFAULTS)
-    with pytest.raises(ValueError, match="without names or weights"):
+    with pytest.raises(ValueError, match=r"give every source a weight \(NAME=PATH:WEIGHT\)"):
         parse_config(["--data", "a=data/chat.jsonl", "b=data/chat.jsonl", "--streaming", *out], defaults=DEFAULTS)
     odb = tmp_path / "odb.json"
     odb.write_text(json.dumps({**OdbConfig(max_tokens=512).to_dict(), "mode": "quota", "quota": 10}))
@@ -212,7 +212,7 @@ def test_what_a_stream_cannot_do_is_refused_with_the_fix(tmp_path, monkeypatch):
     odb.write_text(json.dumps({**OdbConfig(max_tokens=512).to_dict(), "policy": "gmt", "sharding": "static"}))
     with pytest.raises(ValueError, match="use policy 'odb'"):
         parse_config(["--data", "data/chat.jsonl", "--streaming", "--odb_config", str(odb), *out], defaults=DEFAULTS)
-    with pytest.raises(ValueError, match="streaming reads one source"):
+    with pytest.raises(ValueError, match="streaming is the run's, for every source at once"):
         parse_source('{"name": "a", "path": "p", "streaming": true}')
     (tmp_path / "rows.json").write_text("[{}]")
     with pytest.raises(FileNotFoundError, match="drop --streaming"):
@@ -231,3 +231,40 @@ def test_what_a_stream_cannot_do_is_refused_with_the_fix(tmp_path, monkeypatch):
     (tmp_path / "empty" / "a.jsonl").write_text("")
     with pytest.raises(ValueError, match="holds no records"):
         StreamShards(tmp_path / "empty")
+
+
+def test_weighted_sources_stream_as_a_mixture_each_source_a_shard_a_rank(tmp_path, monkeypatch):
+    """--streaming with weighted sources builds a streamed mixture: its sources' streams end to end,
+    a MixedReader over one ShardReader each; a record at the reader's uid is that source's own
+    record (the files: Python's split, pyarrow's table); a source with fewer shards than ranks is
+    refused naming the fix."""
+    from odb.batching.stream_mixture import MixedReader
+    from odb.data.mixture import MixedDataset
+    from odb.training.run.datasets import streaming_reader
+
+    monkeypatch.chdir(ROOT)
+    chat = [json.loads(line) for _, line in lines_of(ROOT / "data" / "chat.jsonl")]
+    (tmp_path / "a").mkdir()
+    for number in range(3):
+        (tmp_path / "a" / f"s{number}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat[number::3][:20]))
+    (tmp_path / "b").mkdir()
+    for number in range(2):
+        write_parquet(tmp_path / "b" / f"s{number}.parquet", chat[100 + 30 * number:130 + 30 * number], 8)
+    out = ["--output_dir", str(tmp_path / "o")]
+    config = parse_config(["--data", f"a={tmp_path / 'a'}:0.7", f"b={tmp_path / 'b'}:0.3", "--streaming",
+                           "--mix_epoch", "first", *out], defaults=DEFAULTS)
+    train, _ = build_datasets(config, bundled_tokenizer(), None, truncate_to=None)
+    assert isinstance(train, MixedDataset) and all(isinstance(p.source, StreamShards) for p in train.parts)
+    logged = []
+    batching, reader, planned = streaming_reader(config, config.batching, train, 2, logged.append)
+    assert isinstance(reader, MixedReader) and batching.sharding == "static" and reader.epoch_rule == "first"
+    assert planned == round(0.3 / 0.7 * 60) + 60  # "first", as if every record carried as many units
+    reader.start_pass(0, 0, 2)
+    uids = reader.read(5)
+    assert uids
+    for uid in uids:
+        source, local = train.locate(uid % len(train))
+        shards = train.parts[source].source
+        assert train[uid]["source"] == source and shards.get(local).value in chat
+    with pytest.raises(ValueError, match="source 'b' has 2 shard.s. for 3 ranks: split it into at least 3 shards"):
+        streaming_reader(config, config.batching, train, 3, logged.append)

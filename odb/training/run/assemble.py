@@ -233,7 +233,7 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
     mixture, reader, records = None, None, len(dataset)
     if config.data.streaming:
         batching, reader, records = streaming_reader(config, batching, dataset, world_size // size, log)
-    if config.data.is_weighted:
+    if config.data.is_weighted and not config.data.streaming:  # (a streamed mixture is its reader's)
         mixture = Mixture(dataset.sizes, [s.weight for s in config.data.sources], mix_by=config.data.mix_by,
                           epoch_rule=config.data.mix_epoch, seed=batching.seed, quota=batching.mode == "quota")
     batcher = OnlineBatcher(batching, batcher_comm, dataset_size=len(dataset), feed=feed, num_epochs=config.run.epochs,
