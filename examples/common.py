@@ -9,6 +9,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from odb.batching.config import load_odb_config  # noqa: E402
+from odb.data.mixture import is_plain_path, parse_sources  # noqa: E402
 from odb.integrations import OdbSettings  # noqa: E402
 from odb.training.config.settings import DataSettings  # noqa: E402
 
@@ -20,7 +21,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--model", default=str(REPO / "configs" / "tiny_model.json"),
                    help="a model folder, or a model config JSON (random init)")
     p.add_argument("--tokenizer", default=str(REPO / "data" / "tokenizer"))
-    p.add_argument("--data", default=str(REPO / "data" / "chat.jsonl"))
+    p.add_argument("--data", nargs="+", default=[str(REPO / "data" / "chat.jsonl")],
+                   help="a file or folder, or named sources NAME=PATH:WEIGHT (a weighted mixture)")
+    p.add_argument("--mix_epoch", default="all", choices=("all", "first"), help="a weighted mixture's epoch")
     p.add_argument("--max_samples", type=int, default=None)
     p.add_argument("--odb_config", default=str(REPO / "configs" / "odb.json"), help="odb's batching settings")
     p.add_argument("--cost_model", default=None, choices=("fit", "manual"))
@@ -34,6 +37,9 @@ def parser(description: str) -> argparse.ArgumentParser:
 def odb_settings(args: argparse.Namespace, **extra) -> OdbSettings:
     """odb's settings from the flags: the batching file (with --cost_model over it) and the data."""
     overrides = {"cost_model": args.cost_model} if args.cost_model else {}
-    return OdbSettings(data=DataSettings(path=args.data, max_samples=args.max_samples),
+    sources = () if is_plain_path(args.data) else parse_sources(args.data)
+    data = DataSettings(path=" ".join(args.data), sources=sources, mix_epoch=args.mix_epoch,
+                        max_samples=args.max_samples)
+    return OdbSettings(data=data,
                        batching=load_odb_config(args.odb_config, **overrides), tokenizer=args.tokenizer,
                        audit_ids=args.audit_ids, **extra)

@@ -5,6 +5,8 @@ Protocol (what callers must do):
 1. Every rank builds a :class:`Communicator` over the same group and calls
    :meth:`Aligner.check_settings` once at start, with the same keys: one collective that fails
    on every rank, naming the keys that differ, if any rank was configured differently.
+   A host's loop (:mod:`odb.integrations`) may then call :meth:`Aligner.largest` once, before
+   the first round, on every rank: one collective, so that every rank plans the same step bound.
 2. Every rank then calls :meth:`Aligner.round` in lockstep, once per round, *also after it has
    nothing left to train* (a finished rank keeps joining rounds until the round's decision says
    the epoch is done). Each round is exactly one ``all_gather`` of a fixed-size int64 vector.
@@ -265,6 +267,11 @@ class Aligner:
                 + "; ".join(f"{k!r}: rank(s) {ranks} differ from rank 0" for k, ranks in differing.items())
                 + f" (rank {self.rank} has " + ", ".join(f"{k}={settings[k]!r}" for k in differing)
                 + "); start every rank with the same config files, flags, data, model and odb version")
+
+    def largest(self, value: int) -> int:
+        """The largest of every rank's ``value`` (one collective, on every rank before the first
+        round): a bound that every rank then holds alike."""
+        return int(self.comm.all_gather(np.asarray([value], dtype=np.int64)).max())
 
     def gather_reports(self, values: np.ndarray) -> np.ndarray:
         """Every rank's run report ``[world, len]``: the one collective after the last round (a

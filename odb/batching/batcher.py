@@ -243,6 +243,7 @@ class OnlineBatcher:
             self.feed.forget([u for u in uids if u not in kept])
         if self.mixture is not None:
             self.mixture.observe(uids, admitted)
+        self.stream.observe(uids, admitted)  # (a streamed mixture's reader draws by what it measures)
         for outcome, count in outcomes.items():
             self.counts[outcome] += count
         self.observed_cost += sum(s.cost for s in admitted)

@@ -298,6 +298,32 @@ class Mixture:
                              "same data")
 
 
+def epoch_records(sizes: Sequence[int], weights: Sequence[float], means: Sequence[float] | None = None, *,
+                  epoch_rule: str) -> list[int]:
+    """Each source's records in one epoch of a mixture when its records carry ``means`` units on
+    average (None: all alike, the estimate before any sample is measured): :class:`Mixture`'s rule
+    in closed form. The level ``L`` is the largest (``"all"``) or smallest (``"first"``) pass level
+    ``size * mean / w`` of the sources with units; each such source draws ``w * L / mean`` records,
+    at least its whole pass (``"all"``) or at most it (``"first"``); a source of no units draws its
+    pass (``"all"``) or nothing. Exact for ``mix_by: samples`` with no record skipped (every mean
+    1), up to the last records' rounding."""
+    if epoch_rule not in MIX_EPOCH:
+        raise ValueError(f"mix_epoch must be one of {MIX_EPOCH}, got {epoch_rule!r}")
+    means = [1.0] * len(sizes) if means is None else means
+    total = sum(float(w) for w in weights)
+    shares = [float(w) / total for w in weights]
+    active = [i for i, mean in enumerate(means) if mean > 0]
+    if not active:
+        return list(sizes) if epoch_rule == "all" else [0] * len(sizes)
+    levels = [sizes[i] * means[i] / shares[i] for i in active]
+    level = max(levels) if epoch_rule == "all" else min(levels)
+    out = []
+    for i, size in enumerate(sizes):
+        records = round(shares[i] * level / means[i]) if i in active else 0
+        out.append(int(max(size, records) if epoch_rule == "all" else min(size, records)))
+    return out
+
+
 def redeal_mixture(states: Sequence[Mapping[str, Any] | None], again: Sequence[Sequence[int]],
                    world_size: int, *, closed: bool) -> list[dict[str, Any] | None]:
     """The mixture's part of :func:`odb.batching.redeal.redeal_states`: the same on every new rank
@@ -318,17 +344,3 @@ def redeal_mixture(states: Sequence[Mapping[str, Any] | None], again: Sequence[S
     zero = {k: [0] * len(sizes) for k in _COUNTS}
     return [{**dict(first), "mine": mine if r == 0 else zero, "closed": closed or first["closed"]}
             for r in range(world_size)]
-
-
-def epoch_records(sizes: Sequence[int], weights: Sequence[float], epoch_rule: str) -> list[int]:
-    """Each source's records in one epoch when every record carries the same units: the estimate
-    before any sample is measured (exact to a record under ``mix_by: samples``). The source that sets
-    the epoch is the one of the largest pass level, records / weight (``"all"``: it trains once, the
-    others up-sampled to their shares) or the smallest (``"first"``: the others down-sampled)."""
-    total = float(sum(weights))
-    shares = [float(w) / total for w in weights]
-    levels = [n / share for n, share in zip(sizes, shares)]
-    level = max(levels) if epoch_rule == "all" else min(levels)
-    bound = max if epoch_rule == "all" else min
-    return [int(bound(n, round(share * level))) for n, share in zip(sizes, shares)]
-

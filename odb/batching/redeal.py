@@ -135,6 +135,9 @@ def redeal_readers(readers: Sequence[dict[str, Any] | None], world_size: int) ->
     byte offset it was read to) and every buffered uid goes to exactly one new rank, in turn."""
     if all(r is None for r in readers):
         return [None] * world_size
+    if any(r is not None and "mixed" in r for r in readers):
+        raise ValueError(f"a streamed mixture was saved by {len(readers)} data-parallel ranks, each drawing it from "
+                         f"its own shards and measures: resume it on {len(readers)} ranks (or restart it)")
     if any(r is None for r in readers) or len({r["pass"] for r in readers}) != 1:
         raise ValueError("the checkpoint's ranks disagree on their streaming readers: not one run's checkpoint")
     segments = [list(s) for r in readers for s in r["segments"]]

@@ -8,7 +8,11 @@ new :class:`Snapshot`, never touching its input. The layout (``STATE_VERSION`` 2
     version, world_size, rank, config, dataset_size, num_epochs   who took it, with what
     epoch, stream_pos, pending, epoch_of_shard                     the uid stream (odb.batching.stream)
     reader                                                         a streaming source's reader: pass, segments,
-                                                                   buffer, draws; absent or null: none
+                                                                   buffer, draws (a streamed mixture: mixed,
+                                                                   one such per source, and its epoch,
+                                                                   repeats, counts, prior, sizes:
+                                                                   odb.batching.stream_mixture); absent or
+                                                                   null: none
     round_index, step_index, num_emitted, is_planned               progress (num_emitted: all ranks)
     bins, unpacked                                                 the window: [[uid, tokens, label_tokens,
                                                                    patches, cost], ...] per bin / unpacked

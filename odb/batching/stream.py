@@ -24,10 +24,12 @@ patches a queue: the batcher hands :meth:`UidStream.undealt` to the feed at its 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
+from odb.batching.cost import SampleCost
 from odb.batching.deal import deal_budget
 
 __all__ = ["Reader", "UidStream", "epoch_order"]
@@ -36,7 +38,7 @@ __all__ = ["Reader", "UidStream", "epoch_order"]
 class Reader(Protocol):
     """A rank's records of a streaming source, read in order (:class:`odb.data.streaming.ShardReader`).
 
-    Its state is plain data with ``segments`` (the shards still to read, ``[shard, byte offset]``)
+    Its state is plain data with ``segments`` (the shards still to read, ``[shard, offset]``)
     and ``buffer`` (uids read, not handed out yet), which :func:`odb.batching.redeal.redeal_readers`
     deals to another number of ranks."""
 
@@ -48,7 +50,13 @@ class Reader(Protocol):
         """This rank's part of pass ``pass_index`` (uids ``pass_index * dataset_size + index``)."""
 
     def read(self, count: int) -> list[int]:
-        """Up to ``count`` uids; fewer only once :attr:`is_done`."""
+        """Up to ``count`` uids; fewer only once :attr:`is_done` (a streamed mixture,
+        :class:`odb.batching.stream_mixture.MixedReader`: also while what it may draw waits on
+        records in flight)."""
+
+    def observe(self, fetched: Sequence[int], admitted: Sequence[SampleCost]) -> None:
+        """This rank fetched ``fetched`` (uids it read) and admitted ``admitted`` of them (a
+        streamed mixture draws by what it measures; one source ignores it)."""
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -197,6 +205,11 @@ class UidStream:
         while len(self.pending) < self.inflight_target and self._shard_size():
             self.epoch_of_shard += 1
             self._assign(self._static_shard(self.epoch_of_shard))
+
+    def observe(self, fetched: Sequence[int], admitted: Sequence[SampleCost]) -> None:
+        """What this rank fetched and admitted, for a reader that draws by it (:meth:`Reader.observe`)."""
+        if self.reader is not None:
+            self.reader.observe(fetched, admitted)
 
     def take(self, count: int) -> list[int]:
         """The next ``count`` pending uids, removed (they are being fetched)."""

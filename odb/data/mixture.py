@@ -99,8 +99,8 @@ class SourceSpec:
             raise ValueError(f"source {self.name!r}: weight must be a finite number > 0, got {self.weight!r}")
         unknown = sorted(set(self.processing) - set(_PER_SOURCE))
         if "streaming" in unknown:
-            raise ValueError(f"source {self.name!r}: streaming reads one source (--data PATH --streaming, or a "
-                             "recipe's data: PATH with streaming: true), not one of several named sources")
+            raise ValueError(f"source {self.name!r}: streaming is the run's, for every source at once (--streaming, "
+                             "or a recipe's streaming: true, with weighted sources: a streamed mixture)")
         if unknown:
             raise ValueError(f"source {self.name!r}: unknown key(s) {unknown}; a source may set name, path, weight "
                              f"and {', '.join(_PER_SOURCE)}")

@@ -88,7 +88,7 @@ class SampleDataset(MediaSamples, Dataset):
             split): ``index`` is the position in ``indices``, ``where`` the record's own file:line.
         cache_dir: where a JSONL file's index goes when the data's folder is read-only
             (:class:`odb.data.sources.Source`).
-        streaming: read ``path`` as JSONL shards, never indexed (:mod:`odb.data.streaming`): the
+        streaming: read ``path`` as JSONL and Parquet shards, never indexed (:mod:`odb.data.streaming`): the
             length is then the uid space of one pass, not a record count, and a rank's uids come
             from its :class:`odb.data.streaming.ShardReader`.
     """

@@ -1,28 +1,31 @@
-"""Streaming sources (``--streaming``): JSONL shards read front to back, never indexed.
+"""Streaming sources (``--streaming``): JSONL and Parquet shards read front to back, never indexed.
 
 A source too big to index, or one that arrives as many shards, is read as a stream. Each pass over
 the data deals the shards to the ranks in a seeded order (rank r reads shards r, r + W, ... of
 the pass's permutation, :meth:`StreamShards.pass_order`), each rank scans its own shards front to
-back in its own process (:class:`ShardReader`, a few MiB read at a time), and a shuffle buffer
-of ``shuffle_buffer`` records mixes what it hands the batcher. A record's uid says where it is,
-``pass * len(shards) + shard * stride + byte offset`` (``stride``: the largest shard's size + 1),
-so a DataLoader worker reads exactly its line with one ``pread``, and a resumed run reads the
-records it held again by the same offsets.
+back in its own process (:class:`ShardReader`: a JSONL shard a few MiB read at a time, a Parquet
+shard's rows counted from its footer, :mod:`odb.data.row_groups`), and a shuffle buffer of
+``shuffle_buffer`` records mixes what it hands the batcher. A record's uid says where it is,
+``pass * len(shards) + shard * stride + offset`` (``offset``: the byte its line starts at in a JSONL
+shard, its row in a Parquet one; ``stride``: the largest shard's size in those units + 1), so a
+DataLoader worker reads exactly its record, a JSONL line with one ``pread``, a Parquet row from
+its one row group, and a resumed run reads the records it held again by the same offsets.
 
 What odb guarantees for a streaming source, and what it does not:
 
-* Exact-once per pass: every non-blank line of every shard is trained (or skipped and counted)
-  exactly once per pass, since each shard is read whole by one rank.
+* Exact-once per pass: every non-blank line and every row of every shard is trained (or skipped
+  and counted) exactly once per pass, since each shard is read whole by one rank.
 * No random access: the order is the shards' seeded order, mixed only within the buffer, so
   records near each other in a shard train near each other in time; there is no held-out split
   (``--val_ratio``) and no ``--max_samples``; validation data comes from ``--eval_data``.
 * Uneven shards end a pass unevenly: a rank whose shards run out first joins the others' steps
   with zero-weight passes until they finish (as any static shard does).
 * Resume by shard and offset: the batcher's state holds each rank's shards still to read, the
-  byte offset its current shard is read to, and its buffer; a resume on another number of ranks
+  offset its current shard is read to, and its buffer; a resume on another number of ranks
   deals those partly read shards and buffers to the new ranks whole.
 * The shards are fixed at start: their names, sizes and a digest of their first and last 4 KiB
-  are the data's fingerprint, which a resume checks. A file added later is not read.
+  (a Parquet file's footer among them) are the data's fingerprint, which a resume checks. A file
+  added later is not read.
 """
 
 from __future__ import annotations
@@ -37,9 +40,13 @@ from typing import Any
 
 import numpy as np
 
+from odb.data.row_groups import CACHED_GROUPS, RowGroups
 from odb.data.sources import RawRecord, parse_line
 
-__all__ = ["ShardReader", "StreamShards"]
+__all__ = ["SUFFIXES", "ShardReader", "StreamShards"]
+
+SUFFIXES = (".jsonl", ".parquet")
+"""The shards a streaming source reads."""
 
 _EDGE = 1 << 16  # bytes of each window the estimate of records reads
 _FINGERPRINT = 1 << 12  # bytes of each end of a shard the fingerprint hashes
@@ -48,69 +55,88 @@ _MASK = (1 << 64) - 1
 
 
 class StreamShards:
-    """The JSONL shards of ``path`` (a ``.jsonl`` file, or a folder searched for them), fixed at start.
+    """The shards of ``path`` (a ``.jsonl`` or ``.parquet`` file, or a folder searched for them),
+    fixed at start.
 
-    ``len()`` is the uid space of one pass (``shards x stride``), not a record count: a stream's
-    records are counted only as they are read.
+    ``len()`` is the uid space of one pass (``shards x stride``), not a record count: a JSONL
+    shard's records are counted only as they are read. ``sizes`` are the shards' offset spaces
+    (a JSONL shard's bytes, a Parquet shard's rows).
     """
 
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
         if not path.exists():
-            raise FileNotFoundError(f"streaming data path {path} does not exist; pass a .jsonl file or a folder of "
-                                    ".jsonl shards")
+            raise FileNotFoundError(f"streaming data path {path} does not exist; pass a .jsonl or .parquet file, or "
+                                    "a folder of them")
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-        other = sorted({p.suffix or p.name for p in files if p.suffix != ".jsonl"} - {".lock", ".npy"})
-        files = [p for p in files if p.suffix == ".jsonl"]
+        other = sorted({p.suffix or p.name for p in files if p.suffix not in SUFFIXES} - {".lock", ".npy"})
+        files = [p for p in files if p.suffix in SUFFIXES]
         if not files:
-            raise FileNotFoundError(f"no .jsonl shards under {path}: a streaming source reads JSONL shards "
-                                    f"(found {', '.join(other) or 'nothing'}); drop --streaming to read Parquet, "
-                                    "JSON or save_to_disk data, which odb memory-maps")
+            raise FileNotFoundError(f"no .jsonl or .parquet shards under {path}: a streaming source reads JSONL and "
+                                    f"Parquet shards (found {', '.join(other) or 'nothing'}); drop --streaming to "
+                                    "read JSON or save_to_disk data, which odb memory-maps")
         if other and path.is_dir():
-            raise ValueError(f"{path} holds {', '.join(other)} files beside its .jsonl shards; a streaming source "
-                             "reads JSONL only: move them out, or point --data at the shards' own folder")
+            raise ValueError(f"{path} holds {', '.join(other)} files beside its shards; a streaming source reads "
+                             ".jsonl and .parquet shards only: move them out, or point --data at the shards' own "
+                             "folder")
         self.files = files
-        self.sizes = [p.stat().st_size for p in files]
+        self.file_bytes = [p.stat().st_size for p in files]
+        self.row_groups: list[RowGroups | None] = [RowGroups(p) if p.suffix == ".parquet" else None for p in files]
+        self.sizes = [len(rows) if rows is not None else size for rows, size in zip(self.row_groups, self.file_bytes)]
         if not any(self.sizes):
-            raise ValueError(f"the streaming data {path} holds no records: its {len(files)} .jsonl shard(s) are empty")
+            raise ValueError(f"the streaming data {path} holds no records: its {len(files)} shard(s) are empty")
         self.stride = max(self.sizes) + 1
         self._handles: OrderedDict[int, Any] = OrderedDict()
+        self._groups: OrderedDict[tuple[int, int], Any] = OrderedDict()  # (shard, row group): decoded
         self._pid = 0
 
     def __len__(self) -> int:
         return len(self.files) * self.stride
 
     def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__, _handles=OrderedDict(), _pid=0)  # a worker opens its own
+        return dict(self.__dict__, _handles=OrderedDict(), _groups=OrderedDict(), _pid=0)  # a worker opens its own
+
+    def is_parquet(self, shard: int) -> bool:
+        return self.row_groups[shard] is not None
+
+    def largest_row_group(self) -> tuple[int, int]:
+        """``(rows, decoded bytes)`` of the largest row group of the Parquet shards (0, 0: none)."""
+        groups = [g for g in self.row_groups if g is not None]
+        return max((g.largest_rows for g in groups), default=0), max((g.largest_bytes for g in groups), default=0)
 
     def fingerprint(self) -> str:
         """A short hash of the shards: each one's name, size and first and last 4 KiB."""
         digest = hashlib.sha256()
-        for shard, (file, size) in enumerate(zip(self.files, self.sizes)):
+        for shard, (file, size) in enumerate(zip(self.files, self.file_bytes)):
             digest.update(f"{file.name}:{size};".encode())
-            digest.update(self.read_bytes(shard, 0, _FINGERPRINT))
-            digest.update(self.read_bytes(shard, max(0, size - _FINGERPRINT), _FINGERPRINT))
+            with open(file, "rb", buffering=0) as handle:
+                digest.update(os.pread(handle.fileno(), min(size, _FINGERPRINT), 0))
+                digest.update(os.pread(handle.fileno(), min(size, _FINGERPRINT), max(0, size - _FINGERPRINT)))
         return digest.hexdigest()[:16]
 
     def estimate_records(self, *, exact_bytes: int = 1 << 24, windows: int = 512) -> int:
         """Records in one pass, as the learning-rate schedule plans them (the same on every rank):
-        every line counted when the shards hold at most ``exact_bytes`` in all; else the total size
-        times the records a byte in ``windows`` windows of 64 KiB spread evenly over all the shards'
-        bytes (line ends a byte, less the blank lines seen whole: right for lines of any length)."""
-        total = sum(self.sizes)
+        a Parquet shard's rows, from its footer; every line of the JSONL shards counted when they
+        hold at most ``exact_bytes`` in all; else their total size times the records a byte in
+        ``windows`` windows of 64 KiB spread evenly over their bytes (line ends a byte, less the
+        blank lines seen whole: right for lines of any length)."""
+        rows = sum(size for shard, size in enumerate(self.sizes) if self.is_parquet(shard))
+        lines = [shard for shard in range(len(self.files)) if not self.is_parquet(shard)]
+        sizes = [self.sizes[shard] for shard in lines]
+        total = sum(sizes)
         if total <= exact_bytes:
-            return max(1, sum(_records_in(self.read_bytes(shard, 0, size), starts=True, ends=True)
-                              for shard, size in enumerate(self.sizes)))
-        starts = list(accumulate(self.sizes, initial=0))
+            return max(1, rows + sum(_records_in(self.read_bytes(shard, 0, self.sizes[shard]), starts=True, ends=True)
+                                     for shard in lines))
+        starts = list(accumulate(sizes, initial=0))
         records = sampled = 0
         for number in range(windows):
             at = number * (total - 1) // max(1, windows - 1)
-            shard = bisect.bisect_right(starts, at) - 1
-            offset = at - starts[shard]
+            which = bisect.bisect_right(starts, at) - 1
+            shard, offset = lines[which], at - starts[which]
             window = self.read_bytes(shard, offset, _EDGE)
             records += _records_in(window, starts=offset == 0, ends=offset + len(window) == self.sizes[shard])
             sampled += len(window)
-        return max(1, round(total * records / sampled))
+        return max(1, rows + round(total * records / sampled))
 
     def pass_order(self, seed: int, pass_index: int) -> list[int]:
         """The shards of one pass in their seeded order (the same on every rank)."""
@@ -121,15 +147,18 @@ class StreamShards:
         return divmod(index, self.stride)
 
     def read_bytes(self, shard: int, offset: int, count: int) -> bytes:
-        """Up to ``count`` bytes of a shard from ``offset`` (never past its size at start)."""
-        count = max(0, min(count, self.sizes[shard] - offset))
+        """Up to ``count`` bytes of a JSONL shard from ``offset`` (never past its size at start)."""
+        count = max(0, min(count, self.file_bytes[shard] - offset))
         return os.pread(self._fileno(shard), count, offset) if count else b""
 
     def get(self, index: int) -> RawRecord:
-        """The record whose line starts at the byte offset ``index`` names."""
+        """The record at the offset ``index`` names: the JSONL line that starts at that byte, or
+        that row of a Parquet shard."""
         shard, offset = self.locate(index)
         if not (0 <= shard < len(self.files) and 0 <= offset < self.sizes[shard]):
             raise IndexError(f"record {index} is outside the {len(self.files)} shards")
+        if self.is_parquet(shard):
+            return RawRecord(self._row(shard, offset), f"{self.files[shard]}:{offset + 1}")
         line, size = b"", 1 << 13
         while True:  # read until the line's end, twice as much each time (a record may be long)
             chunk = self.read_bytes(shard, offset + len(line), size)
@@ -140,16 +169,36 @@ class StreamShards:
             size *= 2
         return parse_line(line, f"{self.files[shard]}:byte {offset}")
 
+    def _row(self, shard: int, row: int) -> dict[str, Any]:
+        """Row ``row`` of a Parquet shard, from its row group (decoded now, or kept from before)."""
+        groups = self.row_groups[shard]
+        assert groups is not None, f"shard {shard} is JSONL"
+        group = groups.group_of(row)
+        handle = self._handle(shard)  # (first: a forked worker starts its own handles and groups)
+        table = self._groups.get((shard, group))
+        if table is None:
+            if len(self._groups) >= CACHED_GROUPS:
+                self._groups.popitem(last=False)
+            table = self._groups[(shard, group)] = groups.read(handle, group)
+        self._groups.move_to_end((shard, group))
+        return groups.value(table, group, row)
+
     def _fileno(self, shard: int) -> int:
+        return self._handle(shard).fileno()
+
+    def _handle(self, shard: int) -> Any:
+        """This process's open file of ``shard`` (a raw file, or a ``ParquetFile``)."""
         if self._pid != os.getpid():  # a forked worker: handles of its own (the parent's stay the parent's)
-            self._handles, self._pid = OrderedDict(), os.getpid()
+            self._handles, self._groups, self._pid = OrderedDict(), OrderedDict(), os.getpid()
         handle = self._handles.get(shard)
         if handle is None:
             if len(self._handles) >= _HANDLES:
                 self._handles.popitem(last=False)[1].close()
-            handle = self._handles[shard] = open(self.files[shard], "rb", buffering=0)
+            groups = self.row_groups[shard]
+            handle = groups.open() if groups is not None else open(self.files[shard], "rb", buffering=0)
+            self._handles[shard] = handle
         self._handles.move_to_end(shard)
-        return handle.fileno()
+        return handle
 
 
 class ShardReader:
@@ -157,10 +206,10 @@ class ShardReader:
     through a seeded shuffle buffer, as uids.
 
     The state (:meth:`state_dict`, the layout :func:`odb.batching.redeal.redeal_readers` deals to
-    another number of ranks): ``pass``; ``segments``, the shards still to read as ``[shard, byte
-    offset]`` (the first one partly read when its offset is not 0); ``buffer``, the uids read and
-    not handed out yet; ``draws``, how many the buffer has handed out this pass (it seeds the next
-    pick).
+    another number of ranks): ``pass``; ``segments``, the shards still to read as ``[shard, offset]``
+    (a byte, or a Parquet shard's row; the first one partly read when its offset is not 0);
+    ``buffer``, the uids read and not handed out yet; ``draws``, how many the buffer has handed out
+    this pass (it seeds the next pick).
 
     Args:
         shards: the stream's shards.
@@ -208,16 +257,22 @@ class ShardReader:
         return out
 
     def _next_line(self) -> int | None:
-        """The index of the first segment's next non-blank line (the segment moves past it), or
-        None when the segment is read to its end (it is then dropped)."""
+        """The index of the first segment's next record (a non-blank line, or a Parquet shard's next
+        row; the segment moves past it), or None when the segment is read to its end (it is then
+        dropped)."""
         segment = self.segments[0]
         shard, size = segment[0], self.shards.sizes[segment[0]]
-        while segment[1] < size:
-            offset = segment[1]
-            end, blank = self._line(shard, offset, size)
-            segment[1] = min(size, end + 1)
-            if not blank:
-                return shard * self.shards.stride + offset
+        if self.shards.is_parquet(shard):  # a row is a record: nothing to read
+            if segment[1] < size:
+                segment[1] += 1
+                return shard * self.shards.stride + segment[1] - 1
+        else:
+            while segment[1] < size:
+                offset = segment[1]
+                end, blank = self._line(shard, offset, size)
+                segment[1] = min(size, end + 1)
+                if not blank:
+                    return shard * self.shards.stride + offset
         self.segments.pop(0)
         return None
 
@@ -236,6 +291,9 @@ class ShardReader:
                 grown = len(self._chunk) - at  # a line longer than what is left: read more at once
             self._chunk = self.shards.read_bytes(shard, offset, max(self.chunk_bytes, 2 * grown))
             self._chunk_at = (shard, offset)
+
+    def observe(self, fetched, admitted) -> None:
+        """(One source reads in order, whatever was measured.)"""
 
     def state_dict(self) -> dict[str, Any]:
         return {"pass": self.pass_index, "segments": [list(s) for s in self.segments], "buffer": list(self.buffer),

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from odb.batching.config import AUTO, OdbConfig
+from odb.batching.mixture import epoch_records
 from odb.batching.plan import MicroBatch, StepPlan
 from odb.batching.state import upgrade_state
 from odb.training import backends
@@ -39,6 +40,7 @@ from odb.training.config.settings import (
 )
 from odb.training.run.assemble import build_components
 from odb.training.run.checkpoint import checkpoint_states, restore_states, write_states
+from odb.training.run.datasets import PROBE_RECORDS, mean_units
 from odb.training.run.loop import Trainer
 from odb.training.run.schedule import ProgressSchedule
 
@@ -107,11 +109,6 @@ def host_config(settings: OdbSettings, *, model_path: str, output_dir: str | Pat
         raise ValueError("OdbSettings.data: a streaming source's records are counted only as they are read, and "
                          "the host needs its step count up front; train a streaming source with odb's trainer "
                          "(odb train / launch/train.py --streaming), or drop streaming to index the data")
-    if settings.data.is_weighted:
-        raise ValueError("OdbSettings.data: a weighted mixture's epoch is known only as its records are measured, "
-                         "and the host needs its step count up front; train a weighted mixture with odb's trainer "
-                         "(odb train / launch/train.py), or give the sources no weights (laid end to end, each "
-                         "source's loss still reported)")
     empty = {"deepspeed": {}, "fsdp2": Fsdp2Settings()}  # (OptimizationSettings' field of each)
     tokenizer = settings.tokenizer or model_path
     return RunConfig(
@@ -215,9 +212,43 @@ class HostRun(Trainer):
 
     @property
     def planned_samples(self) -> int:
-        """The samples the run plans to train (epochs x records, or the quota): an upper bound on
-        its optimizer steps, each of which trains at least one."""
+        """The samples the run plans to train (epochs x records, or the quota; a weighted mixture's
+        epoch: its records, until :meth:`step_bound`)."""
         return self._built().schedule.total
+
+    def step_bound(self) -> int:
+        """Collective (every rank, before the first step): the most optimizer steps the run takes, for
+        a host that fixes its step count first (HF Trainer's ``max_steps``); the same on every rank.
+
+        Each step trains at least one sample, so it is the samples the run plans: epochs x records,
+        or the quota, as is also a weighted mixture's with ``mix_epoch: first`` (every record at most
+        once an epoch). With ``"all"`` a mixture up-samples the sources that reach their share first,
+        by how much is known only as their units are measured: the bound is then an estimate, twice
+        the records :func:`odb.batching.mixture.epoch_records` gives for each source's mean units in
+        a seeded probe of :data:`odb.training.run.datasets.PROBE_RECORDS` of its records. Should the
+        host reach it before the data ends, it stops there, every rank at the same step (the host's
+        caller says what was left: :meth:`untrained`)."""
+        parts, data = self._built(), self.config.data
+        bound = self.planned_samples
+        if parts.batcher.mixture is not None and parts.batching.mode == "join" and data.mix_epoch == "all":
+            means = mean_units(parts.dataset, parts.batcher.cost_model, data.mix_by, seed=self.config.seed)
+            weights = [s.weight for s in data.sources]
+            epoch = sum(epoch_records(parts.dataset.sizes, weights, means, epoch_rule="all"))
+            bound = self.config.run.epochs * 2 * epoch
+            self.log(f"odb: a weighted mixture's epoch up-samples as its units are measured: about {epoch} records "
+                     f"(each source's mean {data.mix_by} a record in {PROBE_RECORDS} of its records: "
+                     f"{', '.join(f'{m:.1f}' for m in means)}); the host's step bound: {bound}, twice that x "
+                     f"{self.config.run.epochs} epoch(s)")
+        return parts.batcher.aligner.largest(bound)
+
+    def untrained(self) -> str | None:
+        """What of the planned data the run has not trained, where its steps stopped before the data
+        ended (None: it ended, or no step ran)."""
+        parts = self._built()
+        if parts.batcher.is_done or not parts.telemetry.steps_done:
+            return None
+        return (f"{parts.telemetry.samples_done} samples trained in {parts.telemetry.steps_done} steps, epoch "
+                f"{parts.batcher.epoch + 1} of {self.config.run.epochs} not over")
 
     def lr(self) -> float:
         """The learning rate of the next step (odb's schedule by progress), the same on every rank."""

@@ -12,8 +12,10 @@ What the host's arguments mean under odb (each kept, or refused naming odb's set
   tokens; leave it at 1 (or the default), any other value is refused.
 * ``gradient_accumulation_steps``: odb's ``gas``, micro-batches per optimizer step on every rank.
 * ``num_train_epochs``: odb's epochs (a whole number); ``max_steps`` > 0: stop after that many
-  optimizer steps. The host's progress bar counts up to the planned samples (an upper bound on
-  the steps: odb knows its step count only as samples pack).
+  optimizer steps. Left unset, ``max_steps`` is odb's bound (:meth:`HostRun.step_bound`): the
+  planned samples, an upper bound on the steps (odb knows its step count only as samples pack),
+  for a weighted mixture with ``mix_epoch: all`` an estimate (twice a probe's); the run ends when
+  the data does, or at the bound, every rank at the same step (odb warns if data was left).
 * ``learning_rate``, ``warmup_steps`` (a ratio < 1; whole steps are refused), ``lr_scheduler_type``
   (linear, cosine, cosine_with_min_lr, constant, constant_with_warmup) and ``weight_decay``: the
   schedule follows the samples trained over those planned, as odb's own does.
@@ -139,6 +141,7 @@ class OdbTrainerMixin:
         self.odb_settings = odb
         self.odb_run: HostRun | None = None
         self._odb_saved: int | None = None  # the step of the last checkpoint
+        self._odb_bound: int | None = None  # the max_steps odb gave the host (None: the host's own)
         self._odb_parameters: int | None = None  # the model's, without embeddings (floating_point_ops)
         self.args.ignore_data_skip = True  # odb restores its own position; nothing to replay
         self.model.set_attn_implementation(register())  # packed rows: each sample attends to itself only
@@ -167,8 +170,8 @@ class OdbTrainerMixin:
 
     def get_train_dataloader(self):
         run = self._odb_build()
-        if self.args.max_steps <= 0:  # the host needs a step count up front: odb's bound (each step trains >= 1)
-            self.args.max_steps = run.planned_samples
+        if self.args.max_steps <= 0:  # the host needs a step count up front: odb's bound (collective)
+            self.args.max_steps = self._odb_bound = run.step_bound()
         return _Steps(run)
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
@@ -246,6 +249,11 @@ class OdbTrainerMixin:
         self._odb_resume = resume_from_checkpoint or None
         try:
             result = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+            left = self._odb_build().untrained() if self._odb_bound else None
+            if left is not None:  # (the bound was odb's estimate, and the data ran past it)
+                self.odb_run.log(f"odb: WARNING: the host stopped at max_steps {self._odb_bound}, odb's estimate of "
+                                 f"the run's steps, before the data ended ({left}): resume with a larger max_steps, "
+                                 "or set max_steps yourself")
             self.odb_summary = self._odb_build().finish()
         except BaseException as error:
             if self.odb_run is not None:

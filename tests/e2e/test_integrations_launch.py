@@ -53,14 +53,16 @@ def losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def check_same_run(host: Path, reference: Path) -> None:
+def check_same_run(host: Path, reference: Path, *, samples: int | None = SAMPLES) -> None:
     """The host's run trained what odb's own did: the same micro-batches on every rank (aligned,
-    every sample once), the same losses, the same final weights, the same summary counts."""
+    every one of ``samples`` records once), the same losses, the same final weights, the same
+    summary counts."""
     rows = audit(host, 2)
     assert rows == audit(reference, 2)
     shapes = [[(r["step"], r["micro"]) for r in rank] for rank in rows]
     assert shapes[0] == shapes[1]
-    assert Counter(i for rank in rows for r in rank for i in r["ids"]) == Counter(range(SAMPLES))
+    if samples is not None:
+        assert Counter(i for rank in rows for r in rank for i in r["ids"]) == Counter(range(samples))
     assert losses(host) == pytest.approx(losses(reference), rel=1e-5)
     mine, theirs = load_file(host / "hf" / "model.safetensors"), load_file(reference / "hf" / "model.safetensors")
     assert set(theirs) <= set(mine)
@@ -81,6 +83,38 @@ def test_hf_trainer_and_trl_at_zero2_train_what_odbs_own_trainer_does(tmp_path):
         out = tmp_path / name
         deepspeed(host_args(tmp_path, out, "--deepspeed", deepspeed_config, *extra), script=HF)
         check_same_run(out, reference)
+
+
+def test_a_weighted_mixture_under_hf_trainer_ends_with_its_data_within_odbs_step_bound(tmp_path):
+    """Two sources, weights 0.8 / 0.2, mix_epoch all: the larger one is up-sampled to its share,
+    which odb measures as it goes. The host (HF Trainer, ZeRO-2) plans with odb's step bound (twice
+    a probe's estimate of the epoch), stops when the data ends, below the bound, and trains what
+    odb's own trainer trains on the same mixture (the shares' exactness: tests/sim/test_mixture.py);
+    an Accelerate loop (DDP) trains the same micro-batches to the data's end."""
+    chat = (ROOT / "data" / "chat.jsonl").read_text().splitlines()
+    (tmp_path / "a.jsonl").write_text("\n".join(chat[:40]) + "\n")
+    (tmp_path / "b.jsonl").write_text("\n".join(chat[40:60]) + "\n")
+    data = ["--data", f"a={tmp_path / 'a.jsonl'}:0.8", f"b={tmp_path / 'b.jsonl'}:0.2"]
+    zero2 = str(ds_config(tmp_path, 2))
+    reference = tmp_path / "odb"
+    deepspeed(["--deepspeed_config", zero2, "--odb_config", str(odb_config(tmp_path)), *data, "--output_dir",
+               str(reference), "--audit_ids", "--save_hf", "--no_final_checkpoint"])
+    out = tmp_path / "hf"
+    run = deepspeed(["--odb_config", str(odb_config(tmp_path)), *data, "--output_dir", str(out), "--audit_ids",
+                     "--deepspeed", zero2], script=HF)
+    check_same_run(out, reference, samples=None)
+    bound = int(run.stdout.split("the host's step bound: ")[1].split(",")[0])
+    summary = json.loads((out / "summary.json").read_text())
+    sources = {name: figures["samples"] for name, figures in summary["sources"].items()}
+    print(f"HF Trainer, a weighted mixture: {summary['steps']} steps within odb's bound of {bound}; "
+          f"samples per source {sources}, shares {({n: f['share'] for n, f in summary['sources'].items()})}")
+    assert summary["steps"] < bound and "WARNING" not in run.stdout
+    assert sources["a"] > 60 and sources["b"] >= 20  # a up-sampled past its one pass (of 40), b whole
+    for name, figures in summary["sources"].items():
+        assert abs(figures["share"] - {"a": 0.8, "b": 0.2}[name]) < 0.05, summary["sources"]
+    loop = tmp_path / "accelerate"  # an Accelerate loop needs no step count: it runs until the steps end
+    torchrun(ACCELERATE, ["--odb_config", str(odb_config(tmp_path)), *data, "--output_dir", str(loop), "--audit_ids"])
+    assert audit(loop, 2) == audit(reference, 2)
 
 
 def test_hf_trainer_at_zero3_resumes_odbs_position_from_its_own_checkpoint(tmp_path):

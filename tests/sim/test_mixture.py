@@ -11,7 +11,7 @@ import pytest
 from conftest import check_aligned, run_to_state
 from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import OdbConfig
-from odb.batching.mixture import Mixture
+from odb.batching.mixture import Mixture, epoch_records
 from odb.batching.redeal import redeal_states
 from odb.batching.simulate import SimulatedFeed, run_ranks, simulate
 
@@ -260,14 +260,32 @@ def test_the_start_estimate_of_an_epoch_is_what_a_samples_mix_trains(rule):
     """The epoch size rank 0 states at start (odb.batching.mixture.epoch_records, before any sample
     is measured) against what the mixture then trains by samples and the offline optimum: a tiny,
     heavily weighted source under 'all' makes an epoch many times the data."""
-    from odb.batching.mixture import epoch_records
-
     sizes, weights = [12, 150], [0.8, 0.2]
     lengths = make_sources(sizes, [(20, 60), (100, 300)], seed=3)
     result = run(lengths, sizes, weights, world=2, mix_by="samples", rule=rule)
     units, _ = trained(result.steps, lengths, np.cumsum([0] + sizes), "samples")
     best = oracle(lengths, sizes, weights, 0, "samples", rule)
-    estimate = epoch_records(sizes, weights, rule)
+    estimate = epoch_records(sizes, weights, epoch_rule=rule)
     assert all(abs(e - b) <= 1 for e, b in zip(estimate, best)), (estimate, best)
     assert all(abs(e - u) <= 1 for e, u in zip(estimate, units)), (estimate, units)
     assert estimate == ([600, 150] if rule == "all" else [12, 3])  # 0.8 / 0.2 of the largest / smallest pass
+
+
+@pytest.mark.parametrize("rule", ["all", "first"])
+@pytest.mark.parametrize("mix_by", ["label_tokens", "samples"])
+def test_the_closed_form_of_an_epochs_records_is_what_the_mixture_draws(rule, mix_by):
+    """``epoch_records`` (a host's step bound, odb.integrations) against the records the mixture
+    draws over 2 simulated ranks (trained and skipped), each source's mean units a record taken
+    from the inputs. The run's sources end within a record of their shares, and one record more of
+    the source that sets the level lifts every other's share with it (here by 2%): within 3%."""
+    sizes, weights = [240, 50, 90], [0.5, 0.3, 0.2]
+    lengths = make_sources(sizes, [(30, 31), (900, 901), (200, 201)], skip_every=9)
+    starts = np.cumsum([0] + sizes)
+    means = [sum(unit(e, mix_by) for e in lengths[starts[i]:starts[i + 1]]) / size for i, size in enumerate(sizes)]
+    result = run(lengths, sizes, weights, world=2, mix_by=mix_by, rule=rule)
+    records = sum(len(m.uids) for rank in result.steps for s in rank for m in s.micro_batches)
+    skipped = sum(b.stats.skipped for b in result.batchers)
+    expected = sum(epoch_records(sizes, weights, means, epoch_rule=rule))
+    print(f"{rule}, {mix_by}: {records} trained + {skipped} skipped, closed form {expected}")
+    assert abs(records + skipped - expected) <= 0.03 * expected + len(sizes)
+    assert expected <= sum(sizes) or rule == "all"

@@ -1,12 +1,15 @@
 """A streaming source (odb/data/streaming.py) under the real batcher over simulated ranks: JSONL
-shards written here, read by each rank's own ShardReader. The oracle is the shards themselves,
-split into lines by Python: every non-blank line trains exactly once per pass, ranks stay
+shards, Parquet shards of several row groups, and both in one folder, written here, read by each
+rank's own ShardReader. The oracle is the shards themselves, split into lines by Python (a
+Parquet shard: read whole by pyarrow): every record trains exactly once per pass, ranks stay
 aligned, the shuffle buffer stays within its size, and a resume (same ranks, or re-dealt to
 another number) trains the rest exactly once."""
 
 import json
 from collections import Counter
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from conftest import check_aligned, run_to_state
@@ -19,14 +22,19 @@ from odb.data.streaming import ShardReader, StreamShards
 SHARD_LINES = [40, 95, 13, 60, 120, 7, 71]  # uneven on purpose: a pass ends at different times per rank
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    """Seven shards with blank lines, a last line without its newline, and lengths 20-600 tokens."""
+@pytest.fixture(scope="module", params=["jsonl", "parquet", "mixed"])
+def shards(tmp_path_factory, request):
+    """Seven shards with lengths 20-600 tokens: JSONL ones with blank lines and a last line without
+    its newline, Parquet ones in row groups of 9 rows (``mixed``: every other shard Parquet)."""
     folder = tmp_path_factory.mktemp("shards")
     for shard, count in enumerate(SHARD_LINES):
+        values = [{"shard": shard, "line": i, "tokens": 20 + (shard * 37 + i * 53) % 580} for i in range(count)]
+        if request.param == "parquet" or (request.param == "mixed" and shard % 2):
+            pq.write_table(pa.Table.from_pylist(values), folder / f"part-{shard:03d}.parquet", row_group_size=9)
+            continue
         lines = []
-        for i in range(count):
-            lines.append(json.dumps({"shard": shard, "line": i, "tokens": 20 + (shard * 37 + i * 53) % 580}))
+        for i, value in enumerate(values):
+            lines.append(json.dumps(value))
             if i % 11 == 3:
                 lines.append("   ")
         (folder / f"part-{shard:03d}.jsonl").write_text("\n".join(lines) + ("\n" if shard % 2 else ""))
@@ -34,13 +42,14 @@ def shards(tmp_path_factory):
 
 
 def records(shards):
-    """(shard, line) of every record, from the files split by Python: the oracle."""
+    """(shard, line) of every record, from the files split by Python or read whole by pyarrow: the oracle."""
     out = set()
     for file in shards.files:
-        for text in file.read_text().splitlines():
-            if text.strip():
-                value = json.loads(text)
-                out.add((value["shard"], value["line"]))
+        if file.suffix == ".parquet":
+            values = pq.read_table(file).to_pylist()
+        else:
+            values = [json.loads(text) for text in file.read_text().splitlines() if text.strip()]
+        out.update((value["shard"], value["line"]) for value in values)
     return out
 
 

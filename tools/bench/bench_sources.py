@@ -27,7 +27,9 @@ A streaming source (``--streaming``, :mod:`odb.data.streaming`; reader ``streami
 nothing: a fresh process opens the same file as one shard, takes the fingerprint and the records
 estimate, reads every record through a :class:`odb.data.streaming.ShardReader` (a buffer of
 10,000) as a rank does over a pass, then forks the workers, which each time ``--gets`` gets of
-records in the order the reader handed them out (what a DataLoader worker reads).
+records in the order the reader handed them out (what a DataLoader worker reads). With Parquet
+and the ``streaming`` reader, the same for the Parquet file as one streamed shard (its rows from
+the footer; a worker decodes each record's row group and keeps the last two).
 
 When the largest file would not fit comfortably on the disk (3x its size, for the file and the
 caches), the tool measures 1M and 3M records instead and extrapolates linearly, saying so.
@@ -308,7 +310,7 @@ def bench_jsonl(folder: Path, count: int, gets: int, workers: int, readers=("old
     return result
 
 
-def bench_parquet(folder: Path, rows: int, gets: int) -> dict:
+def bench_parquet(folder: Path, rows: int, gets: int, workers: int, streaming: bool) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -321,6 +323,9 @@ def bench_parquet(folder: Path, rows: int, gets: int) -> dict:
     for reader, label in readers:
         print(f"  parquet: {label}", file=sys.stderr, flush=True)
         result[label] = in_fresh_process(_parquet, reader, str(path), gets)
+    if streaming:
+        print("  parquet: streaming", file=sys.stderr, flush=True)
+        result["streaming"] = in_fresh_process(_stream, str(path), gets, workers)
     return result
 
 
@@ -382,6 +387,16 @@ def table(report: dict) -> str:
             r, m = p[label], p[label]["after_gets"]
             rows.append(f"| {name} | {r['import_s']:.2f} | {r['open_s']:.3f} | {r['get_mean_us']:,.0f} / "
                         f"{r['get_p99_us']:,.0f} | {mb(m['pss_anon'])} / {mb(m['pss_file'])} |")
+        if "streaming" in p:
+            r, workers = p["streaming"], p["streaming"]["workers"]
+            mean_us = sum(w["get_mean_us"] for w in workers) / len(workers)
+            rows += ["", f"| Parquet streamed, {p['rows']:,} rows | open (s) | fingerprint (s) | records counted "
+                     "| a pass read (s) | records/s | worker: anon after gets (MB) | get mean / p99 (us) |",
+                     "|---|---|---|---|---|---|---|---|"]
+            rows.append(f"| one shard, buffer 10,000 | {r['open_s']:.3f} | {r['fingerprint_s']:.3f} "
+                        f"| {r['estimate']:,.0f} | {r['scan_s']:.1f} | {r['read'] / r['scan_s']:,.0f} "
+                        f"| {mb(_worst(workers, 'after_gets', 'pss_anon'))} "
+                        f"| {mean_us:,.0f} / {max(w['get_p99_us'] for w in workers):,.0f} |")
     return "\n".join(rows)
 
 
@@ -418,7 +433,8 @@ def main(argv: list[str] | None = None) -> None:
         for count in counts:
             report["jsonl"].append(done.get(count) or extrapolate(done[1_000_000], done[3_000_000], count))
         if args.parquet_rows:
-            report["parquet"] = bench_parquet(folder, args.parquet_rows, args.gets)
+            report["parquet"] = bench_parquet(folder, args.parquet_rows, args.gets, args.workers,
+                                              "streaming" in readers)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     if args.json:

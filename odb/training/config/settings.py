@@ -149,10 +149,10 @@ class DataSettings:
     eval_steps: int = 0
     """Evaluate every N optimizer steps (0: only at the end); needs --eval_data or --val_ratio."""
     streaming: bool = False
-    """Read --data (a .jsonl file or a folder of .jsonl shards) as a stream, never indexed: each pass
-    deals the shards to the ranks in a seeded order and each rank reads its own front to back through
-    a shuffle buffer; exact-once per pass, no random access, resume by shard and byte offset
-    (docs/training.md#streaming-sources)."""
+    """Read --data (a .jsonl or .parquet file, or a folder of such shards; several weighted sources: a
+    streamed mixture) as a stream, never indexed: each pass deals the shards to the ranks in a seeded
+    order and each rank reads its own front to back (Parquet by row group) through a shuffle buffer;
+    exact-once per pass, no random access, resume by shard and offset (docs/training.md#streaming-sources)."""
     shuffle_buffer: int = 10000
     """--streaming: records each rank's shuffle buffer holds (1: the shards' own order)."""
 
@@ -177,8 +177,9 @@ class DataSettings:
         check_bool("--streaming", self.streaming)
         check_int("--shuffle_buffer", self.shuffle_buffer, 1)
         if self.streaming:
-            check(not self.sources, "--streaming reads one source (a .jsonl file or a folder of .jsonl shards): pass "
-                                    "--data PATH, without names or weights")
+            check(not self.sources or self.is_weighted,
+                  "--streaming with several sources draws them by weight, each rank from its own shards (a streamed "
+                  "mixture): give every source a weight (NAME=PATH:WEIGHT), or pass one --data PATH")
             check(not self.val_ratio, "--streaming reads each record once per pass in order, so no share can be held "
                                       "out: pass validation data with --eval_data instead of --val_ratio")
             check(self.max_samples is None, "--streaming counts no records up front, so --max_samples cannot pick the "

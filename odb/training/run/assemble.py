@@ -235,7 +235,7 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
     mixture, reader, records = None, None, len(dataset)
     if config.data.streaming:
         batching, reader, records = streaming_reader(config, batching, dataset, world_size // size, log)
-    if config.data.is_weighted:
+    if config.data.is_weighted and not config.data.streaming:  # (a streamed mixture is its reader's)
         if rank == 0:
             print(mixture_epoch(config, list(dataset.sizes), list(dataset.source_names)), file=sys.stderr, flush=True)
         mixture = Mixture(dataset.sizes, [s.weight for s in config.data.sources], mix_by=config.data.mix_by,

@@ -1,6 +1,7 @@
 """The run's data as the run reads it: the training and validation datasets of every source
-(:func:`build_datasets`: a seeded ``--val_ratio`` share held out, or ``--eval_data``), and a
-streaming source's per-rank reader (:func:`streaming_reader`)."""
+(:func:`build_datasets`: a seeded ``--val_ratio`` share held out, or ``--eval_data``), a
+streaming source's per-rank reader (:func:`streaming_reader`), and a mixture's mean units per
+record from a seeded probe of each source (:func:`mean_units`)."""
 
 from __future__ import annotations
 
@@ -10,35 +11,67 @@ from collections.abc import Callable
 import numpy as np
 
 from odb.batching.config import OdbConfig
+from odb.batching.cost import CostModel
 from odb.batching.mixture import epoch_records
+from odb.batching.stream import Reader
+from odb.batching.stream_mixture import MixedReader
 from odb.data.mixture import MixedDataset, SourceSpec
-from odb.data.processing import SampleDataset
+from odb.data.processing import SampleDataset, sample_sizes
+from odb.data.row_groups import CACHED_GROUPS
 from odb.data.streaming import ShardReader
 from odb.training.config.settings import RunConfig
 
-__all__ = ["build_datasets", "mixture_epoch", "streaming_reader"]
+__all__ = ["LARGE_EPOCH", "PROBE_RECORDS", "build_datasets", "mean_units", "mixture_epoch", "streaming_reader"]
 
 LARGE_EPOCH = 2.0
 """A weighted epoch this many times the data's records or more is warned of at start."""
+PROBE_RECORDS = 64
+"""Records of each source :func:`mean_units` processes."""
 
 
-def streaming_reader(config: RunConfig, batching: OdbConfig, dataset: SampleDataset, world_size: int,
-                     log: Callable[[str], None]) -> tuple[OdbConfig, ShardReader, int]:
+def streaming_reader(config: RunConfig, batching: OdbConfig, dataset: SampleDataset | MixedDataset, world_size: int,
+                     log: Callable[[str], None]) -> tuple[OdbConfig, Reader, int]:
     """A streaming source's batching (static shards: each rank reads its own), this rank's reader,
     and the records of one pass as the schedule plans them (an estimate, the same on every rank).
-    ``world_size``: the data-parallel ranks (sequence-parallel groups read as one)."""
-    shards = dataset.source
+    Weighted sources: a streamed mixture (:class:`odb.batching.stream_mixture.MixedReader`), whose
+    every source needs a shard for each rank. ``world_size``: the data-parallel ranks
+    (sequence-parallel groups read as one)."""
     batching = dataclasses.replace(batching, sharding="static")
-    records = shards.estimate_records()
-    log(f"odb: streaming {len(shards.files)} shard(s) of {config.data.path}, about {records} records a pass "
-        f"(estimated from samples of each shard: the learning-rate schedule's length); "
-        f"each rank reads its own shards through a buffer of {config.data.shuffle_buffer} records")
-    idle = world_size - len(shards.files)
-    if idle > 0:
-        log(f"odb: WARNING: {len(shards.files)} shard(s) for {world_size} data-parallel ranks: {idle} of them read "
-            "nothing each pass and only join the others' steps; split the data into at least as many shards as ranks")
-    reader = ShardReader(shards, seed=batching.seed, buffer_size=config.data.shuffle_buffer)
-    return batching, reader, records
+    parts = dataset.parts if isinstance(dataset, MixedDataset) else [dataset]
+    readers, records = [], []
+    for number, (name, part) in enumerate(zip(dataset.source_names, parts)):
+        shards = part.source
+        records.append(shards.estimate_records())
+        where = config.data.path if len(parts) == 1 else f"source {name!r}"
+        log(f"odb: streaming {len(shards.files)} shard(s) of {where}, about {records[-1]} records a pass (Parquet "
+            f"rows counted, JSONL lines estimated from samples of each shard: the learning-rate schedule's length); "
+            f"each rank reads its own shards through a buffer of {config.data.shuffle_buffer} records")
+        rows, decoded = shards.largest_row_group()
+        if rows:
+            log(f"odb: the largest Parquet row group holds {rows} rows ({decoded / 2**20:.0f} MiB decoded); a "
+                f"DataLoader worker decodes the row group of each record it reads and keeps the last {CACHED_GROUPS}")
+        idle = world_size - len(shards.files)
+        if idle > 0 and len(parts) > 1:
+            raise ValueError(f"a streamed mixture draws every source on every data-parallel rank, each from its own "
+                             f"shards, and source {name!r} has {len(shards.files)} shard(s) for {world_size} ranks: "
+                             f"split it into at least {world_size} shards (or drop --streaming to index it)")
+        if idle > 0:
+            log(f"odb: WARNING: {len(shards.files)} shard(s) for {world_size} data-parallel ranks: {idle} of them read "
+                "nothing each pass and only join the others' steps; split the data into at least as many shards as "
+                "ranks")
+        seed = batching.seed + 7919 * number if len(parts) > 1 else batching.seed
+        readers.append(ShardReader(shards, seed=seed, buffer_size=config.data.shuffle_buffer))
+    if len(parts) == 1:
+        return batching, readers[0], records[0]
+    data = config.data
+    weights = [s.weight for s in data.sources]
+    reader = MixedReader(readers, [len(part) for part in parts], weights, mix_by=data.mix_by,
+                         epoch_rule=data.mix_epoch, num_epochs=config.run.epochs)
+    planned = sum(epoch_records(records, weights, epoch_rule=data.mix_epoch))
+    log(f"odb: a streamed mixture, drawn by {data.mix_by} on each rank from its own shards of each source; the "
+        f"schedule plans {planned} records an epoch (the sources' records as if each carried as many {data.mix_by}: "
+        f"an estimate, mix_epoch {data.mix_epoch!r})")
+    return batching, reader, planned
 
 
 def build_datasets(config: RunConfig, tokenizer, vision, *, truncate_to: int | None
@@ -90,7 +123,7 @@ def mixture_epoch(config: RunConfig, sizes: list[int], names: list[str]) -> str:
     :data:`LARGE_EPOCH` times the data or more (under ``mix_epoch: all`` a tiny, heavily weighted
     source passes again and again to keep its share of the largest source's pass)."""
     weights = [source.weight for source in config.data.sources]
-    records = epoch_records(sizes, weights, config.data.mix_epoch)
+    records = epoch_records(sizes, weights, epoch_rule=config.data.mix_epoch)
     total, data = sum(records), sum(sizes)
     parts = ", ".join(f"{name} {n} ({n / size:.3g} x its {size} records)"
                       for name, n, size in zip(names, records, sizes))
@@ -108,3 +141,20 @@ def mixture_epoch(config: RunConfig, sizes: list[int], names: list[str]) -> str:
             f"first (every record at most once), a lower weight for {names[most]!r}, "
             "or --max_steps")
 
+
+def mean_units(dataset: MixedDataset, cost_model: CostModel, mix_by: str, *, seed: int,
+               records: int = PROBE_RECORDS) -> list[float]:
+    """Each source's mean ``mix_by`` units a record (:data:`odb.batching.mixture.MIX_BY`), from up
+    to ``records`` of its records in a seeded choice, processed here as a DataLoader worker
+    processes them and admitted as the batcher admits them (a skipped or dropped one: 0 units).
+    The same on every rank (the same records, processed alike)."""
+    means = []
+    for source, (start, size) in enumerate(zip(dataset.starts, dataset.sizes)):
+        chosen = np.random.default_rng([seed, source, 2]).choice(size, min(size, records), replace=False)
+        uids = [start + int(index) for index in chosen]
+        samples = [dataset[uid] for uid in uids]
+        raw = [None if "skip" in s else (*sample_sizes(s), s["labels"].tolist()) for s in samples]
+        admitted, _ = cost_model.measure_many(uids, raw)
+        units = len(admitted) if mix_by == "samples" else sum(getattr(sample, mix_by) for sample in admitted)
+        means.append(units / len(uids))
+    return means
