@@ -8,10 +8,10 @@ Why videos apart: a video's patches cost what an image's do (each patch a ``C x 
 of the tower's input, ``merge_size ** 2`` patches a visual token, attention within each temporal
 group of ``h x w`` patches, as within an image), but a video sample is nearly all visual tokens (a
 clip of many groups, a short question), where :func:`worst_images` leaves half the budget to text
-and holds whole images of the largest size only. The tiny Qwen2-VL (configs/tiny_vl_model.json)
-at 4096 tokens: the image case holds one image of 5040 patches, a micro-batch of the largest
-clips 15360 patches, and its step peaks at 1.9x the image case's memory (docs/training.md,
-"The budget")."""
+and holds whole images of the largest size only. The tiny Qwen2-VL (configs/tiny_vl_model.json,
+with a video token of its own) at 4096 tokens: the image case holds one image of 5040 patches, a
+micro-batch of the largest clips 15360 patches, and its step peaks at 1.9x the image case's
+memory (tools/bench/bench_preflight_video.py; docs/training.md, "The budget")."""
 
 from __future__ import annotations
 
