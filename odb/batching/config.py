@@ -72,7 +72,8 @@ class OdbConfig:
     groups are the powers of two up to it that divide the number of ranks."""
     max_patches: int | str | None = field(default=None, metadata=flag(parse=_budget))
     """Optional cap on vision-encoder patches in one micro-batch; 'auto': those of the preflight's
-    worst case at the budget (the largest images, as many as half its tokens hold)."""
+    worst case at the budget (the largest images, as many as half its tokens hold; where the run
+    takes videos, the largest clips, as many as all its tokens hold)."""
     cost_model: str = "fit"
     """How ranks are balanced: 'fit': attn_coef and patch_coef fitted from the run's own
     micro-batch times, from the values given until the first fit (plans then depend on the

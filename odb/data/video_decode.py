@@ -91,7 +91,7 @@ def _read_frames(source: str | Path | list[str | Path], spec: VideoSpec, fps: fl
         paths = sorted((p for p in Path(source).iterdir() if p.suffix.lower() in _FRAME_SUFFIXES), key=_natural)
     if not paths:
         raise ValueError(f"no frame images ({', '.join(_FRAME_SUFFIXES)}) in {source}")
-    rate = float(fps) if fps is not None else spec._fps()
+    rate = float(fps) if fps is not None else spec.sampling_fps()
     keep = min(len(paths), spec.max_frames)  # as transformers takes frames already sampled: all of them
     wanted = np.linspace(0, len(paths) - 1, keep).round().astype(int).tolist() if keep < len(paths) \
         else list(range(len(paths)))

@@ -112,7 +112,7 @@ class VideoSpec:
                 n = round(self.num_frames / t) * t
             else:
                 cap = math.floor(min(self.max_frames, total) / t) * t
-                n = min(max(total / native_fps * self._fps(), self.min_frames), cap, total)
+                n = min(max(total / native_fps * self.sampling_fps(), self.min_frames), cap, total)
                 n = math.floor(n / t) * t
             if not 0 < n <= total:
                 raise ValueError(f"a video of {total} frames cannot give {n} frames in groups of {t}")
@@ -120,12 +120,13 @@ class VideoSpec:
         if self.num_frames is not None:  # as transformers: that many, repeated where the video has fewer
             n = self.num_frames
         else:
-            n = min(max(int(total / native_fps * self._fps()), self.min_frames), self.max_frames, total)
+            n = min(max(int(total / native_fps * self.sampling_fps()), self.min_frames), self.max_frames, total)
         if n < t:
             raise ValueError(f"a video of {total} frames is shorter than one group of {t} frames")
         return np.linspace(0, total - 1, n).round().astype(int).tolist()
 
-    def _fps(self) -> float:
+    def sampling_fps(self) -> float:
+        """The rate odb samples frames at (the module docstring: ``fps``, else 2)."""
         return float(self.fps) if self.fps is not None else _DEFAULT_FPS
 
     def _rate(self) -> dict[str, Any]:
@@ -133,7 +134,7 @@ class VideoSpec:
         store a count: its class rate takes over a null fps, and a rate with a count is refused)."""
         if self.num_frames is not None and self.family == "qwen2":
             return {"fps": None, "num_frames": self.num_frames}
-        return {"fps": self._fps(), "num_frames": None}
+        return {"fps": self.sampling_fps(), "num_frames": None}
 
     def processor_config(self) -> dict[str, Any]:
         """These settings as transformers' ``video_preprocessor_config.json`` of the family's video
@@ -150,20 +151,52 @@ class VideoSpec:
     def resized(self, frames: int, height: int, width: int) -> tuple[int, int]:
         """The height and width every frame of a clip of ``frames`` frames is resized to."""
         factor = self.patch_size * self.merge_size
+        count, temporal, low, high = self._bounds(frames)
+        if self.family != "qwen2" and (height < factor or width < factor):
+            scale = max(factor / height, factor / width)
+            height, width = int(height * scale), int(width * scale)
+        return _smart_resize(count, temporal, height, width, factor, low, high)
+
+    def largest_frame(self, frames: int, *, tokens: int | None = None) -> tuple[int, int] | None:
+        """The largest frame ``(height, width)`` the processor makes in a clip of ``frames``
+        frames, of at most ``tokens`` visual tokens where given; None where even the smallest it
+        makes is over ``tokens``. Either the most ``patch_size x merge_size`` squares its pixel
+        bound holds, as square as it goes (a frame of whole squares within the bounds is one
+        :meth:`resized` keeps), or a thin one: the resize shrinks both sides alike but keeps at
+        least one square, so a frame one square high and up to 200 wide comes out about
+        ``sqrt(200 x bound)`` squares wide, over a bound under 200 squares (transformers'
+        ``smart_resize`` does the same)."""
+        factor = self.patch_size * self.merge_size
+        count, temporal, low, high = self._bounds(frames)
+        clip = round(count / temporal) * temporal  # (as _smart_resize counts the clip's frames)
+        most = high // (clip * factor * factor)
+        most = min(most, tokens) if tokens is not None else most
+        sides = [(most // cols, cols) for cols in range(1, math.isqrt(max(0, most)) + 1) if most // cols <= 200 * cols]
+        rows, cols = max(sides, key=lambda side: (side[0] * side[1], side[1]), default=(0, 0))  # the squarest
+        if clip * rows * cols * factor * factor < low:
+            rows = cols = 0
+        thin = [self.resized(frames, factor, wide * factor) for wide in range(1, 201)]
+        thin = [(h, w) for h, w in thin if tokens is None or h * w <= tokens * factor * factor]
+        if thin and max(h * w for h, w in thin) > rows * cols * factor * factor:
+            return max(thin, key=lambda frame: frame[0] * frame[1])
+        return (rows * factor, cols * factor) if rows else None
+
+    def _bounds(self, frames: int) -> tuple[int, int, int, int]:
+        """``(frames, temporal, low, high)`` as :func:`_smart_resize` takes them for a clip of
+        ``frames`` frames: Qwen2-VL bounds each frame alone, Qwen3-VL the clip (``size`` as each
+        processor means it), either with ``cap_pixels_per_frame`` as the folder sets it."""
+        factor = self.patch_size * self.merge_size
         low, high = self.min_pixels, self.max_pixels
         if self.family == "qwen2":
             if self.cap_pixels_per_frame:
                 total = int(self.max_video_tokens * factor * factor * 0.9)
                 high = max(min(high, total * self.temporal_patch_size // frames), int(low * 1.05))
-            return _smart_resize(1, 1, height, width, factor, low, high)
+            return 1, 1, low, high
         if frames < self.temporal_patch_size:
             raise ValueError(f"a clip of {frames} frames is shorter than one group of {self.temporal_patch_size}")
         if self.cap_pixels_per_frame:
             high = max(min(self.max_video_tokens * factor * factor, high // frames), int(low * 1.05)) * frames
-        if height < factor or width < factor:
-            scale = max(factor / height, factor / width)
-            height, width = int(height * scale), int(width * scale)
-        return _smart_resize(frames, self.temporal_patch_size, height, width, factor, low, high)
+        return frames, self.temporal_patch_size, low, high
 
 
 def _smart_resize(frames: int, temporal: int, height: int, width: int, factor: int, low: int,

@@ -5,7 +5,8 @@ tests/unit/test_preflight.py);
 max_tokens auto picks the largest budget measured under --memory_limit_mb, trains with it aligned
 and exactly once, and a resumed run keeps that budget (the run's log lines, one per --log_steps,
 checked on the way); a budget over the cap stops every rank,
-naming the largest that fits. (The pieces in one process: tests/unit/test_preflight.py.)"""
+naming the largest that fits; under over_cap 'sequence_parallel' the preflight measures a rank's slice of
+the longest sample its largest group holds. (The pieces in one process: tests/unit/test_preflight.py.)"""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from safetensors.torch import load_file
 from launch import KILLED, TRAIN, _ranks, audit, deepspeed, ds_config, fsdp2, launch_env, odb_config
 
 WORKER = Path(__file__).with_name("preflight_worker.py")
+GROUPS_WORKER = Path(__file__).with_name("preflight_groups_worker.py")
 
 
 def losses(out):
@@ -64,6 +66,27 @@ def test_after_the_probe_deepspeed_links_each_parameter_to_the_state_its_first_r
     links = json.loads(out.read_text())["linked"]
     viewed = [ok for keys in links.values() for ok in keys.values()]
     assert len(viewed) >= 2 * 10 and all(viewed), links
+
+
+def test_under_over_cap_sequence_parallel_the_preflight_measures_the_largest_group_s_slice(tmp_path):
+    """2 ranks, a group of 2, 2048 tokens a rank (tests/e2e/preflight_groups_worker.py): the oracle
+    is the sizes alone. The longest sample the group holds is 2 x 2048 tokens, and Ulysses gives
+    each rank the whole sample for half the heads, so the largest attention the preflight runs is
+    4 / 2 = 2 heads over 4096 tokens: twice the scores of the one-rank sample of 2048 tokens and 4
+    heads that it measured without the groups. Prints each rank's peak either way."""
+    budget, heads = 2048, 4
+    deepspeed([str(tmp_path), str(budget)], nproc=2, timeout=600, script=GROUPS_WORKER)
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for name, cases in result.items():
+            grouped, alone = cases["groups"], cases["alone"]
+            print(f"rank {rank} {name}: with the group's slice {grouped['heads']} heads x {grouped['length']} tokens, "
+                  f"peak {grouped['peak_mb']:.0f} MB, {grouped['step_s']:.2f} s; without it {alone['heads']} heads x "
+                  f"{alone['length']} tokens, peak {alone['peak_mb']:.0f} MB, {alone['step_s']:.2f} s")
+            assert (grouped["heads"], grouped["length"]) == (heads // 2, 2 * budget), (rank, name, grouped)
+            assert (alone["heads"], alone["length"]) == (heads, budget), (rank, name, alone)
+            scores = grouped["heads"] * grouped["length"] ** 2
+            assert scores == 2 * alone["heads"] * alone["length"] ** 2
 
 
 def test_max_tokens_auto_trains_with_the_largest_budget_under_the_cap_and_a_resume_keeps_it(tmp_path):

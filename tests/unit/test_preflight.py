@@ -58,7 +58,7 @@ def test_a_vision_model_s_worst_case_opens_with_its_images():
     assert image["patches"] == 128 and image["pixel_values"].shape[0] == 128
     assert int((image["input_ids"] == 1003).sum()) == 128 // merge ** 2
     assert {1001, 1002, 1003} <= special_token_ids(config)
-    one, _ = worst_case_batches(200, vocab_size=1000, avoid=special_token_ids(config), image=image)
+    one, _ = worst_case_batches(200, vocab_size=1000, avoid=special_token_ids(config), visual=[image])
     assert len(one[0]["input_ids"]) == 200 and torch.equal(one[0]["input_ids"][:len(image["input_ids"])],
                                                            image["input_ids"])
     assert int((one[0]["labels"] != -100).sum()) == 200 - len(image["input_ids"])
@@ -169,7 +169,8 @@ def test_a_vision_model_s_worst_case_runs_its_images_through_the_engine(family):
     report = preflight(lambda batch, budget: engine.probe_step(batch), budget=400, upper=400,
                        gather=lambda v: np.asarray(v)[None], device=CPU, cap_mb=1e6, world_size=1,
                        vocab_size=model.get_input_embeddings().num_embeddings, avoid=special_token_ids(config),
-                       images=lambda budget: worst_images(config, budget, largest_image=16 * merge2, max_patches=None),
+                       visual=lambda budget: [worst_images(config, budget, largest_image=16 * merge2,
+                                                           max_patches=None)],
                        log=lambda _: None)
     assert report.max_tokens == 400 and report.max_patches == 11 * 16 * merge2  # (200 tokens) // (16 + 2) images
     vision = [p for name, p in model.named_parameters() if "visual" in name]
@@ -192,3 +193,27 @@ def test_the_special_tokens_of_a_config_with_several_end_tokens(monkeypatch):
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         assert local_ranks() == expected, env
+
+
+def test_under_over_cap_sequence_parallel_each_trial_runs_the_largest_group_s_slice():
+    """long=4 (over_cap 'sequence_parallel', groups of up to 4): besides the budget's two shapes,
+    every trial runs a sample of 4 x the budget, all its labels counting, as a slice on a group of
+    4; cut as sequence parallelism cuts it (SequenceParallel.shard), each of the 4 ranks holds a
+    budget's tokens of it (and attends over all 4 x 256 for a quarter of the heads: the real
+    attention's sizes on 2 ranks, tests/e2e/test_preflight_launch.py)."""
+    from odb.data.collate import collate_packed
+    from odb.training.step.sequence_parallel import SequenceParallel
+
+    calls = []
+    report = preflight(lambda samples, budget, degree=1: calls.append((samples, budget, degree)), budget=256,
+                       upper=256, gather=lambda v: np.asarray(v)[None], device=CPU, cap_mb=1e6, world_size=4,
+                       vocab_size=64, avoid=set(), log=lambda _: None, long=4)
+    assert report.max_tokens == 256 and [(b, d) for _, b, d in calls] == [(64, 1), (256, 1), (256, 1), (256, 4)]
+    (long,), budget, degree = calls[-1]
+    assert len(long["input_ids"]) == 4 * 256 and torch.equal(long["labels"], long["input_ids"])
+    batch = collate_packed([long])
+    labels = batch.pop("labels")
+    slices = [SequenceParallel(size=4, member=m, group=None).shard(batch, labels, pad_token_id=0)[0]["input_ids"]
+              for m in range(4)]
+    assert [s.shape[1] for s in slices] == [256] * 4 and torch.equal(torch.cat(slices, dim=1)[0], long["input_ids"])
+    assert max(len(s["input_ids"]) for samples, _, _ in calls[1:-1] for s in samples) == 256  # the shapes alone

@@ -386,3 +386,33 @@ def test_a_folder_without_a_video_config_gets_the_video_processor_transformers_i
     (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(video_spec_for(config, None)
                                                                        .processor_config()))
     assert (video_spec_for(config, tmp_path).family, video_spec_for(config, tmp_path).layout) == ("qwen3", "qwen3")
+
+
+@pytest.mark.parametrize("family, path", [("qwen2", QWEN2), ("qwen3", QWEN3)])
+def test_the_largest_frame_is_the_largest_transformers_smart_resize_makes(family, path):
+    """VideoSpec.largest_frame (the preflight's worst-case clips) against a brute force over frames
+    of 1 to 200 squares a side through transformers' smart_resize: the most pixels it makes of a
+    clip, under a bound of 768 squares and of 8 (where a thin frame comes out over the bound), at
+    most a number of visual tokens where asked."""
+    smart_resize = their(path, "smart_resize")
+    factor = 28 if family == "qwen2" else 32
+    for low, high in ((128 * factor ** 2, 768 * factor ** 2), (4 * factor ** 2, 8 * factor ** 2)):
+        spec = VideoSpec(family=family, patch_size=factor // 2, min_pixels=low, max_pixels=high)
+        for frames in (2, 8):
+            made = set()
+            for rows in range(1, 201):
+                for cols in range(rows, 201):
+                    try:
+                        if family == "qwen2":
+                            h, w = smart_resize(rows * factor, cols * factor, factor=factor, min_pixels=low,
+                                                max_pixels=high)
+                        else:
+                            h, w = smart_resize(frames, rows * factor, cols * factor, 2, factor, low, high)
+                    except ValueError:
+                        continue
+                    made.add(h * w // factor ** 2)
+            for tokens in (None, 5, 300):
+                expected = max((s for s in made if tokens is None or s <= tokens), default=None)
+                frame = spec.largest_frame(frames, tokens=tokens)
+                got = frame[0] * frame[1] // factor ** 2 if frame is not None else None
+                assert got == expected, (low, high, frames, tokens, frame)

@@ -277,9 +277,10 @@ class PreflightSettings:
     preflight: str = field(default="on", metadata=flag(choices=PREFLIGHT))
     """'on': before any data is read, every rank runs one forward, backward and optimizer step of a
     synthetic worst-case micro-batch at the budget (max_tokens tokens as one sample and packed; a
-    vision model's largest images), which changes no weight, reports its peak memory and time, and
-    stops the run if it does not fit, naming the largest budget that does; needed by max_tokens
-    auto. 'off': skip it."""
+    vision model's largest images, and its largest clips where it takes videos; under over_cap
+    sequence_parallel a rank's slice of the longest sample its largest group holds), which changes
+    no weight, reports its peak memory and time, and stops the run if it does not fit, naming the
+    largest budget that does; needed by max_tokens auto. 'off': skip it."""
     memory_fraction: float = 0.9
     """The worst-case step may peak at this share of the smallest rank's device memory (GPU), or
     of the memory available to this machine's ranks (CPU)."""

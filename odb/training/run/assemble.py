@@ -179,7 +179,7 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
         if watchdog is not None:
             watchdog.progress("preflight: the worst-case step")
         measured = run_preflight(config, backend, watched, tokenizer=tokenizer, vision=vision, packed=packed,
-                                 world_size=world_size, log=log, sequence_parallel=sp)
+                                 world_size=world_size, log=log, sequence_parallel=sp, groups=groups, rank=rank)
         budgets = {"max_tokens": measured.max_tokens}
         if config.batching.max_patches == AUTO:
             budgets["max_patches"] = measured.max_patches

@@ -5,8 +5,13 @@ patches), so one worst-case micro-batch bounds the memory of the whole run. Befo
 consumed, every rank runs that micro-batch through the run's own model, backend (ZeRO stage or
 FSDP2), gradient checkpointing, LoRA and loss path: one forward, backward and optimizer step of
 synthetic tokens at the budget, in two shapes (one sample of ``max_tokens`` tokens, and the same
-tokens packed as eight samples), plus, for a vision model, an image of the largest size the run
-admits. The step changes nothing (:meth:`odb.training.step.engine.OdbEngine.probe_step`: zero
+tokens packed as eight samples), plus, for a vision model, images of the largest size the run
+admits and, where the run can train videos (the model's video processor, and a video token of its
+own in the tokenizer: the data is read only later), a sample of the largest clips the budget holds
+(:mod:`odb.training.run.worst_case`); under ``over_cap: sequence_parallel`` also a rank's slice of
+the longest sample the largest group holds (``d x max_tokens`` tokens on ``d`` ranks: attention
+over all of them for ``1/d`` of the heads, so ``d`` times the scores of a sample of ``max_tokens``),
+trained as the run trains one. The step changes nothing (:meth:`odb.training.step.engine.OdbEngine.probe_step`: zero
 gradients at learning rate 0), and afterwards the optimizer's state is reset to as built and the
 random generators to where they were (:meth:`Backend.pristine`), so the run's first real step is
 the one it would have been.
@@ -37,11 +42,19 @@ import numpy as np
 import torch
 
 from odb.batching.config import AUTO
+from odb.batching.plan import Shared
+from odb.data.media import video_token
 from odb.training.backends import Backend
 from odb.training.config.settings import RunConfig
 from odb.training.model.build import hf_model
 from odb.training.run.budget import QUANTUM, BudgetTrial, search_budget
-from odb.training.run.worst_case import WARMUP_TOKENS, special_token_ids, worst_case_batches, worst_images
+from odb.training.run.worst_case import (
+    WARMUP_TOKENS,
+    special_token_ids,
+    worst_case_batches,
+    worst_images,
+    worst_videos,
+)
 from odb.training.step.engine import OdbEngine
 from odb.training.step.sequence_parallel import SequenceParallel
 
@@ -54,12 +67,16 @@ where shorter: one sample of the budget stays one the model was built for."""
 
 
 def run_preflight(config: RunConfig, backend: Backend, comm, *, tokenizer, vision, packed: bool, world_size: int,
-                  log: Callable[[str], None], sequence_parallel: SequenceParallel | None = None) -> PreflightReport:
+                  log: Callable[[str], None], sequence_parallel: SequenceParallel | None = None,
+                  groups: dict[int, SequenceParallel] | None = None, rank: int = 0) -> PreflightReport:
     """The worst-case step at the run's budget, or the search for one (``max_tokens`` 'auto'), on
     the run's own engine (collective; :mod:`odb.training.run.preflight`). The optimizer's state and the
     random generators are left as they were. Under sequence parallelism a budget is a rank's: the
-    step's row holds S times it, split over the group."""
+    step's row holds S times it, split over the group. ``groups``: under over_cap
+    'sequence_parallel', this rank's (``rank``) group of each size; the largest trains the slices
+    of a long sample too."""
     group = sequence_parallel.size if sequence_parallel is not None else 1
+    groups = groups or {}
     model, batching = hf_model(backend.module), config.batching
     engines: dict[int, OdbEngine] = {}
     vocab_size = min(len(tokenizer), model.get_input_embeddings().num_embeddings)
@@ -70,19 +87,38 @@ def run_preflight(config: RunConfig, backend: Backend, comm, *, tokenizer, visio
     accumulates = batching.gas > 1 or batching.global_batch_tokens is not None  # (gas derived after this)
     earlier = worst_case_batches(WARMUP_TOKENS, vocab_size=vocab_size, avoid=avoid)[0] if accumulates else None
 
-    def step(samples: list[dict[str, Any]], budget: int) -> None:
+    def step(samples: list[dict[str, Any]], budget: int, degree: int = 1) -> None:
         if budget not in engines:  # (its loss chunks are those of a run at this budget)
             engines[budget] = OdbEngine(backend, world_size=world_size, max_tokens=budget,
                                         pad_token_id=tokenizer.pad_token_id, packed=packed,
                                         loss_chunk_tokens=config.model.loss_chunk_tokens,
-                                        sequence_parallel=sequence_parallel)
-        engines[budget].probe_step(samples, earlier=earlier)
+                                        sequence_parallel=sequence_parallel, groups=groups, rank=rank)
+        shared = None
+        if degree > 1:  # the group's first rank holds the long sample and sends it, as a run's owner does
+            owner = rank - rank % degree
+            shared = Shared(owner=owner, degree=degree, tokens=len(samples[0]["input_ids"]))
+            samples = samples if rank == owner else []
+        engines[budget].probe_step(samples, earlier=earlier, shared=shared)
 
-    images = None
+    visual = None
     if vision is not None:
         largest = vision.max_pixels // vision.patch_size ** 2
         cap = None if batching.max_patches in (None, AUTO) else batching.max_patches
-        images = lambda budget: worst_images(model.config, budget, largest_image=largest, max_patches=cap)  # noqa: E731
+        videos = vision.video if vision.video is not None and video_token(tokenizer, vision)[0] is not None else None
+        if videos is not None:
+            log("odb: preflight: the model takes videos: the worst case holds the largest clips its video processor "
+                "makes, as many as the budget holds, beside the images")
+
+        def visual(budget: int) -> list[dict[str, Any]]:
+            clips = None if videos is None else worst_videos(
+                model.config, videos, budget, max_patches=cap,
+                text_ids=lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])
+            images = worst_images(model.config, budget, largest_image=largest, max_patches=cap)
+            return [images] if clips is None else [images, clips]
+    long = max(groups, default=1)
+    if long > 1:
+        log(f"odb: preflight: over_cap sequence_parallel: the worst case holds a rank's slice of a sample of {long} x "
+            f"max_tokens, trained on a group of {long} ranks")
     text = getattr(model.config, "text_config", None) or model.config
     upper = min(MAX_AUTO_TOKENS, (getattr(text, "max_position_embeddings", None) or MAX_AUTO_TOKENS) // group)
     settings = config.preflight
@@ -92,7 +128,7 @@ def run_preflight(config: RunConfig, backend: Backend, comm, *, tokenizer, visio
     with backend.pristine():
         report = preflight(step, budget=batching.max_tokens, upper=upper, gather=comm.all_gather,
                            device=backend.device, cap_mb=cap_mb, world_size=world_size, vocab_size=vocab_size,
-                           avoid=avoid, images=images, log=log, group=group)
+                           avoid=avoid, visual=visual, log=log, group=group, long=long)
     if backend.device.type == "cuda":  # the run's own peak (summary.json) starts here
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(backend.device)
@@ -206,8 +242,9 @@ def _rng_kept() -> Iterator[None]:
 
 def preflight(step: Callable[[list[dict[str, Any]], int], None], *, budget: int | str, upper: int,
               gather: Callable[[np.ndarray], np.ndarray], device: torch.device, cap_mb: float, world_size: int,
-              vocab_size: int, avoid: set[int], images: Callable[[int], dict[str, Any]] | None = None,
-              log: Callable[[str], None] = print, max_trials: int = 16, group: int = 1) -> PreflightReport:
+              vocab_size: int, avoid: set[int], visual: Callable[[int], list[dict[str, Any]]] | None = None,
+              log: Callable[[str], None] = print, max_trials: int = 16, group: int = 1, long: int = 1
+              ) -> PreflightReport:
     """Measures the worst-case step at ``budget`` (an int), or searches for the largest that fits
     (``"auto"``, up to ``upper``), on every rank in lockstep (collective: one ``gather`` for the cap
     and one per trial).
@@ -215,12 +252,16 @@ def preflight(step: Callable[[list[dict[str, Any]], int], None], *, budget: int 
     Args:
         step: runs one micro-batch of the given samples at the given budget through the run's
             engine (:meth:`OdbEngine.probe_step`); called inside the caller's :meth:`Backend.pristine`.
+            ``step(samples, budget, degree)`` (``long`` only): ``samples`` is one long sample, of
+            which this rank trains its slice on its group of ``degree`` ranks.
         gather: all ranks' int64 vectors (odb's gloo communicator).
         cap_mb: this rank's cap (:func:`memory_cap_mb`); the smallest over the ranks holds.
-        images: a vision model's ``images(budget)``: the worst-case image sample at a budget
-            (:func:`worst_images`).
+        visual: a vision model's ``visual(budget)``: its worst-case image and video samples at a
+            budget (:func:`worst_images`, :func:`worst_videos`), each a shape of its own.
         group: sequence parallelism's S: a budget is a rank's, and ``step`` gets rows of S times it
             (and that as its budget), which the S ranks of a group split.
+        long: under over_cap 'sequence_parallel', the largest group's size d (1: none): each trial
+            also runs a sample of d times the budget, this rank's slice of it (``step(sample, budget, d)``).
 
     Raises:
         PreflightError: a fixed budget over the cap (naming the largest under it), no budget fits,
@@ -234,12 +275,17 @@ def preflight(step: Callable[[list[dict[str, Any]], int], None], *, budget: int 
     gathered: list[int] = []  # the budgets of the trials' gathers
 
     def trial(tokens: int) -> float:
-        image = images(tokens) if images is not None else None
-        patches[tokens] = int(image["patches"]) if image is not None else None
+        media = visual(tokens) if visual is not None else []
+        patches[tokens] = max((int(sample["patches"]) for sample in media), default=None)
+        shapes = [(lambda b=batch: step(b, tokens * group)) for batch in
+                  worst_case_batches(tokens * group, vocab_size=vocab_size, avoid=avoid, visual=media)]
+        if long > 1:  # the longest sample the largest group holds, this rank's slice of it
+            sample = worst_case_batches(tokens * long, vocab_size=vocab_size, avoid=avoid)[0]
+            shapes.append(lambda: step(sample, tokens, long))
         peak = seconds = 0.0
-        for batch in worst_case_batches(tokens * group, vocab_size=vocab_size, avoid=avoid, image=image):
+        for shape in shapes:
             try:
-                used, took = measure(lambda b=batch: step(b, tokens * group), device)
+                used, took = measure(shape, device)
             except torch.OutOfMemoryError as err:
                 best = max(fits) if fits else None
                 fix = (f"the largest budget measured to fit is {best}: set max_tokens {best} or lower" if best else

@@ -329,21 +329,25 @@ class OdbEngine:
         return self.objective.tally(self, plan)
 
     def probe_step(self, samples: Sequence[dict[str, Any]], *,
-                   earlier: Sequence[dict[str, Any]] | None = None) -> None:
+                   earlier: Sequence[dict[str, Any]] | None = None, shared: Shared | None = None) -> None:
         """One micro-batch of ``samples`` through the model (whole: no truncation), its backward and
         an optimizer step, at their real size and changing no weight: the loss (and a router loss)
         is backed with weight 0, so every gradient is 0, and the step runs at learning rate 0 (AdamW
         and SGD then leave each weight as it is). ``earlier``: a micro-batch run first without
-        reducing its gradients, as the earlier micro-batches of a step with GAS > 1 are. The
-        optimizer's state it makes is the caller's to reset (:meth:`Backend.pristine`). The
-        preflight's step (:mod:`odb.training.run.preflight`)."""
+        reducing its gradients, as the earlier micro-batches of a step with GAS > 1 are.
+        ``shared``: the micro-batch is this rank's slice of a long sample its group trains
+        together, as :meth:`train_step` runs one (``samples``: the sample at its owner, empty
+        elsewhere). The optimizer's state it makes is the caller's to reset
+        (:meth:`Backend.pristine`). The preflight's step (:mod:`odb.training.run.preflight`)."""
         self.backend.set_lr(0.0)
         router = self.router_loss is not None
         for micro, last in ((earlier, False), (samples, True)):
             if micro is None:
                 continue
-            summed, aux = self.forward_loss(micro, padded=False, router=router, truncate=False)
-            self.backend.backward((summed if aux is None else summed + aux) * 0.0, sync=last)
+            with self.route(MicroBatch((), shared=shared if last else None)):
+                summed, aux = self.forward_loss(micro, padded=False, router=router, truncate=False,
+                                                shared=shared if last else None)
+                self.backend.backward((summed if aux is None else summed + aux) * 0.0, sync=last)
         self.backend.step()
 
     @torch.no_grad()
