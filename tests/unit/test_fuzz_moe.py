@@ -29,7 +29,7 @@ from odb.training.backends import LocalBackend
 from odb.training.step.engine import OdbEngine
 
 LOSS_RTOL, GRAD_RTOL = 1e-5, 3e-5  # (gradients: measured up to 1.04e-5, gpt-oss through the router)
-FUZZ = settings(max_examples=25, deadline=None, derandomize=True, database=None,
+FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 

@@ -2,7 +2,8 @@
 micro-batches (packed or padded rows, dummies), random sample lengths (1 token included), random
 label masks (prompt-only samples, samples with 0 or 1 label token, random -100 runs), samples over
 ``max_tokens`` (the engine cuts them), random sources, the loss in chunks (1 token a chunk, chunks
-that do and do not divide, one larger than the row) or from full logits, LoRA (on the head too).
+that do and do not divide, one larger than the row) or from full logits, LoRA (on the head too),
+activation checkpointing.
 
 The oracle shares none of odb's collate, positions, attention or loss: the model's own eager
 attention and own ``labels=`` loss on each sample alone (cut to ``max_tokens`` as a truncating run
@@ -36,7 +37,7 @@ from odb.training.model.build import hf_model
 from odb.training.step.engine import OdbEngine
 
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-5
-FUZZ = settings(max_examples=30, deadline=None, derandomize=True, database=None,
+FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 SOFTCAP = 30.0
 
@@ -63,8 +64,10 @@ def _new(family: str, implementation: str):
     return AutoModelForCausalLM.from_config(config, attn_implementation=implementation).train()
 
 
-def models(family: str, lora: bool):
-    """odb's model (odb_varlen) and the oracle (eager), the same weights (LoRA: B random too)."""
+def models(family: str, lora: bool, checkpointing: bool = False):
+    """odb's model (odb_varlen) and the oracle (eager, no recomputation), the same weights (LoRA: B
+    random too); ``checkpointing``: odb's recomputes every decoder layer in the backward, as
+    ``--gradient_checkpointing`` builds it."""
     model = _new(family, attention.register())
     model.load_state_dict(base_state(family))
     if lora:
@@ -75,6 +78,10 @@ def models(family: str, lora: bool):
                                                  target_modules=["q_proj", "v_proj", "down_proj", "lm_head"]))
     oracle = copy.deepcopy(model)
     hf_model(oracle).set_attn_implementation("eager")
+    if checkpointing:
+        from odb.training.model.build import _checkpoint_activations
+
+        _checkpoint_activations(model.get_base_model() if lora else model)
     return model, oracle
 
 
@@ -115,7 +122,8 @@ def steps(draw):
             micro_batches.append((samples, draw(st.integers(0, 3)) == 0))  # a quarter as padded rows
         ranks.append(micro_batches)
     return {"family": draw(st.sampled_from(sorted(TEXT_FAMILIES))), "ranks": ranks, "max_tokens": max_tokens,
-            "chunk_tokens": draw(st.sampled_from([None, 1, 5, 16, 4096])), "lora": draw(st.integers(0, 3)) == 0}
+            "chunk_tokens": draw(st.sampled_from([None, 1, 5, 16, 4096])), "lora": draw(st.integers(0, 3)) == 0,
+            "checkpointing": draw(st.integers(0, 3)) == 0}
 
 
 def kept(sample: dict, max_tokens: int) -> dict:
@@ -158,7 +166,7 @@ def grads(model) -> dict[str, torch.Tensor]:
 @given(steps())
 def test_a_fuzzed_step_equals_its_samples_alone_over_the_steps_label_tokens(case):
     ranks, max_tokens, world = case["ranks"], case["max_tokens"], len(case["ranks"])
-    model, oracle = models(case["family"], case["lora"])
+    model, oracle = models(case["family"], case["lora"], case["checkpointing"])
     step_plans = plans(ranks, max_tokens)
     n_step = step_plans[0].num_label_tokens
     expected_total = torch.zeros(())
