@@ -2,6 +2,7 @@
 refused naming odb's setting), the RunConfig of a host's run, and the schedule shapes the host's
 lr_scheduler_type maps to (against their closed forms)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -92,6 +93,10 @@ def test_odbs_gas_is_the_hosts_gradient_accumulation_steps():
     tokens = OdbSettings(data=SETTINGS.data, batching=OdbConfig(max_tokens=1024, global_batch_tokens=8192))
     with pytest.raises(ValueError, match="global_batch_tokens derives odb's gas, and the host owns"):
         host_config(tokens, gas=4, **common)
+    unnamed = {**common, "model_path": "host model"}  # (a model built from a config: no folder)
+    with pytest.raises(ValueError, match="OdbSettings.tokenizer"):
+        host_config(SETTINGS, gas=1, **unnamed)
+    assert host_config(dataclasses.replace(SETTINGS, tokenizer="data/tokenizer"), gas=1, **unnamed)
     fsdp = host_config(SETTINGS, gas=1, backend="fsdp2", **common)
     assert fsdp.optimization.fsdp2 is not None and not fsdp.optimization.deepspeed
 
