@@ -13,6 +13,10 @@ pack 1 to about 6 samples a micro-batch:
 * every weight after the epoch equals the replay's (1e-5 of its largest entry);
 * each loss HF logs (``logging_steps 1``) is the step's mean token loss, ``sum / N_step``;
 * the learning rate HF logs is the one the step ran at.
+
+The same replay checks the Accelerate adapter's documented loop (odb/integrations/accelerate.py),
+over a model loaded as a user loads one (transformers' own attention: odb_run switches it), with
+odb's schedule moving the rate from step to step.
 """
 
 from __future__ import annotations
@@ -108,3 +112,52 @@ def test_an_epoch_under_hf_trainer_is_hfs_sgd_on_each_steps_samples_over_its_lab
         want = theirs[name].detach()
         diff = float((weight.detach() - want).abs().max())
         assert diff <= RTOL * float(want.abs().max()), f"GAS {gas}: {name} off by {diff:.2e} after {len(steps)} steps"
+
+
+@pytest.mark.parametrize("gas,max_tokens", CASES[1:])
+def test_an_epoch_of_an_accelerate_loop_is_sgd_on_each_steps_samples_over_its_label_tokens(tmp_path, gas, max_tokens):
+    """The Accelerate adapter (odb/integrations/accelerate.py) in its documented loop, one process:
+    every step's update is ``step.lr`` times ``grad(sum of its token losses / N_step)``, replayed."""
+    from accelerate import Accelerator
+
+    from odb.integrations.accelerate import backward, odb_run, set_lr
+
+    tokenizer = bundled_tokenizer()
+    model = tiny_model(len(tokenizer))
+    replay = copy.deepcopy(model)
+    settings = OdbSettings(data=DataSettings(path=str(ROOT / "data" / "chat.jsonl"), max_samples=24, num_workers=0),
+                           batching=OdbConfig(max_tokens=max_tokens, window=16, gas=gas),
+                           tokenizer=str(ROOT / "data" / "tokenizer"))
+    accelerator = Accelerator(cpu=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    run = odb_run(accelerator, model, settings, lr=LR, output_dir=tmp_path, warmup_ratio=0.2)
+    dataset, trained = run.parts.dataset, []
+    try:
+        for step in run.steps():
+            set_lr(optimizer, step.lr)
+            for micro in step.micro_batches:
+                backward(accelerator, model, micro)
+            optimizer.step()
+            optimizer.zero_grad()
+            trained.append((step.lr, [dataset[s.uid % len(dataset)] for m in step.plan.micro_batches
+                                      for s in m.samples]))
+            assert len(step.micro_batches) == gas
+            step.end()
+        run.finish()
+    finally:
+        run.close()
+    assert len(trained) > 1 and len({lr for lr, _ in trained}) > 1  # (warmup and decay: the rate moves)
+    for lr, samples in trained:
+        total = sum((own_loss_sum(replay, s) for s in samples), torch.zeros(()))
+        n_step = sum(int((torch.as_tensor(s["labels"])[1:] != -100).sum()) for s in samples)
+        (total / n_step).backward()
+        with torch.no_grad():
+            for p in replay.parameters():
+                p -= lr * p.grad
+                p.grad = None
+    theirs = dict(replay.named_parameters())
+    for name, weight in accelerator.unwrap_model(model).named_parameters():
+        want = theirs[name].detach()
+        diff = float((weight.detach() - want).abs().max())
+        assert diff <= RTOL * float(want.abs().max()), f"GAS {gas}: {name} off by {diff:.2e} after {len(trained)} steps"
