@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from odb.integrations.core import HostMicro, HostRun, OdbSettings, host_config
+from odb.training.attention.varlen import register
 
 __all__ = ["backward", "odb_run", "set_lr"]
 
@@ -55,6 +56,7 @@ def odb_run(accelerator, model: torch.nn.Module, settings: OdbSettings, *, lr: f
                          "odb accumulates over its gas (OdbSettings.batching.gas) with the loss scaled for the whole "
                          "step; leave the Accelerator's at 1")
     module = accelerator.unwrap_model(model)
+    module.set_attn_implementation(register())  # packed rows: each sample attends to itself only (as OdbTrainer)
     path = model_path or getattr(module.config, "_name_or_path", "") or "host model"
     deepspeed = accelerator.state.deepspeed_plugin.deepspeed_config if _is_deepspeed(accelerator) else None
     fsdp = _kind(accelerator) == "FSDP"

@@ -73,7 +73,7 @@ class OdbSettings:
     """odb's batching (``max_tokens``, ...); its ``gas`` is the host's gradient accumulation steps
     (left at 1, it takes the host's)."""
     tokenizer: str | None = None
-    """The tokenizer folder; None: the model's folder."""
+    """The tokenizer folder; None: the model's folder (a model built from a config has none: set it)."""
     audit_ids: bool = False
     """Write emitted_ids.rank<R>.jsonl (every micro-batch's record indices and sources), as odb's trainer."""
     log_steps: int = 0
@@ -109,6 +109,9 @@ def host_config(settings: OdbSettings, *, model_path: str, output_dir: str | Pat
         raise ValueError("OdbSettings.data: a streaming source's records are counted only as they are read, and "
                          "the host needs its step count up front; train a streaming source with odb's trainer "
                          "(odb train / launch/train.py --streaming), or drop streaming to index the data")
+    if settings.tokenizer is None and model_path == "host model":  # (the adapters' name for a model without a path)
+        raise ValueError("the model has no folder (its config's _name_or_path is empty: built from a config) to read "
+                         "a tokenizer from: set OdbSettings(tokenizer=FOLDER), the tokenizer to tokenize the data with")
     empty = {"deepspeed": {}, "fsdp2": Fsdp2Settings()}  # (OptimizationSettings' field of each)
     tokenizer = settings.tokenizer or model_path
     return RunConfig(

@@ -22,6 +22,8 @@ What the host's arguments mean under odb (each kept, or refused naming odb's set
 * ``deepspeed=`` and FSDP: the host's; odb's loss is already scaled for the step, so the host
   neither divides it by the accumulation steps nor rescales it (``num_items_in_batch`` is odb's
   ``N_s``, the step's label tokens over every rank).
+* ``label_smoothing_factor``, TRL's ``loss_type`` and ``compute_loss_func``: odb backs its own loss
+  (next-token cross entropy over the step's label tokens); anything but their defaults is refused.
 * checkpoints: each ``checkpoint-N`` folder also holds odb's state; ``resume_from_checkpoint``
   restores odb's position exactly (``ignore_data_skip`` is set: odb does not replay batches).
 
@@ -94,6 +96,14 @@ def check_arguments(args, odb: OdbSettings) -> None:
     if ratios:
         raise ValueError(f"{', '.join(ratios)}: a ratio of the host's step count, which odb knows only as samples "
                          "pack; pass whole steps")
+    changed = [f"{name}={value!r}" for name, value, default in (
+        ("label_smoothing_factor", args.label_smoothing_factor, 0.0),
+        ("loss_type", getattr(args, "loss_type", "nll"), "nll"))  # (TRL's SFTConfig)
+        if value != default]
+    if changed:
+        raise ValueError(f"{', '.join(changed)}: odb backs its own loss for every micro-batch, next-token cross "
+                         "entropy summed over the step's label tokens (odb.training.step.objective), so this would be "
+                         "dropped; set label_smoothing_factor=0 and loss_type='nll'")
     if args.auto_find_batch_size:
         raise ValueError("auto_find_batch_size: odb's budget is max_tokens (measure it once with launch/train.py's "
                          "preflight, max_tokens auto); turn auto_find_batch_size off")
@@ -133,6 +143,10 @@ class OdbTrainerMixin:
         kwargs["train_dataset"] = Dataset.from_dict({"text": ["odb reads, processes and packs the data itself"]})
         super().__init__(*args, **kwargs)
         check_arguments(self.args, odb)
+        if getattr(self, "compute_loss_func", None) is not None:
+            raise ValueError("compute_loss_func: odb backs its own loss for every micro-batch (sum of token losses x "
+                             "W / N_step, odb.training.step.objective), so this function would never run; drop "
+                             "compute_loss_func (another loss: an objective in odb/training/step/objective.py)")
         if getattr(self.args, "packing", False):  # TRL's own packing
             raise ValueError("packing=True is TRL's packing of a dataset; odb packs online: leave packing off")
         if self.optimizer is not None and self.lr_scheduler is not None:

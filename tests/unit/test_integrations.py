@@ -2,6 +2,7 @@
 refused naming odb's setting), the RunConfig of a host's run, and the schedule shapes the host's
 lr_scheduler_type maps to (against their closed forms)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -28,12 +29,35 @@ def arguments(**values):
     ({"num_train_epochs": 1.5}, "whole number"),
     ({"save_steps": 0.1}, "whole steps"),
     ({"auto_find_batch_size": True}, "max_tokens"),
+    ({"label_smoothing_factor": 0.1}, "label_smoothing_factor=0"),
 ])
 def test_a_host_argument_odb_cannot_keep_is_refused_naming_odbs_setting(values, names):
     from odb.integrations.hf import check_arguments
 
     with pytest.raises(ValueError, match=names):
         check_arguments(arguments(**values), SETTINGS)
+
+
+def test_a_loss_the_host_would_compute_otherwise_is_refused_naming_the_setting(tmp_path):
+    """odb backs its own loss for every micro-batch (OdbTrainerMixin.compute_loss), so a host setting
+    that changes the loss would be dropped without a word: HF's label smoothing (above), TRL's
+    loss_type 'dft' (which TRL runs as a compute_loss_func), a compute_loss_func of one's own."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from trl import SFTConfig
+
+    from odb.integrations.hf import OdbTrainer, check_arguments
+
+    dft = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], loss_type="dft")
+    with pytest.raises(ValueError, match="loss_type='nll'"):
+        check_arguments(dft, SETTINGS)
+    config = AutoConfig.for_model(model_type="llama", vocab_size=100, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match="drop compute_loss_func"):
+        OdbTrainer(model=model, args=arguments(output_dir=str(tmp_path)), odb=SETTINGS,
+                   compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.loss)
 
 
 def test_the_host_defaults_and_odbs_own_values_pass():
@@ -68,6 +92,10 @@ def test_odbs_gas_is_the_hosts_gradient_accumulation_steps():
     tokens = OdbSettings(data=SETTINGS.data, batching=OdbConfig(max_tokens=1024, global_batch_tokens=8192))
     with pytest.raises(ValueError, match="global_batch_tokens derives odb's gas, and the host owns"):
         host_config(tokens, gas=4, **common)
+    unnamed = {**common, "model_path": "host model"}  # (a model built from a config: no folder)
+    with pytest.raises(ValueError, match="OdbSettings.tokenizer"):
+        host_config(SETTINGS, gas=1, **unnamed)
+    assert host_config(dataclasses.replace(SETTINGS, tokenizer="data/tokenizer"), gas=1, **unnamed)
     fsdp = host_config(SETTINGS, gas=1, backend="fsdp2", **common)
     assert fsdp.optimization.fsdp2 is not None and not fsdp.optimization.deepspeed
 

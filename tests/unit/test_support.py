@@ -84,6 +84,19 @@ def test_the_engine_stops_a_model_whose_attention_never_calls_odb_s_at_its_first
         engine.train_step(plan, [samples], lr=0.0)
 
 
+def test_a_model_left_on_another_attention_is_stopped_naming_odbs():
+    """A host's own model (HostRun: any model) loaded with transformers' default SDPA never calls
+    odb's attention: the first forward stops it naming the attention to set, not as a model odb
+    cannot train."""
+    config = AutoConfig.for_model("llama", vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    engine = OdbEngine(LocalBackend(model), world_size=1, max_tokens=64, pad_token_id=0)
+    samples = [{"input_ids": torch.arange(10, 20), "labels": torch.arange(10, 20)}]
+    with pytest.raises(ValueError, match="attn_implementation 'sdpa'.*register"):
+        engine.forward_loss(samples, False)
+
+
 def test_lora_on_a_vision_model_still_packs():
     """PEFT wraps the model: the check must look inside (it saw no rotary index and fell back to
     padded micro-batches over the cap)."""

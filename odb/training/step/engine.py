@@ -242,6 +242,11 @@ class OdbEngine:
             summed = self.head_loss.forward_loss(forward, labels, split, shifted=shifted)
         if before is not None:
             if sum(attention_calls.values()) == before:
+                chosen = getattr(self.model.config, "_attn_implementation", None)
+                if chosen != attention.ATTN_IMPLEMENTATION:  # (a host's own model, loaded with its default)
+                    raise ValueError(f"{type(self.model).__name__} runs attn_implementation {chosen!r}, which would "
+                                     "let packed samples attend to each other: switch it to odb's, "
+                                     "model.set_attn_implementation(odb.training.attention.register())")
                 raise ValueError(f"{type(self.model).__name__} never called odb's attention in its forward: it "
                                  "computes attention its own way, so packed samples would attend to each other; "
                                  "odb cannot train it (check it with odb check-model)")
