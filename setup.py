@@ -5,11 +5,13 @@ from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
-BUNDLED = ("configs", "data/tokenizer", "data/chat.jsonl", "launch/train.py", "launch/slurm.sbatch")
+BUNDLED = ("configs", "data/tokenizer", "data/vl_tokenizer", "data/chat.jsonl", "launch/train.py",
+           "launch/slurm.sbatch")
 """What an installed odb carries besides its code, copied into the package as odb/_bundled by the
 build (the checkout's own files stay where they are; odb.recipe.bundled_root finds either):
 the default configs and the recipes (configs/recipes: `odb train demo`), the demo's tiny model
-configs, the bundled tokenizer, the bundled chat data (data/chat.jsonl whole: 2000 chats, 1.7 MB;
+configs, the bundled tokenizer and the tiny VL model's (data/vl_tokenizer: the same plus
+<|video_pad|>), the bundled chat data (data/chat.jsonl whole: 2000 chats, 1.7 MB;
 data/mm, the multimodal sample, stays in the checkout), and launch/slurm.sbatch with the
 launch/train.py it runs (ODB_REPO=$(odb path))."""
 

@@ -1,23 +1,19 @@
-"""Video test data: the bundled tokenizer with a video token of its own, tiny Qwen-VL configs that
-take videos, MPEG-4 clips and frame folders written in the test, and records that use them.
+"""Video test data: the bundled VL demo's tokenizer (data/vl_tokenizer: the bundled tokenizer plus
+``<|video_pad|>``, id 1024), tiny Qwen-VL configs that take videos, MPEG-4 clips and frame folders
+written in the test, and records that use them."""
 
-The bundled tokenizer has no ``<|video_pad|>`` (and ``configs/tiny_vl_model.json`` maps video to
-the image token): the tests add it (id 1024) and build models with one more embedding."""
-
-import copy
 import json
 from pathlib import Path
 
 import av
 import numpy as np
 from PIL import Image
-from tokenizers import AddedToken
 
-from conftest import bundled_tokenizer
+from conftest import ROOT
 from odb.data.processing import DataConfig
+from odb.training.model.build import load_tokenizer
 
-VIDEO_TOKENIZER = copy.deepcopy(bundled_tokenizer())
-VIDEO_TOKENIZER.add_tokens([AddedToken("<|video_pad|>", special=True, normalized=False)])
+VIDEO_TOKENIZER = load_tokenizer(ROOT / "data" / "vl_tokenizer")
 VIDEO_ID = VIDEO_TOKENIZER.convert_tokens_to_ids("<|video_pad|>")
 IMAGE_ID = 7
 IDS = {"image_token_id": IMAGE_ID, "video_token_id": VIDEO_ID, "vision_start_token_id": 5, "vision_end_token_id": 6}

@@ -18,7 +18,7 @@ from conftest import ROOT
 from launch import audit, build_cpu_ops, free_port, launch_env, shm_leftovers
 
 SOURCES = ("setup.py", "pyproject.toml", "README.md", "MANIFEST.in", "odb", "configs", "launch", "data/chat.jsonl",
-           "data/tokenizer")
+           "data/tokenizer", "data/vl_tokenizer")
 """What ``pip install .`` reads of a clone (the rest of the checkout is not needed, and a copy keeps
 the build's own folders out of the checkout)."""
 

@@ -9,8 +9,8 @@ of its text tokens; an image of ``a x a`` visual tokens (a PNG of noise, ``28a``
 a video of ``t`` temporal groups of ``a x a`` visual tokens (an MPEG-4 file of ``2t`` noise frames
 at 2 frames a second, sampled whole at ``video_fps`` 2), through the real pipeline: decoding and
 the video processor in the DataLoader workers, the model's vision tower on every patch. The model
-is configs/tiny_vl_model.json with a video token of its own (the bundled tokenizer plus
-``<|video_pad|>``). The runs are tools/bench/bench_train.py's (ZeRO-2, one epoch, the same initial
+is configs/tiny_vl_model.json with its tokenizer, data/vl_tokenizer (the bundled tokenizer plus
+``<|video_pad|>``, its video token). The runs are tools/bench/bench_train.py's (ZeRO-2, one epoch, the same initial
 weights, samples and schedule; ``fixed``: the largest padded batch whose batch of the longest
 samples fits ``max_tokens``; ``gmt``: the offline oracle with every length up front). The paper's
 package is not run: it batches text only.
@@ -79,7 +79,6 @@ def write_media(path: Path, groups: int, side: int, rng: np.random.Generator, vi
 def prepare(args: argparse.Namespace, work: Path) -> dict:
     """The records and their media, the model folder, the data settings; what the runs share."""
     from transformers import AutoConfig, AutoModelForImageTextToText
-    from transformers.tokenization_utils_base import AddedToken
 
     from odb.data.images import vision_spec_for
     from odb.data.processing import DataConfig, SampleDataset
@@ -87,11 +86,8 @@ def prepare(args: argparse.Namespace, work: Path) -> dict:
     from tools.make.make_trace_data import one_token_words
     from tools.sim.simulate_cluster import fixed_batch_for
 
-    tokenizer = load_tokenizer(ROOT / "data" / "tokenizer")
-    tokenizer.add_tokens([AddedToken("<|video_pad|>", special=True, normalized=False)])
+    tokenizer = load_tokenizer(ROOT / "data" / "vl_tokenizer")
     settings = json.loads((ROOT / "configs" / "tiny_vl_model.json").read_text())
-    settings["text_config"]["vocab_size"] = len(tokenizer)
-    settings["video_token_id"] = tokenizer.convert_tokens_to_ids("<|video_pad|>")
     torch.manual_seed(args.seed)
     model = AutoModelForImageTextToText.from_config(AutoConfig.for_model(**settings))
     model_dir = work / "model"

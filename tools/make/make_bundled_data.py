@@ -1,11 +1,15 @@
 #!/usr/bin/env python
-"""Writes the bundled default data: a chat set with heterogeneous lengths and its tokenizer.
+"""Writes the bundled default data: a chat set with heterogeneous lengths, its tokenizer, the
+vision-language demo's tokenizer and the multimodal set.
 
-    python tools/make/make_bundled_data.py   # -> data/chat.jsonl, data/tokenizer/, data/mm/
+    python tools/make/make_bundled_data.py   # -> data/chat.jsonl, data/tokenizer/, data/vl_tokenizer/, data/mm/
 
 Synthetic and learnable (repeat, reverse, sort, count, small talk; 1-4 turns, optional system
-prompt), so a tiny model's loss visibly falls in one epoch. Deterministic (seeded); rerunning it
-reproduces the committed files.
+prompt), so a tiny model's loss visibly falls in one epoch. data/vl_tokenizer is data/tokenizer
+plus ``<|video_pad|>`` (id 1024, the video token of configs/tiny_vl_model.json). data/mm holds
+image records (a shape of one color), video records (MPEG-4 clips of a shape moving one way:
+needs PyAV, the ``video`` extra) and text records, in one LLaVA-style file. Deterministic (seeded);
+rerunning it reproduces the committed files (the clips: with the same FFmpeg, which PyAV carries).
 """
 
 from __future__ import annotations
@@ -67,12 +71,14 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 SPECIAL = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|vision_start|>",
            "<|vision_end|>", "<|image_pad|>"]
+VIDEO_PAD = "<|video_pad|>"
+"""The video token of the VL demo's tokenizer (data/vl_tokenizer), after every token of data/tokenizer."""
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (230, 210, 40),
           "purple": (140, 60, 180), "orange": (240, 140, 30)}
 SHAPES = ("square", "circle", "triangle")
 
 
-def write_tokenizer(texts: list[str], folder: Path) -> None:
+def write_tokenizer(texts: list[str], folder: Path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -85,6 +91,16 @@ def write_tokenizer(texts: list[str], folder: Path) -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<|pad|>", eos_token="<|end|>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(folder)
+    return fast
+
+
+def write_vl_tokenizer(tokenizer, folder: Path) -> None:
+    """``tokenizer`` (changed in place) plus :data:`VIDEO_PAD` as a token of its own, appended (id
+    1024): every text encodes as before."""
+    from tokenizers import AddedToken
+
+    tokenizer.add_tokens([AddedToken(VIDEO_PAD, special=True, normalized=False)])
+    tokenizer.save_pretrained(folder)
 
 
 def draw(rng: random.Random, path: Path) -> tuple[str, str, int]:
@@ -108,27 +124,97 @@ def draw(rng: random.Random, path: Path) -> tuple[str, str, int]:
     return color, shape, count
 
 
-def multimodal(rng: random.Random, folder: Path, num: int = 300) -> None:
-    """LLaVA-style records with generated images: data/mm/train.jsonl and data/mm/images/."""
-    (folder / "images").mkdir(parents=True, exist_ok=True)
-    with open(folder / "train.jsonl", "w") as f:
-        for i in range(num):
-            name = f"images/{i:04d}.png"
-            color, shape, _ = draw(rng, folder / name)
-            question = rng.choice([f"What color is the {shape}?", "Which shape is in the picture?",
-                                   "Describe the picture."])
-            if question.startswith("What color"):
-                answer = f"The {shape} is {color}."
-            elif question.startswith("Which shape"):
-                answer = f"It is a {shape}."
+def picture(rng: random.Random, name: str, folder: Path) -> dict:
+    """An image record: a question on the drawn shape, sometimes a text follow-up turn."""
+    color, shape, _ = draw(rng, folder / name)
+    question = rng.choice([f"What color is the {shape}?", "Which shape is in the picture?", "Describe the picture."])
+    if question.startswith("What color"):
+        answer = f"The {shape} is {color}."
+    elif question.startswith("Which shape"):
+        answer = f"It is a {shape}."
+    else:
+        answer = f"A {color} {shape} on a grey background."
+    conversations = [{"from": "human", "value": "<image>\n" + question}, {"from": "gpt", "value": answer}]
+    if rng.random() < 0.3:  # a text follow-up turn makes lengths uneven
+        user, assistant = turn(rng)
+        conversations += [{"from": "human", "value": user}, {"from": "gpt", "value": assistant}]
+    return {"image": name, "conversations": conversations}
+
+
+DIRECTIONS = {"right": ("x", 1), "left": ("x", -1), "down": ("y", 1), "up": ("y", -1)}
+"""Each way a clip's shape moves: its axis and sign (image coordinates: y grows downward)."""
+CLIP_FPS = 4
+
+
+def film(rng: random.Random, path: Path) -> tuple[str, str, str]:
+    """An MPEG-4 clip of a shape of one color moving one way over a grey background: 8 or 12 frames
+    at :data:`CLIP_FPS` (2 or 3 s: 4 or 6 frames sampled at 2 a second, 2 or 3 temporal groups),
+    of a random size."""
+    import av
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    width, height = rng.randrange(64, 161, 16), rng.randrange(64, 129, 16)
+    color, shape, direction = rng.choice(sorted(COLORS)), rng.choice(SHAPES), rng.choice(sorted(DIRECTIONS))
+    frames, side = rng.choice((8, 12)), min(width, height) // 3
+    axis, sign = DIRECTIONS[direction]
+    travel = (width if axis == "x" else height) - side  # from one edge to the other along the motion
+    start, step = (0 if sign > 0 else travel), travel // (frames - 1)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=CLIP_FPS)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(frames):
+            image = Image.new("RGB", (width, height), (200, 200, 200))
+            along = start + sign * step * i
+            x0, y0 = (along, (height - side) // 2) if axis == "x" else ((width - side) // 2, along)
+            box = [x0, y0, x0 + side, y0 + side]
+            pen = ImageDraw.Draw(image)
+            if shape == "square":
+                pen.rectangle(box, fill=COLORS[color])
+            elif shape == "circle":
+                pen.ellipse(box, fill=COLORS[color])
             else:
-                answer = f"A {color} {shape} on a grey background."
-            conversations = [{"from": "human", "value": "<image>\n" + question},
-                             {"from": "gpt", "value": answer}]
-            if rng.random() < 0.3:  # a text follow-up turn makes lengths uneven
-                user, assistant = turn(rng)
-                conversations += [{"from": "human", "value": user}, {"from": "gpt", "value": assistant}]
-            f.write(json.dumps({"id": i, "image": name, "conversations": conversations}) + "\n")
+                pen.polygon([(x0, y0 + side), (x0 + side // 2, y0), (x0 + side, y0 + side)], fill=COLORS[color])
+            for packet in stream.encode(av.VideoFrame.from_ndarray(np.asarray(image), format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return color, shape, direction
+
+
+def clip(rng: random.Random, name: str, folder: Path) -> dict:
+    """A video record: a question on the moving shape."""
+    color, shape, direction = film(rng, folder / name)
+    question = rng.choice([f"Which way does the {shape} move?", "What color is the moving shape?",
+                           "Describe the video."])
+    if question.startswith("Which way"):
+        answer = f"The {shape} moves {direction}."
+    elif question.startswith("What color"):
+        answer = f"It is {color}."
+    else:
+        answer = f"A {color} {shape} moves {direction} over a grey background."
+    return {"video": name, "conversations": [{"from": "human", "value": "<video>\n" + question},
+                                             {"from": "gpt", "value": answer}]}
+
+
+def text(rng: random.Random) -> dict:
+    """A text record: one exchange, no image or video."""
+    user, assistant = turn(rng)
+    return {"conversations": [{"from": "human", "value": user}, {"from": "gpt", "value": assistant}]}
+
+
+def multimodal(folder: Path, num_images: int = 300, num_videos: int = 24, num_texts: int = 24) -> None:
+    """LLaVA-style records, images first, then videos, then text (training shuffles them):
+    data/mm/train.jsonl, data/mm/images/ and data/mm/videos/."""
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    (folder / "videos").mkdir(parents=True, exist_ok=True)
+    rng, other = random.Random(7), random.Random(11)  # (the images' own: adding videos kept them as they were)
+    rows = [picture(rng, f"images/{i:04d}.png", folder) for i in range(num_images)]
+    rows += [clip(other, f"videos/{i:04d}.mp4", folder) for i in range(num_videos)]
+    rows += [text(other) for _ in range(num_texts)]
+    with open(folder / "train.jsonl", "w") as f:
+        for i, row in enumerate(rows):
+            f.write(json.dumps({"id": i, **row}) + "\n")
 
 
 def main() -> None:
@@ -139,8 +225,8 @@ def main() -> None:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     texts = [m["content"] for row in rows for m in row["messages"]]
-    write_tokenizer(texts, DATA / "tokenizer")
-    multimodal(random.Random(7), DATA / "mm")
+    write_vl_tokenizer(write_tokenizer(texts, DATA / "tokenizer"), DATA / "vl_tokenizer")
+    multimodal(DATA / "mm")
 
 
 if __name__ == "__main__":

@@ -56,7 +56,9 @@ class ModelSettings:
 
     path: str = field(metadata=flag("--model"))
     """A local Hugging Face model folder, or a model config JSON (random init)."""
-    tokenizer: str = field(metadata=flag("--tokenizer", shown_default="the model folder, else the bundled one"))
+    tokenizer: str = field(metadata=flag("--tokenizer", shown_default=(
+        "the model folder, else the bundled one: data/vl_tokenizer for configs/tiny_vl_model.json, data/tokenizer "
+        "for the others")))
     """Tokenizer folder (from save_pretrained)."""
     lora: Mapping[str, Any] | None = None
     """Train PEFT LoRA adapters: LoraConfig fields (rank, alpha, target modules) from a JSON file;

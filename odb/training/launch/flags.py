@@ -52,6 +52,10 @@ class FileDefaults:
     data: Path
     tokenizer: Path
     """Used when the model folder has no tokenizer of its own."""
+    vl_model: Path | None = None
+    """The bundled tiny vision-language model config, whose tokenizer is :attr:`vl_tokenizer`."""
+    vl_tokenizer: Path | None = None
+    """:attr:`vl_model`'s tokenizer: :attr:`tokenizer` plus ``<|video_pad|>``, its video token."""
     lora: Path
     """What a bare ``--lora`` reads."""
     fsdp_config: Path | None = None
@@ -69,7 +73,8 @@ class FileDefaults:
         configs = root / "configs"
         return cls(deepspeed_config=configs / "ds_zero2.json", odb_config=configs / "odb.json",
                    model=configs / "tiny_model.json", data=root / "data" / "chat.jsonl",
-                   tokenizer=root / "data" / "tokenizer", lora=configs / "lora.json",
+                   tokenizer=root / "data" / "tokenizer", vl_model=configs / "tiny_vl_model.json",
+                   vl_tokenizer=root / "data" / "vl_tokenizer", lora=configs / "lora.json",
                    fsdp_config=configs / "fsdp2.json", own_odb_config=configs / "recipes" / "odb.json",
                    recipes=configs / "recipes")
 
@@ -77,6 +82,14 @@ class FileDefaults:
         """Whether ``model`` is one of the bundled tiny model configs (in :attr:`model`'s folder)."""
         path = Path(model).resolve()
         return path.is_file() and path.parent == Path(self.model).resolve().parent
+
+    def tokenizer_for(self, model: str | Path) -> Path:
+        """The tokenizer of a model without one of its own (a config JSON, or a folder with none):
+        :attr:`vl_tokenizer` for :attr:`vl_model`, else :attr:`tokenizer`."""
+        if self.vl_model is not None and self.vl_tokenizer is not None and \
+                Path(model).resolve() == Path(self.vl_model).resolve():
+            return self.vl_tokenizer
+        return self.tokenizer
 
 
 def parser(defaults: FileDefaults) -> argparse.ArgumentParser:
@@ -159,7 +172,7 @@ def _model(args: argparse.Namespace, defaults: FileDefaults) -> ModelSettings:
     tokenizer = args.tokenizer
     if tokenizer is None:
         has_own = model.is_dir() and (model / "tokenizer_config.json").is_file()
-        tokenizer = str(model) if has_own else str(defaults.tokenizer)
+        tokenizer = str(model) if has_own else str(defaults.tokenizer_for(model))
     tokenizer_fix = "pass --tokenizer with a folder from save_pretrained"
     if not _need_file(tokenizer, "tokenizer folder", tokenizer_fix).is_dir():
         raise FileNotFoundError(f"tokenizer folder {tokenizer} is not a folder; {tokenizer_fix}")
