@@ -49,7 +49,9 @@ def test_resume_auto_resumes_from_the_newest_complete_deepspeed_checkpoint(tmp_p
             f"(zero_pp_rank_1_mp_rank_00_optim_states.pt cut short) to {aside}") in proc.stdout
     assert f"resumed from {checkpoints / f'step{SAVES}'}" in proc.stdout
     assert (aside / cut.name).read_bytes() == half  # (moved whole, not deleted)
-    resumed = losses(out)[len(first):]
+    rows = losses(out)  # (the first run's rows from step SAVES on moved to metrics.superseded.jsonl)
+    assert [s for s, _ in rows] == list(range(len(rows))) and rows[:SAVES] == first[:SAVES]
+    resumed = rows[SAVES:]
     assert resumed[0][0] == SAVES and len(resumed) > SAVES
     assert [s for s, _ in resumed[:SAVES]] == [s for s, _ in first[SAVES:]]
     for (step, loss), (_, before) in zip(resumed[:SAVES], first[SAVES:], strict=True):  # (rows keep 6 decimals)
