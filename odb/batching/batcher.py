@@ -91,7 +91,11 @@ class OnlineBatcher:
         # the observed cost figures as sent: held under what every rank's together fit in an int64
         # (squared costs of a long run at long contexts would not; the dealer's estimate then saturates)
         self._observed_cap = (1 << 62) // max(1, self.world_size)
-        self.capacity = dataset_size if self.packer.is_offline else config.window + config.lookahead
+        # the samples a round's vector has room for: an offline packer (gmt, bmt) proposes all it
+        # holds, which after a re-deal onto fewer ranks between epochs is one epoch's queued steps
+        # and the next one's shard; never more than the run's uids (join mode: those baselines have no quota)
+        self.capacity = (dataset_size * num_epochs if self.packer.is_offline
+                         else config.window + config.lookahead)
         self.aligner.check_settings({**(settings or {}), **config.to_dict(), "world_size": self.world_size,
                                      "dataset_size": dataset_size, "num_epochs": num_epochs,
                                      "explicit_shards": shards is not None, "streaming": reader is not None,
