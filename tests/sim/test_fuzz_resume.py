@@ -159,3 +159,22 @@ def test_an_offline_baseline_redealt_onto_one_rank_between_epochs_trains_the_res
     full, states, _ = run_states(make, 2)
     tail, _, _ = run_states(make, 1, redeal_states([rank_states[1] for rank_states in states], 1))
     assert trained([rank_steps[:1] for rank_steps in full]) + trained(tail) == Counter(range(40))
+
+
+@pytest.mark.parametrize("sharding", ["static", "dynamic"])
+def test_a_resume_with_fewer_epochs_than_the_checkpoint_began_is_refused_naming_epochs(sharding):
+    """A 3-epoch run checkpointed in its third epoch, resumed with num_epochs 1 (--epochs 1), went
+    on to train the rest of the third epoch: 16 samples of an epoch the resumed run never asked for,
+    without a word. It is refused, naming --epochs; with 3 or more epochs it resumes, and a finished
+    run's state loads with fewer (nothing is left to train)."""
+    config = OdbConfig(max_tokens=64, window=4, sharding=sharding, cost_model="manual")
+    lengths = [(30, 0)] * 12
+    full, states, _ = run_states(batcher_of(config, lengths, 3), 2)
+    stop = next(k for k, s in enumerate(states[0]) if s["epoch"] == 2 and not s["is_planned"])
+    for epochs in (1, 2):
+        with pytest.raises(ValueError, match=r"epoch 3 .* --epochs 3 or more"):
+            run_states(batcher_of(config, lengths, epochs), 2, [s[stop] for s in states])
+    tail, _, _ = run_states(batcher_of(config, lengths, 3), 2, [s[stop] for s in states])
+    assert trained([rank_steps[:stop] for rank_steps in full]) + trained(tail) == Counter(range(36))
+    done, _, _ = run_states(batcher_of(config, lengths, 1), 2, [s[-1] for s in states])
+    assert done == [[], []]
