@@ -38,9 +38,11 @@ def random_config(rng: np.random.Generator, **overrides) -> OdbConfig:
     (sequence_parallel with policy odb), a patch cap, the attention term and the seed."""
     gas = int(rng.integers(1, 5))
     window = int(rng.integers(gas, 40))
-    sharding = str(rng.choice(["static", "dynamic"]))
-    policy = str(rng.choice(["odb", "odb", "odb", "fixed"] + (["gmt", "bmt"] if sharding == "static" else [])))
-    over_cap = str(rng.choice(["truncate", "drop"] + (["sequence_parallel"] if policy == "odb" else [])))
+    sharding = overrides.get("sharding", str(rng.choice(["static", "dynamic"])))  # (given: what follows fits it)
+    policy = overrides.get("policy", str(rng.choice(["odb", "odb", "odb", "fixed"]
+                                                    + (["gmt", "bmt"] if sharding == "static" else []))))
+    over_cap = overrides.get("over_cap", str(rng.choice(["truncate", "drop"]
+                                                        + (["sequence_parallel"] if policy == "odb" else []))))
     values = dict(
         max_tokens=int(rng.integers(50, 400)), window=window, gas=gas, lookahead=int(rng.integers(0, 20)),
         min_fill=float(rng.choice([0.0, rng.random(), 0.99, 1.0])),
@@ -49,6 +51,8 @@ def random_config(rng: np.random.Generator, **overrides) -> OdbConfig:
         cost_model="manual", attn_coef=float(rng.choice([0.0, 1e-3])), batch_size=int(rng.integers(1, window + 1)),
         bucket_size=int(rng.integers(1, 20)), seed=int(rng.integers(0, 100)),
         max_patches=int(rng.choice([0, 50])) or None, max_sp=int(rng.choice([2, 4, 8])))
+    if overrides.get("mode") == "quota" and over_cap == "sequence_parallel":
+        values["over_cap"] = "truncate"  # (sequence parallelism is join mode's)
     return OdbConfig(**{**values, **overrides})
 
 

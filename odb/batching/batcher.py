@@ -366,8 +366,14 @@ class OnlineBatcher:
     def load_state_dict(self, state: dict) -> None:
         """Loads :meth:`state_dict` (never mutating it). The steps it had queued come first; a
         join-mode state whose planning was over, loaded with more ``num_epochs``, then starts the
-        next epoch. The pending uids go to the feed at the next round."""
+        next epoch; one of an epoch ``num_epochs`` never reaches is refused. The pending uids go to
+        the feed at the next round."""
         s = decode_state(state, **self._identity())
+        begun = [step.epoch for step in s.queue[-1:]] + ([] if s.is_planned else [s.stream["epoch"]])
+        resumes = max(begun, default=-1)  # the latest epoch the state began and did not finish
+        if self.config.mode == "join" and resumes >= self.num_epochs:
+            raise ValueError(f"the state was taken in epoch {resumes + 1} of the run, which a run of {self.num_epochs} "
+                             f"epoch(s) never trains: resume with --epochs {resumes + 1} or more, or start a new run")
         self.stream.load_state_dict(s.stream)
         self.round_index, self.step_index, self.num_emitted = s.round_index, s.step_index, s.num_emitted
         self.packer.restore(s.bins, s.unpacked)

@@ -202,8 +202,12 @@ class Mixture:
         """What each source may draw now: what it owes (quota mode: no end); but a source without a
         measured mean yet (its first epoch) has at most ``PROBE`` records, or twice what was measured,
         in flight, beyond the first pass it owes whole ("all"): a source guessed cheap is not drawn
-        by the hundred before one is measured."""
+        by the hundred before one is measured. Nothing in a closed epoch (re-dealt after it was over:
+        its draws were reset when the next began, so the held records it fetches again are no
+        measure of what it owes)."""
         seen = self.seen
+        if self.closed:
+            return [0] * len(self.sizes)
         if self.quota:  # no end; but a source whose whole first pass gave no units is left out
             owed = [0 if seen["first_fetched"][i] >= size and not seen["first_units"][i] else 1 << 62
                     for i, size in enumerate(self.sizes)]

@@ -17,6 +17,7 @@ from conftest import check_aligned
 from fuzzing import batcher_of, check_samples, plans, redeal_chain, run_states, trained
 from odb.batching.config import OdbConfig
 from odb.batching.mixture import Mixture
+from odb.batching.redeal import redeal_states
 from odb.batching.simulate import simulate
 
 
@@ -25,9 +26,9 @@ def instance(seed: int):
     sizes = [int(rng.integers(1, 60)) for _ in range(int(rng.integers(1, 4)))]
     weights = [float(rng.choice([0.1, 0.3, 0.5, 1.0, 2.0])) for _ in sizes]
     max_tokens = int(rng.choice([256, 512, 1024]))
-    lengths = []
+    lengths, alone = [], rng.random() < 0.25  # (alone: every record nearly a micro-batch: long last rounds)
     for size in sizes:
-        low = int(rng.integers(2, max_tokens // 2))
+        low = int(rng.integers(2, max_tokens // 2)) if not alone else max_tokens * 3 // 4
         high = int(rng.integers(low + 1, max_tokens + 1))
         lengths += [None if rng.random() < 0.08 else (int(rng.integers(low, high)), 0) for _ in range(size)]
     gas = int(rng.integers(1, 4))
@@ -106,3 +107,20 @@ def test_first_draws_the_others_to_the_anchors_measured_level():
         units[uid % len(lengths) >= 12] += lengths[uid % len(lengths)][0]
     assert units[1] == sum(t for t in long if t)  # the anchor: one pass
     assert abs(units[0] - units[1] / 2) <= config.max_tokens, units
+
+
+def test_a_mixture_redealt_in_its_last_round_onto_fewer_ranks_fetches_what_had_no_room_and_ends():
+    """Every record is a micro-batch of its own (60 tokens of 64), so the last round of the epoch
+    plans 3 steps on each of 2 ranks; a checkpoint after its first holds 6 samples. Re-dealt onto
+    one rank (window 4, lookahead 1), 2 of them have no room and are fetched again, one a round.
+    That epoch is closed (the mixture had begun the next, its counts reset): nothing more is drawn
+    in it, and the records fetched again must not count against draws it no longer holds (they
+    did: 'isqrt() argument must be nonnegative' in the round after the first fetch)."""
+    config = OdbConfig(max_tokens=64, window=4, lookahead=1, max_carry=1.0, cost_model="manual")
+    lengths = [(60, 0)] * 20
+    make = batcher_of(config, lengths, mixture=lambda: Mixture([10, 10], [1, 1]))
+    full, states, _ = run_states(make, 2)
+    stop = next(k for k, s in enumerate(states[0]) if s["is_planned"] and s["queue"])
+    assert sum(len(m[1]) for s in states for step in s[stop]["queue"] for m in step["micro"]) == 6
+    tail, _, _ = run_states(make, 1, redeal_states([s[stop] for s in states], 1))
+    assert trained([rank_steps[:stop] for rank_steps in full]) + trained(tail) == Counter(range(20))
