@@ -60,6 +60,19 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(max(1, _cores() // workers))
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module's tiny-model calls (the fuzzers): models this small gain nothing
+    from a second thread, and on a shared machine its spinning OpenMP threads made each model call
+    15x slower (measured here, load 5 on 2 cores)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def train_defaults():
     """The default files of launch/train.py, as it names them (for tests that call parse_config)."""
     from odb.training.launch.flags import FileDefaults

@@ -38,12 +38,7 @@ LR, RTOL = 0.05, 1e-5
 CASES = [(1, 96), (2, 160), (3, 256)]  # (gradient_accumulation_steps, max_tokens)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # (tests/unit/test_fuzz_step.py: a second thread only spins here)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_model(vocab: int):

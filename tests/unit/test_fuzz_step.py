@@ -42,14 +42,7 @@ FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
 SOFTCAP = 30.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Models this small gain nothing from a second thread; on a shared machine its spinning
-    OpenMP threads made each model call 15x slower (measured here, load 5 on 2 cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @functools.cache

@@ -27,12 +27,7 @@ VISION_TOKENS = {IMAGE_IDS["image_token_id"], IMAGE_IDS["video_token_id"], IMAGE
 MAX_TOKENS = 256
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # (tests/unit/test_fuzz_step.py: a second thread only spins here)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @st.composite
