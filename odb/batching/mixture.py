@@ -16,7 +16,9 @@ once a sample is processed, so the shared stream is extended round by round:
   source at least once; the others are up-sampled, passing over their records again in a new
   seeded order, each repeat a sample of its own) or the smallest (``"first"``: every record at most
   once; the others are down-sampled, a seeded subset of each); a source still owes
-  ``(w * L - E) / mean`` records, to the nearest whole one (:meth:`Mixture.left`);
+  ``(w * L - E) / mean`` records, to the nearest whole one (:meth:`Mixture.left`); under
+  ``"first"`` which pass is the lowest is known only once one is drawn whole: until then every
+  source owes the rest of its pass and they are drawn in step (:meth:`Mixture.drawable`);
 * the next positions of the stream go, one at a time, to the owing source of lowest ``E / w``
   (:meth:`Mixture.draw`), in its pass's seeded order; every rank draws the same.
 
@@ -33,8 +35,9 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -156,6 +159,12 @@ class Mixture:
         return [self.seen["units"][i] + (self.dealt[i] - self.seen["fetched"][i]) * means[i]
                 for i in range(len(self.sizes))]
 
+    def _passes(self, means: list[float]) -> list[float]:
+        """One pass over each source this epoch, in units: observed, and the unfetched rest at the mean."""
+        seen = self.seen
+        return [seen["first_units"][i] + max(0, size - seen["first_fetched"][i]) * means[i]
+                for i, size in enumerate(self.sizes)]
+
     def owed(self, *, cautious: bool = True) -> list[int]:
         """Records each source still owes this epoch (join mode).
 
@@ -163,28 +172,19 @@ class Mixture:
         estimate, whose error the weights' ratios would magnify in the others; a source near its
         share waits for part of its records in flight; a repeat only once the source's first pass is
         measured. Otherwise (how much of the epoch is left, for the dealer): up to the estimated
-        level, every pass's unmeasured rest at its mean."""
+        level, every pass's unmeasured rest at its mean. ``"first"``: :meth:`_owed_first`."""
         means, expected, seen = self._means(), self.expected(), self.seen
-        passes = []  # one pass over each source, in units: observed, and the unfetched rest at the mean
-        for i, size in enumerate(self.sizes):
-            done = seen["first_fetched"][i] >= size
-            passes.append(seen["first_units"][i] + (0 if done else (size - seen["first_fetched"][i]) * means[i]))
+        passes = self._passes(means)
         active = [i for i in range(len(self.sizes)) if passes[i] > 0]  # a source of no units at all is left out
         rests = [max(0, size - dealt) for size, dealt in zip(self.sizes, self.dealt)]  # of the first pass
         if not active:
             return rests
+        if self.epoch_rule == "first":
+            return self._owed_first(passes, active, rests, means, expected, cautious)
         level = max(seen["units"][i] / self.weights[i] for i in active)
         if not cautious:
-            levels = [passes[i] / self.weights[i] for i in active]
-            estimate = max(levels) if self.epoch_rule == "all" else min(levels)
+            estimate = max(passes[i] / self.weights[i] for i in active)
             level = max([level, estimate] + [expected[i] / self.weights[i] for i in active])
-        # "first": the source of the lowest estimated pass level owes its whole pass, the others
-        # follow its measured units (none is chosen while a source has not been measured at all)
-        anchor = min(active, key=lambda i: (passes[i] / self.weights[i], i))
-        if any(not seen["fetched"][i] and not self.prior[i] for i in active):
-            anchor = -1
-        if self.epoch_rule == "first" and anchor >= 0:  # never past the anchor's pass (a light source's
-            level = min(level, passes[anchor] / self.weights[anchor])  # one record would lift it far)
         out = []
         for i, rest in enumerate(rests):
             records = max(0, round((self.weights[i] * level - expected[i]) / means[i])) if i in active else 0
@@ -192,10 +192,26 @@ class Mixture:
                 records = max(records, 1)  # measure one first
             if cautious:
                 records = max(0, records - 2 * math.isqrt(self.dealt[i] - seen["fetched"][i]))
-            if self.epoch_rule == "first":
-                out.append(rest if i == anchor else min(records, rest))
-            else:
-                out.append(max(rest, records))  # every record at least once
+            out.append(max(rest, records))  # every record at least once
+        return out
+
+    def _owed_first(self, passes: list[float], active: list[int], rests: list[int], means: list[float],
+                    expected: list[float], cautious: bool) -> list[int]:
+        """:meth:`owed` under ``"first"``: every source owes the rest of its pass, drawn in step,
+        lowest level first (:meth:`draw`), until one has drawn its whole pass; the lowest pass
+        level of those is the epoch's, and the others follow it, each at most its pass. (Which
+        source that is, guessed from a probe each, would draw a wrong one through before the
+        estimates were corrected.) Otherwise (the dealer's estimate): the lowest estimated level."""
+        done = [i for i in active if not rests[i]]
+        if cautious and not done:
+            return rests
+        level = min(passes[i] / self.weights[i] for i in (done if cautious else active))
+        out = []
+        for i, rest in enumerate(rests):
+            records = round((self.weights[i] * level - expected[i]) / means[i]) if i in active else 0
+            if cautious:
+                records -= 2 * math.isqrt(self.dealt[i] - self.seen["fetched"][i])
+            out.append(min(max(0, records), rest))
         return out
 
     def drawable(self) -> list[int]:
@@ -219,7 +235,54 @@ class Mixture:
                 in_flight = self.dealt[i] - self.seen["fetched"][i]
                 owes = min(owes, max(0, max(PROBE, 2 * self.seen["fetched"][i]) - in_flight))
             out.append(owes)
+        return self._in_step(out) if self.epoch_rule == "first" and not self.quota else out
+
+    def _in_step(self, caps: list[int]) -> list[int]:
+        """``"first"`` before any source's pass is drawn whole: the sources are drawn in step, lowest
+        level first, so the first drawn through is the one of the lowest pass level (:meth:`owed`).
+        Of ``caps``, what :meth:`draw` reaches before a source that may draw no more now (its probes
+        in flight: the others would run ahead of it) or the end of a pass (the level is then set)."""
+        rests = [size - dealt for size, dealt in zip(self.sizes, self.dealt)]
+        if any(rest <= 0 and units > 0 for rest, units in zip(rests, self._passes(self._means()))):
+            return caps  # the level is set: the others follow it
+        out = [0] * len(caps)
+        for i in self._order(caps, rests):
+            out[i] += 1
         return out
+
+    def _order(self, caps: list[int], rests: list[int] | None = None) -> Iterator[int]:
+        """The sources in the order :meth:`draw` takes them, each at most ``caps`` times: the lowest
+        level (expected units / weight) first; under ``"first"`` with twice the square root of a
+        source's records in flight added at its mean (what they may hold above it), so that a
+        source is not drawn past the level on an estimate. ``rests`` (drawing in step): stop at a
+        source whose cap is spent, or once one has drawn its ``rests``."""
+        means, expected = self._means(), self.expected()
+        flight = [dealt - fetched for dealt, fetched in zip(self.dealt, self.seen["fetched"])]
+        pad = [0] * len(caps)
+        if self.epoch_rule == "first" and not self.quota:  # all but the likeliest anchor keep behind it
+            passes = self._passes(means)
+            anchor = min(range(len(caps)), key=lambda i: (passes[i] <= 0, passes[i] / self.weights[i], i))
+            pad = [2 * (i != anchor) for i in range(len(caps))]
+
+        def level(i: int) -> float:
+            return (expected[i] + pad[i] * math.isqrt(flight[i]) * means[i]) / self.weights[i]
+
+        left, drawn = list(caps), [0] * len(caps)
+        heap = [(level(i), i) for i, cap in enumerate(caps) if cap > 0 or (rests is not None and rests[i] > 0)]
+        heapq.heapify(heap)
+        while heap:
+            _, i = heapq.heappop(heap)
+            if left[i] <= 0:
+                return
+            yield i
+            left[i] -= 1
+            drawn[i] += 1
+            expected[i] += means[i]
+            flight[i] += 1
+            if rests is not None and drawn[i] == rests[i]:
+                return
+            if left[i] > 0 or rests is not None:
+                heapq.heappush(heap, (level(i), i))
 
     def left(self) -> int:
         """Stream positions still to draw this epoch: an estimate, for the dealer, until a round's
@@ -239,19 +302,7 @@ class Mixture:
     def draw(self, count: int) -> list[int]:
         """The next positions of the shared stream, as uids, at most ``count`` (fewer when less may
         be drawn now: :meth:`drawable`); the same on every rank."""
-        means, expected = self._means(), self.expected()
-        caps = self.drawable()
-        heap = [(expected[i] / self.weights[i], i) for i in range(len(self.sizes)) if caps[i] > 0]
-        heapq.heapify(heap)
-        uids = []
-        while heap and len(uids) < count:
-            _, i = heapq.heappop(heap)
-            uids.append(self._next_uid(i))
-            expected[i] += means[i]
-            caps[i] -= 1
-            if caps[i] > 0:
-                heapq.heappush(heap, (expected[i] / self.weights[i], i))
-        return uids
+        return [self._next_uid(i) for i in itertools.islice(self._order(self.drawable()), count)]
 
     def _next_uid(self, source: int) -> int:
         size = self.sizes[source]

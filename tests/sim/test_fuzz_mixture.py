@@ -6,7 +6,7 @@ quota mode exactly ``quota`` samples; the ranks stay aligned; resumes at random 
 the uninterrupted run did, and a chain of re-deals (W -> W1 -> W2) keeps all of it (over a
 re-deal at an epoch boundary the last epoch's queued samples train in the next one's steps, so
 there the records are counted over the run). The shares are held to the offline optimum in
-tests/sim/test_mixture.py; a case where 'first' misses its share is below (xfail)."""
+tests/sim/test_mixture.py; a case where 'first' missed its share is below."""
 
 from collections import Counter
 
@@ -87,15 +87,13 @@ def test_random_mixtures_keep_exact_once_across_resumes_and_redeals(chunk):
             raise AssertionError(f"seed {seed}: {instance(seed)[:8]}") from err
 
 
-@pytest.mark.xfail(strict=True, reason="'first' anchors on estimated pass levels after one probe each and draws "
-                   "the anchor's whole pass at once: the wrong source (here the short one) is drawn through "
-                   "before the estimates are corrected (odb/batching/mixture.py Mixture.owed)")
 def test_first_draws_the_others_to_the_anchors_measured_level():
     """Two sources, by tokens, weights 1 : 2. Source 1's pass (12 records, 9595 tokens: its level
     9595 / (2/3) = 14393) is lower than source 0's (11 records, 6252 tokens: 18756), so 'first'
     trains source 1 once and source 0 half of that, about 4798 tokens (a record is 478-645). The
-    first probes (source 0: 529 tokens, source 1: 959) make source 0 look the lower, so it is
-    drawn whole, 6252 tokens: 1454 over its share, more than a micro-batch (1024)."""
+    first probes (source 0: 529 tokens, source 1: 959) make source 0 look the lower: drawn whole
+    on that estimate it trained 6252 tokens, 1454 over its share, more than a micro-batch (1024).
+    Drawn in step, the first source drawn through is the one of the lowest pass level."""
     short = [613, 594, 529, 609, 496, None, 623, 645, 605, 528, 478, 532]
     long = [688, 872, None, 805, 678, 931, 617, None, 644, 898, 655, 959, 925, 923]
     lengths = [None if t is None else (t, 0) for t in short + long]
