@@ -45,7 +45,7 @@ import numpy as np
 from odb.batching.cost import SampleCost
 from odb.batching.wire import Layout
 
-__all__ = ["MIX_BY", "MIX_EPOCH", "Mixture", "epoch_records", "redeal_mixture"]
+__all__ = ["MIX_BY", "MIX_EPOCH", "Mixture", "epoch_records"]
 
 MIX_BY = ("label_tokens", "tokens", "samples")
 """The unit a mixture's weights share out."""
@@ -377,25 +377,3 @@ def epoch_records(sizes: Sequence[int], weights: Sequence[float], means: Sequenc
         records = round(shares[i] * level / means[i]) if i in active else 0
         out.append(int(max(size, records) if epoch_rule == "all" else min(size, records)))
     return out
-
-
-def redeal_mixture(states: Sequence[Mapping[str, Any] | None], again: Sequence[Sequence[int]],
-                   world_size: int, *, closed: bool) -> list[dict[str, Any] | None]:
-    """The mixture's part of :func:`odb.batching.redeal.redeal_states`: the same on every new rank
-    but for the counts, which new rank 0 takes summed (minus ``again``: held samples the new ranks
-    fetch and count again, rows ``[uid, tokens, label_tokens, ...]``), so every sum stays.
-    ``closed``: the states' epoch was over and is reopened for its queued samples alone (the
-    mixture had already started the next): nothing more is drawn in it."""
-    if states[0] is None:
-        return [None] * world_size
-    first = states[0]
-    sizes, mix_by = first["sizes"], first["mix_by"]
-    mine = {k: [sum(s["mine"][k][i] for s in states) for i in range(len(sizes))] for k in _COUNTS}
-    if not closed:  # (a closed epoch's counts were reset when the next began: nothing to take back)
-        uncounted = Mixture(sizes, [1.0] * len(sizes), mix_by=mix_by)
-        uncounted.first_pass = list(first["first_pass"])
-        uncounted.observe([row[0] for row in again], [SampleCost(*row) for row in again])
-        mine = {k: [a - b for a, b in zip(mine[k], uncounted.mine[k])] for k in _COUNTS}
-    zero = {k: [0] * len(sizes) for k in _COUNTS}
-    return [{**dict(first), "mine": mine if r == 0 else zero, "closed": closed or first["closed"]}
-            for r in range(world_size)]

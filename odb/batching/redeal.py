@@ -27,10 +27,11 @@ rank re-walks its own shard), and states of different runs or versions.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from odb.batching.mixture import redeal_mixture
+from odb.batching.cost import SampleCost
+from odb.batching.mixture import Mixture
 from odb.batching.state import STATE_VERSION, upgrade_state
 
 __all__ = ["redeal_readers", "redeal_states"]
@@ -146,3 +147,25 @@ def redeal_readers(readers: Sequence[dict[str, Any] | None], world_size: int) ->
     draws = max(r["draws"] for r in readers)
     return [{"pass": readers[0]["pass"], "segments": segments[r::world_size], "buffer": buffered[r::world_size],
              "draws": draws} for r in range(world_size)]
+
+
+def redeal_mixture(states: Sequence[Mapping[str, Any] | None], again: Sequence[Sequence[int]],
+                   world_size: int, *, closed: bool) -> list[dict[str, Any] | None]:
+    """The mixture's part of :func:`redeal_states`: the same on every new rank
+    but for the counts, which new rank 0 takes summed (minus ``again``: held samples the new ranks
+    fetch and count again, rows ``[uid, tokens, label_tokens, ...]``), so every sum stays.
+    ``closed``: the states' epoch was over and is reopened for its queued samples alone (the
+    mixture had already started the next): nothing more is drawn in it."""
+    if states[0] is None:
+        return [None] * world_size
+    first = states[0]
+    sizes, mix_by, counts = first["sizes"], first["mix_by"], list(first["mine"])
+    mine = {k: [sum(s["mine"][k][i] for s in states) for i in range(len(sizes))] for k in counts}
+    if not closed:  # (a closed epoch's counts were reset when the next began: nothing to take back)
+        uncounted = Mixture(sizes, [1.0] * len(sizes), mix_by=mix_by)
+        uncounted.first_pass = list(first["first_pass"])
+        uncounted.observe([row[0] for row in again], [SampleCost(*row) for row in again])
+        mine = {k: [a - b for a, b in zip(mine[k], uncounted.mine[k])] for k in counts}
+    zero = {k: [0] * len(sizes) for k in counts}
+    return [{**dict(first), "mine": mine if r == 0 else zero, "closed": closed or first["closed"]}
+            for r in range(world_size)]
