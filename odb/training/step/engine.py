@@ -22,10 +22,8 @@ ranks trains together while the others train their own; its owner sends it to th
 way (its label tokens and samples count at the owner), attention routed through the group (:meth:`OdbEngine.route`).
 
 Gradients are reduced across ranks only in the last backward of a step (``backend.backward(loss,
-sync=m == last)``), then one ``backend.step()``. docs/design.md (loss math) records why for DeepSpeed 0.19.8:
-uneven micro-batch counts deadlock at every stage, and ``managed_gradient_accumulation: false``
-aborts at ZeRO-2 and hangs at ZeRO-3, while equal counts with explicit boundaries match a
-single-process reference to ~1e-8 at every stage. What a backend must provide is
+sync=m == last)``), then one ``backend.step()``; docs/design.md (loss math) records why (DeepSpeed
+0.19.8: uneven micro-batch counts deadlock at every stage). What a backend must provide is
 :class:`odb.training.backends.Backend`; the backends are the modules of :mod:`odb.training.backends`.
 """
 
@@ -116,21 +114,24 @@ class OdbEngine:
             fused=fused_loss)
 
     def forward_loss(self, samples: Sequence[dict[str, Any]], padded: bool, *, router: bool = False,
-                      truncate: bool = True, by_source: SourceSums | None = None, shared: Shared | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     truncate: bool = True, by_source: SourceSums | None = None, shared: Shared | None = None,
+                     per_sample: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The summed token loss of ``samples`` in one model call, and with ``router`` (a model with
         a router loss) its router loss ``aux`` over the samples' own tokens (else None); each sample
         cut to ``max_tokens`` unless ``truncate`` is False. ``by_source`` gets the loss split by the
         samples' sources (the call's whole sum where they share one). ``shared``: this rank's slice
         of a long sample that its group trains together (its owner's ``samples`` hold it, sent to the
-        others here), whole, with the attention routed through the group (:meth:`route`)."""
+        others here), whole, with the attention routed through the group (:meth:`route`).
+        ``per_sample``: each sample's own summed loss ``[n]``, with its gradients, instead of the sum."""
         if shared is not None:
             samples = receive(self.groups[shared.degree], shared.owner, shared.tokens, samples, rank=self.rank,
                               device=self.device)
             truncate = False
+        if per_sample:  # each sample a source of its own (no sequence parallelism)
+            samples = [{**sample, "source": k} for k, sample in enumerate(samples)]
         is_dummy, blank = not samples, self._needs_blank(samples)
         present = sorted({sample_source(s) for s in samples})
-        split_rows = by_source is not None and len(present) > 1  # several sources: split the token losses
+        split_rows = per_sample or (by_source is not None and len(present) > 1)  # split the token losses
         samples = [*samples, self._blank_image()] if blank else samples
         cap = self.max_tokens if truncate else None
         if padded or not self.packed:
@@ -142,7 +143,9 @@ class OdbEngine:
             summed, aux, split = self._sharded_call(batch, present if split_rows else None, router=router, sp=sp)
         else:
             summed, aux, split = self._row_call(batch, present if split_rows else None, router=router,
-                                                is_dummy=is_dummy, blank=blank)
+                                                is_dummy=is_dummy, blank=blank, graph=per_sample)
+        if per_sample:
+            return split.graded, aux
         if split is not None:
             by_source.add_split(split)
         elif by_source is not None and present:
@@ -150,13 +153,13 @@ class OdbEngine:
         return summed, aux
 
     def _row_call(self, batch: dict[str, Any], present: list[int] | None, *, router: bool, is_dummy: bool,
-                  blank: bool) -> tuple[torch.Tensor, torch.Tensor | None, SourceSplit | None]:
+                  blank: bool, graph: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, SourceSplit | None]:
         """:meth:`forward_loss`'s model call on a collated ``batch`` (``present``: split the token
-        losses over these sources; the blank image, labels all -100, counts as source 0 and adds
-        nothing): the summed loss, the router loss (or None) and the split (or None)."""
+        losses over these sources, ``graph``: with their gradients; the blank image, labels all -100,
+        counts as source 0 and adds nothing): the summed loss, the router loss (or None) and the split (or None)."""
         split = None
         if present is not None:
-            split = SourceSplit(token_sources(batch).to(self.device), present)
+            split = SourceSplit(token_sources(batch).to(self.device), present, graph=graph)
             del batch["sources"]  # not the model's
         batch = _to_device(batch, self.device)
         labels = batch.pop("labels")

@@ -293,7 +293,7 @@ class HeadLoss:
             if not rows_n.numel():
                 continue
             part = self.fused(hidden_nh.index_select(0, rows_n), labels_n.index_select(0, rows_n))
-            split.sums[source] += part.detach().double()
+            split.add_total(source, part)
             total = part if total is None else total + part
         return self.fused(hidden_nh, labels_n) if total is None else total
 

@@ -77,6 +77,10 @@ class StepResult:
     """Per source id: this rank's label tokens of that source (they add up to ``label_tokens``)."""
     source_samples: tuple[int, ...] = ()
     """Per source id: this rank's samples of that source."""
+    rewards: tuple[float, float, int] | None = None
+    """A preference objective (:mod:`odb.training.step.preference`): this rank's summed rewards of
+    the chosen and of the rejected answers, and its pairs whose chosen reward is the higher; None
+    for next-token loss. Its ``loss_sum`` is then the pairs' summed loss."""
 
 
 class StepTally(Protocol):

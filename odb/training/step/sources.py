@@ -30,17 +30,23 @@ class SourceSplit:
         present: the sources of the call's samples (host ints; the sums are as long as the largest + 1).
         shifted: ``sources_bt`` is already the source of the label each position predicts (the
             labels are shifted too: sequence parallelism's slices, :mod:`odb.training.step.sequence_parallel`).
+        graph: also keep the sums with their autograd graph (:attr:`graded`): each sample's own
+            loss, when every sample of the call is a "source" of its own (preference pairs'
+            sequences, :mod:`odb.training.step.preference`).
 
     Attributes:
         sums: ``[max(present) + 1]`` fp64, detached: each source's summed token loss, once the loss
             has run (0 for a source absent from the call).
+        graded: with ``graph``, the same sums in fp32 with their gradients (else None).
     """
 
-    def __init__(self, sources_bt: torch.Tensor, present: Sequence[int], *, shifted: bool = False) -> None:
+    def __init__(self, sources_bt: torch.Tensor, present: Sequence[int], *, shifted: bool = False,
+                 graph: bool = False) -> None:
         self.sources_bt = sources_bt
         self.shifted = shifted
         self.present = tuple(sorted(set(present)))
         self.sums = torch.zeros(max(self.present) + 1, dtype=torch.float64, device=sources_bt.device)
+        self.graded = torch.zeros(len(self.sums), device=sources_bt.device) if graph else None
 
     def predicted(self) -> torch.Tensor:
         """``[B, T]``: the source of the label each position predicts (``t + 1``; 0 at the last)."""
@@ -51,8 +57,14 @@ class SourceSplit:
         return out
 
     def add(self, sources_n: torch.Tensor, losses_n: torch.Tensor) -> None:
-        """Adds token losses ``[n]`` (detached here) into their sources ``[n]``."""
+        """Adds token losses ``[n]`` (detached here; kept in :attr:`graded` too) into their sources ``[n]``."""
         self.sums.index_add_(0, sources_n, losses_n.detach().double())
+        if self.graded is not None:  # (out of place: the graph keeps each step)
+            self.graded = self.graded.index_add(0, sources_n, losses_n.float())
+
+    def add_total(self, source: int, loss: torch.Tensor) -> None:
+        """Adds one source's summed loss (a fused loss run on that source's tokens alone)."""
+        self.add(torch.tensor([source], device=self.sums.device), loss.reshape(1))
 
 
 class SourceSums:

@@ -1,0 +1,214 @@
+"""Preference objectives over packed pairs: DPO (sigmoid), IPO and hinge against a reference, and
+the reference-free SimPO and ORPO.
+
+A pair sample (:mod:`odb.data.preference`) is one packing unit: its chosen and its rejected
+sequence (each the prompt and one answer, the answer's tokens its labels) sit in the same
+micro-batch on the same rank, each a varlen segment of its own, and the batcher counts both
+(``tokens``, ``label_tokens``). One model call per micro-batch gives each sequence's summed log
+probability of its labels, ``pi = -sum_t CE_t``, with its gradient (:meth:`OdbEngine.forward_loss`
+with ``per_sample``: the token losses split at the segments' bounds, the same split as a mixture's
+per-source sums). With ``rho`` the reference's log-probability (:data:`REFERENCES`), ``n`` the
+answer's scored label tokens, ``a = pi / n``, ``beta`` and ``gamma`` the objective's constants, the
+loss of pair p (chosen c, rejected r)::
+
+    dpo    -log sigmoid(beta * ((pi_c - rho_c) - (pi_r - rho_r)))            TRL DPO loss_type 'sigmoid'
+    ipo    ((pi_c - rho_c) / n_c - (pi_r - rho_r) / n_r - 1 / (2 beta))^2    TRL DPO 'ipo' (per token)
+    hinge  relu(1 - beta * ((pi_c - rho_c) - (pi_r - rho_r)))                TRL DPO 'hinge'
+    simpo  -log sigmoid(beta * (a_c - a_r) - gamma)                          TRL CPO 'simpo'
+    orpo   -a_c - beta * log sigmoid((a_c - a_r) - (log(1 - e^a_c) - log(1 - e^a_r)))   TRL ORPO
+
+ORPO's first term is each pair's mean token NLL of its chosen answer; TRL's ORPOTrainer takes the
+mean over the batch's chosen tokens instead, which is not a mean over pairs and so would not
+normalize exactly across ranks; the two agree when every chosen answer has as many tokens.
+
+The loss math (I4, as for next-token loss): the step trains the mean over its pairs on all ranks,
+``P_s = plan.num_samples`` (a pair is one sample; every rank knows it before the first backward).
+Both backends average gradients over the W ranks, so each micro-batch backs
+``sum_p loss_p * W / P_s``, a dummy ``0 x`` a real forward; the gradient is then one process's over
+the whole step. What a step reports: ``loss_sum`` (the pairs' summed loss; the step's loss is it
+over ``P_s``), and :attr:`StepResult.rewards`: the summed rewards ``beta * (pi - rho)`` (simpo,
+orpo: ``beta * a``) of the chosen and the rejected answers and the pairs whose chosen reward is the
+higher (``rewards/accuracies``). A mixture-of-experts model's router loss is not added (as TRL's
+default, ``output_router_logits`` off).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from odb.batching.cost import count_label_tokens
+from odb.batching.plan import MicroBatch, StepPlan
+from odb.training.step.clock import ForwardClock
+from odb.training.step.objective import StepResult
+from odb.training.step.sources import SourceSums
+
+if TYPE_CHECKING:
+    from odb.training.step.engine import OdbEngine
+
+__all__ = ["LOSSES", "REFERENCES", "Preference", "PreferenceTally", "pair_losses", "reference_free"]
+
+LOSSES = ("dpo", "ipo", "hinge", "simpo", "orpo")
+"""The preference losses (``--objective``)."""
+REFERENCES = ("adapter", "data", "none")
+"""Where the reference log-probabilities come from: ``adapter``: the model with its LoRA adapter
+disabled (the base model; a no-gradient forward of each micro-batch, dummies too); ``data``: each
+record's ``ref_chosen_logps`` / ``ref_rejected_logps`` (as TRL's ``precompute_ref_log_probs``
+writes them); ``none``: a reference-free loss (simpo, orpo)."""
+
+
+def reference_free(loss: str) -> bool:
+    return loss in ("simpo", "orpo")
+
+
+def pair_losses(loss: str, pi: torch.Tensor, rho: torch.Tensor | None, n: torch.Tensor, *, beta: float,
+                gamma: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each pair's loss ``[P]`` and its rewards ``[P, 2]`` (chosen, rejected; detached), from the
+    policy's log-probabilities ``pi [P, 2]``, the reference's ``rho [P, 2]`` (None: reference free)
+    and the answers' label tokens ``n [P, 2]`` (the module docstring's formulas)."""
+    if reference_free(loss):
+        mean = pi / n
+        rewards = beta * mean.detach()
+        if loss == "simpo":
+            return -F.logsigmoid(beta * (mean[:, 0] - mean[:, 1]) - gamma), rewards
+        log_odds = (mean[:, 0] - mean[:, 1]) - (_log1mexp(mean[:, 0]) - _log1mexp(mean[:, 1]))
+        return -mean[:, 0] - beta * F.logsigmoid(log_odds), rewards
+    assert rho is not None, f"{loss} needs reference log-probabilities"
+    ratio = pi - rho
+    rewards = beta * ratio.detach()
+    if loss == "ipo":
+        per_token = ratio / n
+        return (per_token[:, 0] - per_token[:, 1] - 1 / (2 * beta)) ** 2, rewards
+    margin = beta * (ratio[:, 0] - ratio[:, 1])
+    if loss == "hinge":
+        return torch.relu(1 - margin), rewards
+    return -F.logsigmoid(margin), rewards
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 - exp(x))`` for ``x < 0``, stable at both ends."""
+    return torch.where(x > -0.6931, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def sequences(sample: dict[str, Any]) -> list[dict[str, Any]]:
+    """A pair sample's chosen and rejected sequences, each a sample of its own."""
+    chosen = int(sample["pair"][0])
+    return [{"input_ids": sample["input_ids"][:chosen], "labels": sample["labels"][:chosen]},
+            {"input_ids": sample["input_ids"][chosen:], "labels": sample["labels"][chosen:]}]
+
+
+@dataclass(frozen=True)
+class Preference:
+    """A preference objective (the module docstring). ``reference``: :data:`REFERENCES`."""
+
+    loss: str = "dpo"
+    beta: float = 0.1
+    gamma: float = 0.5
+    reference: str = "adapter"
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise ValueError(f"the preference loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.reference not in REFERENCES:
+            raise ValueError(f"the reference must be one of {REFERENCES}, got {self.reference!r}")
+        free = reference_free(self.loss)
+        if free != (self.reference == "none"):
+            raise ValueError(f"{self.loss} is {'reference free' if free else 'against a reference'}: reference "
+                             f"{'none' if free else 'adapter or data'}, not {self.reference!r}")
+        if not self.beta > 0:
+            raise ValueError(f"beta must be > 0, got {self.beta}")
+
+    @property
+    def name(self) -> str:
+        return self.loss
+
+    def tally(self, engine: OdbEngine, plan: StepPlan) -> PreferenceTally:
+        return PreferenceTally(self, engine, plan)
+
+    def pairs(self, engine: OdbEngine, micro: MicroBatch, samples: Sequence[dict[str, Any]], *, truncate: bool = True
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pairs' losses ``[P]`` and rewards ``[P, 2]`` of one real micro-batch (its model
+        calls: the reference's first, then the policy's)."""
+        seqs = [seq for sample in samples for seq in sequences(sample)]
+        cap = engine.max_tokens if truncate else None
+        n = torch.tensor([count_label_tokens(seq["labels"][:cap].tolist()) for seq in seqs],
+                         dtype=torch.float32, device=engine.device).view(-1, 2)
+        rho = None
+        if self.reference == "adapter":
+            with torch.no_grad(), _adapter_disabled(engine):
+                rho = -engine.forward_loss(seqs, micro.padded, truncate=truncate, per_sample=True)[0].view(-1, 2)
+        elif self.reference == "data":
+            rho = torch.tensor([[float(v) for v in sample["ref_logps"]] for sample in samples],
+                               dtype=torch.float32, device=engine.device)
+        pi = -engine.forward_loss(seqs, micro.padded, truncate=truncate, per_sample=True)[0].view(-1, 2)
+        return pair_losses(self.loss, pi, rho, n, beta=self.beta, gamma=self.gamma)
+
+    def dummy(self, engine: OdbEngine) -> torch.Tensor:
+        """A dummy micro-batch's loss, after the same model calls as a real one (the reference's
+        without gradients), so that every rank gathers ZeRO-3's or FSDP2's parameters alike."""
+        if self.reference == "adapter":
+            with torch.no_grad(), _adapter_disabled(engine):
+                engine.dummy_loss()
+        return engine.dummy_loss()
+
+    def evaluate(self, engine: OdbEngine, plan: StepPlan, samples: Sequence[Sequence[dict[str, Any]]], *,
+                 truncate: bool = True, by_source: SourceSums | None = None) -> tuple[float, int]:
+        """An evaluation step: the summed pair loss of this rank's real micro-batches and its pairs."""
+        total, count = 0.0, 0
+        for micro, micro_samples in zip(plan.micro_batches, samples, strict=True):
+            if micro.is_dummy:
+                self.dummy(engine)
+                continue
+            losses, _ = self.pairs(engine, micro, micro_samples, truncate=truncate)
+            total += float(losses.double().sum())
+            count += len(micro_samples)
+        return total, count
+
+
+class PreferenceTally:
+    """One optimizer step of a :class:`Preference` objective: each micro-batch backs
+    ``sum_p loss_p * W / P_s`` (the module docstring)."""
+
+    def __init__(self, objective: Preference, engine: OdbEngine, plan: StepPlan) -> None:
+        self.objective, self.engine, self.plan = objective, engine, plan
+        self.scale = engine.world_size / plan.num_samples if plan.num_samples else 0.0
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
+        self.rewards = torch.zeros(3, dtype=torch.float64, device=engine.device)  # chosen, rejected, ranked right
+        self.label_tokens = 0
+        self.clock = ForwardClock(engine.device)
+
+    def loss(self, micro: MicroBatch, samples: Sequence[dict[str, Any]]) -> torch.Tensor:
+        self.clock.start()
+        if micro.is_dummy:
+            loss = self.objective.dummy(self.engine)
+        else:
+            losses, rewards = self.objective.pairs(self.engine, micro, samples)
+            self.loss_sum += losses.detach().double().sum()
+            self.rewards += torch.cat([rewards.double().sum(0), (rewards[:, 0] > rewards[:, 1]).double().sum()[None]])
+            self.label_tokens += micro.label_tokens
+            loss = losses.sum() * self.scale
+        self.clock.stop()
+        return loss
+
+    def result(self, lr: float) -> StepResult:
+        chosen, rejected, right = self.rewards.tolist()
+        return StepResult(loss_sum=float(self.loss_sum), label_tokens=self.label_tokens, lr=lr,
+                          forward_seconds=self.clock.seconds(), rewards=(chosen, rejected, int(right)))
+
+
+@contextlib.contextmanager
+def _adapter_disabled(engine: OdbEngine) -> Iterator[None]:
+    """The model with its LoRA adapter off: the base model, the reference of a LoRA run."""
+    module = engine.backend.module
+    disable = getattr(module, "disable_adapter", None)
+    if disable is None:
+        raise ValueError("reference 'adapter' needs a LoRA run (--lora ...): a full fine-tune changes the weights the "
+                         "reference must keep; give the records ref_chosen_logps / ref_rejected_logps (reference "
+                         "'data') or train a reference-free loss (simpo, orpo)")
+    with disable():
+        yield
