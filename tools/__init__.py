@@ -4,7 +4,8 @@
 - ``check/``: checks a contributor runs on a change or a machine (plan digests, run comparison, the
   GPU check, the alignment soak, odb's video processing against transformers')
 - ``sim/``: the cluster and long-context simulators
-- ``make/``: what makes the bundled data, the trace data, the video trace and docs/settings.md's tables
+- ``make/``: what makes the bundled data (the preference demo's too), the trace data, the video trace and
+  docs/settings.md's tables
 
 Each script puts the checkout on ``sys.path`` and imports its neighbours as ``tools.<folder>.<name>``;
 ``tools/traces.py`` reads the length traces for all of them.

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["FORMATS", "IMAGE_PLACEHOLDER", "SKIP_REASONS", "VIDEO_PLACEHOLDER", "Conversation", "SkipSample",
-           "detect_format", "fold_system_messages", "normalize", "text_of"]
+           "detect_format", "fold_system_messages", "normalize", "role_of", "text_of"]
 
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
@@ -70,8 +70,17 @@ SKIP_REASONS = ("not_json", "not_an_object", "no_messages", "bad_role", "bad_con
                 "no_assistant_turn", "image_placeholder_mismatch", "mixed_image_sources", "image_for_text_model",
                 "missing_image", "unreadable_image", "video_placeholder_mismatch", "mixed_video_sources",
                 "video_not_supported", "missing_video", "unreadable_video", "image_token_mismatch", "template_mismatch",
-                "template_drops_fields", "no_labels", "over_cap", "error")
-"""Every :class:`SkipSample` reason, in the order the run's totals count them (metrics, summary)."""
+                "template_drops_fields", "no_labels", "over_cap", "not_a_pair", "pair_prompt_mismatch",
+                "pair_media_not_supported", "preference_record", "error")
+"""Every :class:`SkipSample` reason, in the order the run's totals count them (metrics, summary).
+
+The preference reasons (:mod:`odb.data.preference`): ``not_a_pair``, a record without ``chosen``
+and ``rejected`` where every record must be a pair (``SampleDataset(pairs=True)``);
+``pair_prompt_mismatch``, chosen and rejected conversations (or the ``prompt`` beside them) that
+differ before their final answers; ``pair_media_not_supported``, an image or video in an answer
+(a pair carries its prompt's only); ``preference_record``, a preference record with its prompt
+turns under ``messages`` / ``conversations`` read as a next-token (SFT) sample, which would train
+the prompt's turns and neither answer."""
 
 
 class SkipSample(Exception):
@@ -97,6 +106,12 @@ class Conversation:
 def text_of(message: dict[str, Any]) -> str:
     """A normalized message's text."""
     return message.get("content") or ""
+
+
+def role_of(turn: Any) -> str | None:
+    """The role a raw turn (``role`` or ShareGPT's ``from``) normalizes to, None if none is known."""
+    raw = turn.get("role", turn.get("from")) if isinstance(turn, dict) else None
+    return _ROLES.get(raw) if isinstance(raw, str) else None
 
 
 def fold_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

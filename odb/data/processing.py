@@ -32,6 +32,26 @@ them (their ``pixel_values`` / ``pixel_values_videos`` and grid rows, ``patches`
 first assistant turn does not fit, or under 'tokens', it is cut at ``truncate_to`` tokens, unless
 that would cut an image or a video (``over_cap``). Every sample carries ``truncated_tokens``, the
 tokens cut (0 when none), which :class:`odb.data.feed.SampleFeed` counts.
+
+Preference pairs (``pairs=True``, every record a preference record: :mod:`odb.data.preference`):
+each of chosen and rejected is rendered as the whole conversation, the prompt then that answer, and
+labelled as ``train_on`` 'last' labels it (the final assistant turn: its answer and end-of-turn
+token), whatever ``DataConfig.train_on`` says; ``system_message`` and ``chat_template_kwargs``
+apply as above. The pair is one sample, one packing unit for the batcher (:func:`sample_sizes`
+counts both sequences), its two sequences end to end::
+
+    input_ids  [ chosen: prompt | answer ][ rejected: prompt | answer ]
+    labels     [ -100 ...       | answer ][ -100 ...         | answer ]
+    pair       (len(chosen), len(rejected))
+
+:func:`odb.data.preference.pair_sequences` splits it again. A pair over ``truncate_to`` tokens in all
+is cut at the ends of its answers, the longer first, never in a prompt
+(:func:`odb.data.preference.pair_answer_tokens`; ``DataConfig.truncation`` does not apply); one
+whose prompts and one answer token each do not fit is ``over_cap``. Both sequences carry the
+prompt's images and videos: ``pixel_values`` (``image_grid_thw``, ...) hold them twice, chosen's
+then rejected's, and ``patches`` counts both. Augmentation is refused for pairs: a pair's reference
+log-probs must be the same every epoch. A preference record read as SFT (``pairs=False``) is skipped,
+never trained on its prompt alone (``preference_record``; ``no_messages`` where it has no prompt turns).
 """
 
 from __future__ import annotations
@@ -59,6 +79,7 @@ from odb.data.formats import (
 from odb.data.images import ImageProcessor, VisionSpec
 from odb.data.labels import LabelledChat, TemplateDropsFields, TemplateMismatch, encode_chat
 from odb.data.media import MEDIA, MediaSamples, video_token, vision_tokens
+from odb.data.preference import PAIR_KEYS, is_preference, pair_answer_tokens, split_pair
 from odb.data.sources import Source
 from odb.data.streaming import StreamShards
 
@@ -91,14 +112,21 @@ class SampleDataset(MediaSamples, Dataset):
         streaming: read ``path`` as JSONL and Parquet shards, never indexed (:mod:`odb.data.streaming`): the
             length is then the uid space of one pass, not a record count, and a rank's uids come
             from its :class:`odb.data.streaming.ShardReader`.
+        pairs: every record is a preference record, and every sample a pair (the module docstring):
+            ``pair``, ``(len(chosen), len(rejected))``, with both sequences end to end in
+            ``input_ids`` and ``labels``.
     """
 
     def __init__(self, path: str | Path, tokenizer, config: DataConfig = DataConfig(), *, seed: int = 0,
                  max_samples: int | None = None, truncate_to: int | None = None,
                  vision: VisionSpec | None = None, indices: Sequence[int] | None = None,
-                 cache_dir: str | Path | None = None, streaming: bool = False) -> None:
+                 cache_dir: str | Path | None = None, streaming: bool = False, pairs: bool = False) -> None:
         if streaming and (indices is not None or max_samples):
             raise ValueError("a streaming source has no record numbers: no indices or max_samples")
+        for option, off in (("turn_sampling", "false"), ("system_prompt_prob", "0")):
+            if pairs and getattr(config, option):
+                raise ValueError(f"{option} (augmentation) is not for preference pairs: a pair's reference log-probs "
+                                 f"must not change with the epoch; set {option} to {off} in the data config")
         self.source = StreamShards(path) if streaming else Source(path, cache_dir=cache_dir)
         if indices is not None:
             indices = [int(i) for i in indices]
@@ -110,6 +138,7 @@ class SampleDataset(MediaSamples, Dataset):
         available = len(indices) if indices is not None else len(self.source)
         self.size = min(available, max_samples) if max_samples else available
         self.tokenizer, self.config, self.seed, self.truncate_to = tokenizer, config, seed, truncate_to
+        self.pairs = pairs
         root = Path(path) if Path(path).is_dir() else Path(path).parent
         self.image_folder = Path(config.image_folder) if config.image_folder else root
         self.vision = vision
@@ -151,6 +180,10 @@ class SampleDataset(MediaSamples, Dataset):
                     "detail": f"{type(err).__name__}: {err}", "fatal": self.config.strict}
 
     def _process(self, uid: int, index: int, value: dict[str, Any]) -> dict[str, Any]:
+        if self.pairs:
+            return self._process_pair(uid, index, value)
+        if is_preference(value):
+            self._refuse_preference(value)
         conversation = normalize(value, self.config.format, text_only=self.vision is None)
         if conversation.videos and self.video_pad is None:
             raise SkipSample("video_not_supported", f"{len(conversation.videos)} video(s) for a model that takes "
@@ -164,8 +197,22 @@ class SampleDataset(MediaSamples, Dataset):
             messages = self._add_images(sample, messages, images)
         if videos:
             messages = self._add_videos(sample, messages, [self._load_video(video) for video in videos])
+        chat, input_ids, keep = self._encode(sample, messages, conversation.tools, self.config.train_on)
+        labels = torch.where(keep, input_ids, torch.full_like(input_ids, -100))
+        if self.truncate_to is not None and len(input_ids) > self.truncate_to:
+            kept = self._cut(sample, input_ids, chat)
+            input_ids, labels = input_ids[:kept], labels[:kept]
+        if not bool((labels != -100).any()):
+            raise SkipSample("no_labels", self._no_labels(chat, keep))
+        sample.update(input_ids=input_ids, labels=labels)
+        return sample
+
+    def _encode(self, sample: dict[str, Any], messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                train_on: str) -> tuple[LabelledChat, torch.Tensor, torch.Tensor]:
+        """The chat, its tokens and where its labels are (no image's or video's token), checked
+        against the visual tokens of ``sample``'s images and videos."""
         try:
-            chat = encode_chat(self.tokenizer, messages, self.config.train_on, tools=conversation.tools,
+            chat = encode_chat(self.tokenizer, messages, train_on, tools=tools,
                                template_kwargs=self.config.chat_template_kwargs)
         except TemplateDropsFields as err:
             raise SkipSample("template_drops_fields", str(err)) from None
@@ -179,14 +226,54 @@ class SampleDataset(MediaSamples, Dataset):
             keep[start:end] = True
         if self.vision is not None:  # an image's or a video's tokens are never labels, wherever they are
             keep &= ~self._media_tokens(input_ids)
-        labels = torch.where(keep, input_ids, torch.full_like(input_ids, -100))
-        if self.truncate_to is not None and len(input_ids) > self.truncate_to:
-            kept = self._cut(sample, input_ids, chat)
-            input_ids, labels = input_ids[:kept], labels[:kept]
-        if not bool((labels != -100).any()):
-            raise SkipSample("no_labels", self._no_labels(chat, keep))
-        sample.update(input_ids=input_ids, labels=labels)
+        return chat, input_ids, keep
+
+    def _process_pair(self, uid: int, index: int, value: dict[str, Any]) -> dict[str, Any]:
+        """A preference record as a pair sample (the module docstring)."""
+        pair = split_pair(value, self.config.format, text_only=self.vision is None)
+        if pair.videos and self.video_pad is None:
+            raise SkipSample("video_not_supported", f"{len(pair.videos)} video(s) for a model that takes none here: "
+                             f"{self.no_video}")
+        prompt, answers = pair.prompt, [pair.chosen, pair.rejected]
+        if self.config.system_message == "fold":  # (folded apart as together: an answer opens with its own turn)
+            prompt, answers = fold_system_messages(prompt), [fold_system_messages(a) for a in answers]
+        sample: dict[str, Any] = {"uid": uid, "index": index, "source": 0, "patches": 0, "truncated_tokens": 0}
+        if pair.images:
+            prompt = self._add_images(sample, prompt, pair.images)
+        if pair.videos:
+            prompt = self._add_videos(sample, prompt, [self._load_video(video) for video in pair.videos])
+        ids, labels = [], []
+        for name, answer in zip(PAIR_KEYS, answers):
+            _, input_ids, keep = self._encode(sample, prompt + answer, pair.tools, "last")
+            if not bool(keep.any()):
+                raise SkipSample("no_labels", f"the chat template marks no token of the {name} answer to train on "
+                                 "(odb labels what the template renders for the final assistant turn after its "
+                                 "generation prompt); check that the template renders the assistant turns")
+            ids.append(input_ids)
+            labels.append(torch.where(keep, input_ids, torch.full_like(input_ids, -100)))
+        if self.truncate_to is not None and sum(map(len, ids)) > self.truncate_to:
+            prompts = [int((label != -100).nonzero()[0]) for label in labels]  # the tokens before the first label
+            kept = pair_answer_tokens((prompts[0], prompts[1]), (len(ids[0]), len(ids[1])), self.truncate_to)
+            sample["truncated_tokens"] = sum(map(len, ids)) - sum(prompts) - sum(kept)
+            ids = [sequence[:prompt + keep] for sequence, prompt, keep in zip(ids, prompts, kept)]
+            labels = [sequence[:prompt + keep] for sequence, prompt, keep in zip(labels, prompts, kept)]
+        for kind in MEDIA:  # both sequences carry the prompt's images and videos: chosen's, then rejected's
+            for key in kind.keys:
+                if key in sample:
+                    sample[key] = torch.cat([sample[key], sample[key]])
+        sample.update(input_ids=torch.cat(ids), labels=torch.cat(labels), pair=(len(ids[0]), len(ids[1])),
+                      patches=2 * sample["patches"])
         return sample
+
+    def _refuse_preference(self, value: dict[str, Any]) -> None:
+        """Skips a preference record read as a next-token (SFT) sample: it would train the prompt's own
+        turns (or nothing) and neither answer."""
+        fix = "train it with a preference objective (--objective, e.g. DPO), or give SFT records (messages)"
+        if any(value.get(key) is not None for key in ("messages", "conversations")):
+            raise SkipSample("preference_record", f"a preference record ('chosen', 'rejected') whose 'messages' or "
+                             f"'conversations' are its prompt: as SFT it would train the prompt alone; {fix}")
+        raise SkipSample("no_messages", f"a record needs 'messages' or 'conversations'; this is a preference record "
+                         f"('chosen', 'rejected'): {fix}")
 
     def _cut(self, sample: dict[str, Any], input_ids: torch.Tensor, chat: LabelledChat) -> int:
         """Where a sample over ``truncate_to`` tokens ends (see the module docstring); records the

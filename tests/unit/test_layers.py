@@ -30,10 +30,10 @@ print(json.dumps({"modules": added, "outside": outside}))
 """
 
 
-TORCH_FREE = ("odb.settings", "odb.telemetry", "odb.data.formats", "odb.data.labels", "odb.data.sources",
-              "odb.data.config", "odb.data.mixture")
+TORCH_FREE = ("odb.settings", "odb.telemetry", "odb.data.formats", "odb.data.preference", "odb.data.labels",
+              "odb.data.sources", "odb.data.config", "odb.data.mixture")
 """Modules above the core that need no torch either: the settings plumbing, the run's metrics, and
-the record formats, labels and sources (tools and tests use them without a model)."""
+the record formats (preference records too), labels and sources (tools and tests use them without a model)."""
 
 
 def probe(module: str) -> dict:
