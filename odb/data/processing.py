@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -263,6 +264,13 @@ class SampleDataset(MediaSamples, Dataset):
                     sample[key] = torch.cat([sample[key], sample[key]])
         sample.update(input_ids=torch.cat(ids), labels=torch.cat(labels), pair=(len(ids[0]), len(ids[1])),
                       patches=2 * sample["patches"])
+        reference = [value.get(f"ref_{name}_logps") for name in PAIR_KEYS]  # (TRL's precomputed columns)
+        if any(v is not None for v in reference):
+            if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v <= 0
+                       for v in reference):
+                raise SkipSample("bad_content", f"ref_chosen_logps / ref_rejected_logps must both be log-probabilities "
+                                 f"(finite numbers <= 0), got {reference}")
+            sample["ref_logps"] = (float(reference[0]), float(reference[1]))
         return sample
 
     def _refuse_preference(self, value: dict[str, Any]) -> None:

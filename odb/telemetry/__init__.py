@@ -156,11 +156,13 @@ class Telemetry:
 
     def record(self, plan: StepPlan, *, loss_sum: float, lr: float, times: StepTimes,
                aux_sum: float | None = None, source_loss: tuple[float, ...] = (),
-               source_label_tokens: tuple[int, ...] = (), source_samples: tuple[int, ...] = ()) -> None:
+               source_label_tokens: tuple[int, ...] = (), source_samples: tuple[int, ...] = (),
+               rewards: tuple[float, float, int] | None = None) -> None:
         """This rank trained ``plan`` (call once per step, in order); ``aux_sum``: a MoE model's
         router loss times real tokens over this rank's micro-batches, None for a dense model;
-        ``source_*``: this rank's summed token loss, label tokens and samples per source id."""
-        self.steps.pending.append(Step(plan, loss_sum, lr, times, aux_sum))
+        ``source_*``: this rank's summed token loss, label tokens and samples per source id;
+        ``rewards``: a preference objective's (:attr:`odb.training.step.objective.StepResult.rewards`)."""
+        self.steps.pending.append(Step(plan, loss_sum, lr, times, aux_sum, rewards))
         self.totals.record(plan)
         self.totals.sources.record(source_samples, source_label_tokens)
         self.sources.record(plan.step, source_loss, source_label_tokens)

@@ -8,7 +8,9 @@ times in microseconds; ``aux_sum_micro`` is a mixture-of-experts model's router 
 tokens summed over the rank's micro-batches (-1: no router loss); ``epoch`` is the latest epoch of
 the rank's samples in the step (``uid // dataset_size``), or -1 for dummies only; ``attn_area`` is
 the sum of its samples' squared lengths (the attention term of the model FLOPs); ``forward_us`` the
-time of its micro-batches' forward passes (the measured sync efficiency). The final gather
+time of its micro-batches' forward passes (the measured sync efficiency); a preference objective's
+summed rewards of the chosen and the rejected answers (millionths) and its pairs whose chosen reward
+is the higher (``ranked_right``; -1: next-token loss, no pairs). The final gather
 appends the rank's run totals (:data:`TOTALS`).
 """
 
@@ -27,7 +29,7 @@ from odb.data.formats import SKIP_REASONS
 __all__ = ["COUNTS", "RECORDS", "STEP_FIELDS", "TOTALS", "Step", "StepReports", "StepTimes", "report_layout"]
 
 STEP_FIELDS = ("loss_sum_micro", "materialized", "wait_us", "plan_us", "collective_us", "epoch", "aux_sum_micro",
-               "attn_area", "forward_us")
+               "attn_area", "forward_us", "chosen_reward_micro", "rejected_reward_micro", "ranked_right")
 COUNTS = ("micro_batches", "dummy_micro_batches", "samples", "real_tokens", "materialized_tokens",
           "label_tokens", "steps", "wall_us", "long_samples")
 TOTALS = Layout(scalars=COUNTS + ("dropped",))
@@ -62,6 +64,7 @@ class Step:
     lr: float
     times: StepTimes
     aux_sum: float | None = None  # MoE: sum over micro-batches of router loss x real tokens
+    rewards: tuple[float, float, int] | None = None  # preference: chosen, rejected reward sums; pairs ranked right
 
 
 class StepReports:
@@ -99,7 +102,10 @@ class StepReports:
                       if self.dataset_size else s.plan.epoch for s in steps],
             "aux_sum_micro": [-1 if s.aux_sum is None else round(s.aux_sum * 1e6) for s in steps],
             "attn_area": [sum(c.tokens ** 2 for m in s.plan.micro_batches for c in m.samples) for s in steps],
-            "forward_us": [round(s.times.forward * 1e6) for s in steps]}
+            "forward_us": [round(s.times.forward * 1e6) for s in steps],
+            "chosen_reward_micro": [0 if s.rewards is None else round(s.rewards[0] * 1e6) for s in steps],
+            "rejected_reward_micro": [0 if s.rewards is None else round(s.rewards[1] * 1e6) for s in steps],
+            "ranked_right": [-1 if s.rewards is None else int(s.rewards[2]) for s in steps]}
 
     def covers(self, fields: Mapping[str, np.ndarray]) -> bool:
         """Whether gathered ``fields`` report exactly this rank's reported steps, on every rank."""

@@ -12,12 +12,31 @@ import numpy as np
 from odb.telemetry.flops import FlopsModel
 from odb.telemetry.reports import Step
 
-__all__ = ["aux_loss", "eval_row", "step_loss", "step_row"]
+__all__ = ["aux_loss", "eval_row", "rewards", "step_loss", "step_row"]
 
 
 def step_loss(step: Step, per_rank: Mapping[str, np.ndarray]) -> float:
-    """The step's loss per label token over every rank (what the step trained: I4)."""
-    return float(per_rank["loss_sum_micro"].sum()) / 1e6 / max(1, step.plan.num_label_tokens)
+    """The step's loss per label token over every rank (what the step trained: I4); a preference
+    objective's per pair (:mod:`odb.training.step.preference`)."""
+    count = step.plan.num_samples if _is_preference(per_rank) else step.plan.num_label_tokens
+    return float(per_rank["loss_sum_micro"].sum()) / 1e6 / max(1, count)
+
+
+def _is_preference(per_rank: Mapping[str, np.ndarray]) -> bool:
+    return bool((per_rank["ranked_right"] >= 0).all())
+
+
+def rewards(step: Step, per_rank: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """A preference objective's step metrics, means over the step's pairs on every rank (TRL's
+    names): the chosen and rejected answers' rewards, their margin, and the share of pairs whose
+    chosen reward is the higher; none for next-token loss."""
+    if not _is_preference(per_rank):
+        return {}
+    pairs = max(1, step.plan.num_samples)
+    chosen, rejected = (float(per_rank[f"{name}_reward_micro"].sum()) / 1e6 / pairs for name in ("chosen", "rejected"))
+    return {"rewards/chosen": round(chosen, 6), "rewards/rejected": round(rejected, 6),
+            "rewards/margins": round(chosen - rejected, 6),
+            "rewards/accuracies": round(int(per_rank["ranked_right"].sum()) / pairs, 6)}
 
 
 def step_row(step: Step, per_rank: Mapping[str, np.ndarray], *, samples_done: int, dataset_size: int,
@@ -42,6 +61,7 @@ def step_row(step: Step, per_rank: Mapping[str, np.ndarray], *, samples_done: in
         "step": plan.step, "epoch": latest if latest >= 0 else plan.epoch, "time": round(step.times.ended, 3),
         "loss": round(loss, 6),
         **(sources or {}),
+        **rewards(step, per_rank),
         **aux_loss(per_rank["aux_sum_micro"], real),
         "lr": step.lr, "samples": plan.num_samples, "samples_done": samples_done,
         "epochs_done": round(samples_done / dataset_size, 4) if dataset_size else None,

@@ -35,6 +35,7 @@ from odb.settings import (
 )
 from odb.telemetry.trackers import TRACKERS
 from odb.training.config.lora import check_lora
+from odb.training.config.objective import ObjectiveSettings
 from odb.training.config.optimization import OptimizationSettings
 
 __all__ = ["DEFAULT_LOSS_CHUNK_TOKENS", "CheckpointSettings", "DataSettings", "LoggingSettings", "ModelSettings",
@@ -311,8 +312,20 @@ class RunConfig:
     checkpoints: CheckpointSettings = field(default_factory=CheckpointSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     preflight: PreflightSettings = field(default_factory=PreflightSettings)
+    objective: ObjectiveSettings = field(default_factory=ObjectiveSettings)
 
     def __post_init__(self) -> None:
+        preference = self.objective.is_preference
+        split = self.model.sequence_parallel_size > 1 or self.batching.over_cap == "sequence_parallel"
+        check(not preference or not split,
+              f"--objective {self.objective.objective} trains each pair whole on one rank: sequence parallelism "
+              "(--sequence_parallel_size, over_cap sequence_parallel) is for next-token loss; use over_cap truncate "
+              "or drop")
+        check(not preference or self.objective.reference_for(lora=self.model.lora is not None) != "adapter"
+              or self.model.lora is not None,
+              f"--objective {self.objective.objective} --reference adapter: the reference is the base model under a "
+              "LoRA adapter; train with --lora, or give the records ref_chosen_logps / ref_rejected_logps "
+              "(--reference data)")
         auto = [name for name in ("max_tokens", "max_patches") if getattr(self.batching, name) == "auto"]
         check(not auto or self.preflight.preflight == "on",
               f"{' and '.join(auto)} auto is measured by the preflight: drop --preflight off, or set a number")

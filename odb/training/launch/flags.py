@@ -26,6 +26,7 @@ from odb.data.mixture import SourceSpec, is_plain_path, parse_sources, source_wo
 from odb.recipe import Recipe, bundled_root, load_recipe
 from odb.settings import add_flags, field_docs, flag_values, load_json_config, read_json_object
 from odb.training.config.lora import lora_keys
+from odb.training.config.objective import ObjectiveSettings
 from odb.training.config.optimization import BACKEND_FILES, BACKENDS, OptimizationSettings, default_lr
 from odb.training.config.settings import (
     CheckpointSettings,
@@ -127,6 +128,7 @@ def parser(defaults: FileDefaults) -> argparse.ArgumentParser:
               override=True)
     add_flags(p.add_argument_group("optimization"), OptimizationSettings, skip=BACKENDS,
               defaults={"lr": None})  # (None: default_lr, once the model is known)
+    add_flags(p.add_argument_group("objective"), ObjectiveSettings)
     add_flags(p.add_argument_group("run"), RunSettings)
     add_flags(p.add_argument_group("preflight: the worst-case step before the first sample"), PreflightSettings)
     checkpoints = p.add_argument_group("checkpoints and export")
@@ -313,7 +315,8 @@ def _checked(argv: list[str] | None, *, defaults: FileDefaults, recipe: Recipe |
         optimization=OptimizationSettings(**optimization, **placeholder),
         checkpoints=CheckpointSettings(**flag_values(CheckpointSettings, args)),
         logging=LoggingSettings(**flag_values(LoggingSettings, args)),
-        preflight=PreflightSettings(**flag_values(PreflightSettings, args)))
+        preflight=PreflightSettings(**flag_values(PreflightSettings, args)),
+        objective=ObjectiveSettings(**flag_values(ObjectiveSettings, args)))
     if Path(model.path).is_file():  # a model config JSON (random init): transformers must know its type
         _check_model_config(Path(model.path), _MODEL_FIX)
     return args, source, config

@@ -42,6 +42,7 @@ from odb.training.run.startup import StartupError, probed_attention
 from odb.training.run.waits import announced_wait
 from odb.training.run.watchdog import Watchdog, WatchedCommunicator
 from odb.training.step.engine import BLANK_IMAGE_TOKENS, OdbEngine
+from odb.training.step.preference import objective_of
 from odb.training.step.sequence_parallel import SequenceParallel, long_sample_degrees, setup_groups
 from odb.training.step.sequence_parallel import setup as setup_sequence_parallel
 
@@ -226,7 +227,7 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
     engine = OdbEngine(backend, world_size=world_size,
                        max_tokens=batching.max_tokens, pad_token_id=tokenizer.pad_token_id, packed=packed,
                        loss_chunk_tokens=config.model.loss_chunk_tokens, sequence_parallel=sp, groups=groups,
-                       rank=rank)
+                       rank=rank, objective=objective_of(config))
     feed = SampleFeed(dataset, sample_sizes, num_workers=config.data.num_workers,
                       prefetch_factor=config.data.prefetch_factor)
     evaluator = None if eval_dataset is None else Evaluator(

@@ -88,7 +88,7 @@ def build_datasets(config: RunConfig, tokenizer, vision, *, truncate_to: int | N
         processing = dataclasses.replace(data.processing, **source.processing)
         plain = dataclasses.replace(processing, system_prompt_prob=0.0, turn_sampling=False)
         common = {"seed": config.seed + 7919 * number, "truncate_to": truncate_to, "vision": vision,
-                  "cache_dir": config.output_dir}
+                  "cache_dir": config.output_dir, "pairs": config.objective.is_preference}
         whole = {**common, "truncate_to": None}
         dataset = SampleDataset(source.path, tokenizer, processing, max_samples=data.max_samples,
                                 streaming=data.streaming, **common)
@@ -105,7 +105,8 @@ def build_datasets(config: RunConfig, tokenizer, vision, *, truncate_to: int | N
         train.append((source.name, dataset))
     if data.eval_path is not None:
         plain = dataclasses.replace(data.processing, system_prompt_prob=0.0, turn_sampling=False)
-        whole = {"seed": config.seed, "truncate_to": None, "vision": vision, "cache_dir": config.output_dir}
+        whole = {"seed": config.seed, "truncate_to": None, "vision": vision, "cache_dir": config.output_dir,
+                 "pairs": config.objective.is_preference}
         held_out = [(s.name, SampleDataset(s.path, tokenizer, dataclasses.replace(plain, **s.processing), **whole))
                     for s in data.eval_sources or (SourceSpec("data", data.eval_path),)]
 

@@ -173,7 +173,7 @@ class Trainer:
         parts.batcher.observe(plan, list(result.forward_seconds))  # the cost fit's (cost_model "fit")
         parts.telemetry.record(plan, loss_sum=result.loss_sum, lr=result.lr, times=times, aux_sum=result.aux_sum,
                                source_loss=result.source_loss, source_label_tokens=result.source_label_tokens,
-                               source_samples=result.source_samples)
+                               source_samples=result.source_samples, rewards=result.rewards)
         self._audit(plan)
 
     def _watched(self) -> Watchdog:

@@ -7,7 +7,8 @@ micro-batch on the same rank, each a varlen segment of its own, and the batcher 
 (``tokens``, ``label_tokens``). One model call per micro-batch gives each sequence's summed log
 probability of its labels, ``pi = -sum_t CE_t``, with its gradient (:meth:`OdbEngine.forward_loss`
 with ``per_sample``: the token losses split at the segments' bounds, the same split as a mixture's
-per-source sums). With ``rho`` the reference's log-probability (:data:`REFERENCES`), ``n`` the
+per-source sums). With ``rho`` the reference's log-probability
+(:data:`odb.training.config.objective.REFERENCES`), ``n`` the
 answer's scored label tokens, ``a = pi / n``, ``beta`` and ``gamma`` the objective's constants, the
 loss of pair p (chosen c, rejected r)::
 
@@ -44,23 +45,17 @@ import torch.nn.functional as F
 
 from odb.batching.cost import count_label_tokens
 from odb.batching.plan import MicroBatch, StepPlan
+from odb.data.preference import pair_sequences
+from odb.training.config.objective import LOSSES, REFERENCES
 from odb.training.step.clock import ForwardClock
-from odb.training.step.objective import StepResult
+from odb.training.step.objective import NEXT_TOKEN, Objective, StepResult
 from odb.training.step.sources import SourceSums
 
 if TYPE_CHECKING:
+    from odb.training.config.settings import RunConfig
     from odb.training.step.engine import OdbEngine
 
-__all__ = ["LOSSES", "REFERENCES", "Preference", "PreferenceTally", "pair_losses", "reference_free"]
-
-LOSSES = ("dpo", "ipo", "hinge", "simpo", "orpo")
-"""The preference losses (``--objective``)."""
-REFERENCES = ("adapter", "data", "none")
-"""Where the reference log-probabilities come from: ``adapter``: the model with its LoRA adapter
-disabled (the base model; a no-gradient forward of each micro-batch, dummies too); ``data``: each
-record's ``ref_chosen_logps`` / ``ref_rejected_logps`` (as TRL's ``precompute_ref_log_probs``
-writes them); ``none``: a reference-free loss (simpo, orpo)."""
-
+__all__ = ["Preference", "PreferenceTally", "objective_of", "pair_losses", "reference_free"]
 
 def reference_free(loss: str) -> bool:
     return loss in ("simpo", "orpo")
@@ -95,13 +90,6 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > -0.6931, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
-def sequences(sample: dict[str, Any]) -> list[dict[str, Any]]:
-    """A pair sample's chosen and rejected sequences, each a sample of its own."""
-    chosen = int(sample["pair"][0])
-    return [{"input_ids": sample["input_ids"][:chosen], "labels": sample["labels"][:chosen]},
-            {"input_ids": sample["input_ids"][chosen:], "labels": sample["labels"][chosen:]}]
-
-
 @dataclass(frozen=True)
 class Preference:
     """A preference objective (the module docstring). ``reference``: :data:`REFERENCES`."""
@@ -134,7 +122,7 @@ class Preference:
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """The pairs' losses ``[P]`` and rewards ``[P, 2]`` of one real micro-batch (its model
         calls: the reference's first, then the policy's)."""
-        seqs = [seq for sample in samples for seq in sequences(sample)]
+        seqs = [seq for sample in samples for seq in pair_sequences(sample)]
         cap = engine.max_tokens if truncate else None
         n = torch.tensor([count_label_tokens(seq["labels"][:cap].tolist()) for seq in seqs],
                          dtype=torch.float32, device=engine.device).view(-1, 2)
@@ -143,8 +131,12 @@ class Preference:
             with torch.no_grad(), _adapter_disabled(engine):
                 rho = -engine.forward_loss(seqs, micro.padded, truncate=truncate, per_sample=True)[0].view(-1, 2)
         elif self.reference == "data":
-            rho = torch.tensor([[float(v) for v in sample["ref_logps"]] for sample in samples],
-                               dtype=torch.float32, device=engine.device)
+            missing = [sample["index"] for sample in samples if "ref_logps" not in sample]
+            if missing:
+                raise ValueError(f"reference 'data': record {missing[0]} has no ref_chosen_logps / ref_rejected_logps; "
+                                 "give every record both (the reference model's summed log-probabilities of each "
+                                 "answer), or train LoRA with reference 'adapter'")
+            rho = torch.tensor([sample["ref_logps"] for sample in samples], dtype=torch.float32, device=engine.device)
         pi = -engine.forward_loss(seqs, micro.padded, truncate=truncate, per_sample=True)[0].view(-1, 2)
         return pair_losses(self.loss, pi, rho, n, beta=self.beta, gamma=self.gamma)
 
@@ -212,3 +204,12 @@ def _adapter_disabled(engine: OdbEngine) -> Iterator[None]:
                          "'data') or train a reference-free loss (simpo, orpo)")
     with disable():
         yield
+
+
+def objective_of(config: RunConfig) -> Objective:
+    """The run's objective (``--objective``): next-token loss, or its :class:`Preference`."""
+    settings = config.objective
+    if not settings.is_preference:
+        return NEXT_TOKEN
+    return Preference(settings.objective, beta=settings.beta, gamma=settings.simpo_gamma,
+                      reference=settings.reference_for(lora=config.model.lora is not None))

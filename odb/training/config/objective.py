@@ -1,0 +1,63 @@
+"""What a run trains (``--objective``): next-token cross entropy (SFT), or a preference loss over
+chosen/rejected pairs (:mod:`odb.training.step.preference`, which holds the formulas). Light (no
+torch): checked before the heavy imports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from odb.settings import check, check_number, flag
+
+__all__ = ["LOSSES", "OBJECTIVES", "REFERENCES", "ObjectiveSettings"]
+
+LOSSES = ("dpo", "ipo", "hinge", "simpo", "orpo")
+"""The preference losses."""
+OBJECTIVES = ("next_token", *LOSSES)
+REFERENCES = ("adapter", "data", "none")
+"""Where the reference log-probabilities come from: ``adapter``: the model with its LoRA adapter
+disabled (the base model; one forward without gradients per micro-batch, dummies too); ``data``:
+each record's ``ref_chosen_logps`` / ``ref_rejected_logps`` (the names TRL's
+``precompute_ref_log_probs`` writes); ``none``: a reference-free loss (simpo, orpo)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ObjectiveSettings:
+    """What the run trains."""
+
+    objective: str = field(default="next_token", metadata=flag(choices=OBJECTIVES))
+    """next_token: supervised fine-tuning (each record a conversation); dpo, ipo, hinge (against a
+    reference), simpo, orpo (reference free): preference training, each record a prompt with a
+    chosen and a rejected answer, trained as one packing unit (docs/training.md, Preference records)."""
+    beta: float = 0.1
+    """The preference loss's beta (DPO's KL strength; IPO's tau; SimPO's reward scale; ORPO's weight
+    of its odds-ratio term)."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin gamma."""
+    reference: str | None = field(default=None, metadata=flag(choices=REFERENCES, shown_default=(
+        "none for simpo and orpo; adapter for a LoRA run; data otherwise")))
+    """Where the reference log-probabilities come from (dpo, ipo, hinge): adapter (a LoRA run's base
+    model, its adapter disabled), or data (each record's ref_chosen_logps and ref_rejected_logps)."""
+
+    def __post_init__(self) -> None:
+        check(self.objective in OBJECTIVES, f"--objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        check_number("--beta", self.beta, 0)
+        check(self.beta > 0, f"--beta must be > 0, got {self.beta}")
+        check_number("--simpo_gamma", self.simpo_gamma, 0)
+        check(self.reference is None or self.reference in REFERENCES,
+              f"--reference must be one of {REFERENCES}, got {self.reference!r}")
+        if self.objective == "next_token":
+            return
+        free = self.objective in ("simpo", "orpo")
+        wanted = "reference free: --reference none" if free else "against a reference: --reference adapter or data"
+        check(self.reference is None or free == (self.reference == "none"),
+              f"--objective {self.objective} is {wanted}, not {self.reference!r}")
+
+    @property
+    def is_preference(self) -> bool:
+        return self.objective != "next_token"
+
+    def reference_for(self, *, lora: bool) -> str:
+        """The reference a preference run uses (``--reference``, else its default)."""
+        if self.reference is not None:
+            return self.reference
+        return "none" if self.objective in ("simpo", "orpo") else "adapter" if lora else "data"
