@@ -89,6 +89,19 @@ def test_a_recipe_resolves_to_the_config_of_the_flags_it_stands_for(tmp_path, re
     assert named == by_flags
 
 
+def test_the_dpo_recipe_trains_lora_dpo_against_its_base_model(tmp_path):
+    overrides = [f"model={TINY}", f"data={ROOT / 'data' / 'preference.jsonl'}", f"output_dir={tmp_path / 'out'}"]
+    config = parse_config([], defaults=DEFAULTS, recipe=load_recipe("qwen2.5-7b-dpo-lora", folder=RECIPES,
+                                                                    overrides=overrides))
+    objective = config.objective
+    assert (objective.objective, objective.beta, objective.reference_for(lora=config.model.lora is not None)) == \
+        ("dpo", 0.1, "adapter")
+    assert config.model.lora["r"] == 16 and config.optimization.lr == 5e-5
+    with pytest.raises(ValueError, match="train with --lora"):  # a full fine-tune has no adapter to disable
+        parse_config(["--objective", "dpo", "--reference", "adapter", "--output_dir", str(tmp_path / "o")],
+                     defaults=DEFAULTS)
+
+
 def test_the_demo_recipe_is_the_readme_s_first_command(tmp_path):
     readme = (ROOT / "README.md").read_text()
     first = next(line for line in re.findall(r"```bash\n(.*?)```", readme, flags=re.S)[0].splitlines()
