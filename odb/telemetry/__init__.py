@@ -174,12 +174,13 @@ class Telemetry:
         return self.sources.close()
 
     def record_eval(self, step: int, *, loss: float | None, label_tokens: int, samples: int, seconds: float,
-                    over_cap: int = 0, sources: Mapping[str, tuple[float | None, int]] | None = None) -> None:
+                    over_cap: int = 0, sources: Mapping[str, tuple[float | None, int]] | None = None,
+                    rewards: Mapping[str, float] | None = None) -> None:
         """An evaluation after step ``step`` (the same on every rank); rank 0 writes its row once
         the training rows up to that step are written (:func:`odb.telemetry.rows.eval_row`);
         ``sources``: per source name its eval loss and label tokens (an eval set of several sources)."""
         row = eval_row(step, loss=loss, label_tokens=label_tokens, samples=samples, seconds=seconds,
-                       over_cap=over_cap, sources=sources)
+                       over_cap=over_cap, sources=sources, rewards=rewards)
         self.totals.last_eval = row
         if self.writer is not None:
             self.writer.add_eval(row)

@@ -109,12 +109,13 @@ def aux_loss(aux_sum_micro: np.ndarray, real_tokens: int) -> dict[str, float]:
 
 
 def eval_row(step: int, *, loss: float | None, label_tokens: int, samples: int, seconds: float,
-             over_cap: int, sources: Mapping[str, tuple[float | None, int]] | None = None) -> dict[str, Any]:
+             over_cap: int, sources: Mapping[str, tuple[float | None, int]] | None = None,
+             rewards: Mapping[str, float] | None = None) -> dict[str, Any]:
     """An evaluation's row: ``loss`` None (an eval set without label tokens) is written as null, as
     JSON has no NaN; ``over_cap``: samples over the cap, scored whole; ``sources`` (an eval set of
     several sources): per name its loss and label tokens, as ``eval_loss/<name>`` and
-    ``eval_label_tokens/<name>``."""
-    by_source: dict[str, Any] = {}
+    ``eval_label_tokens/<name>``; ``rewards``: a preference objective's, as ``eval_rewards/<name>``."""
+    by_source: dict[str, Any] = {f"eval_rewards/{name}": round(value, 6) for name, value in (rewards or {}).items()}
     for name, (source_loss, _) in (sources or {}).items():
         by_source[f"eval_loss/{name}"] = None if source_loss is None else round(source_loss, 6)
     for name, (_, tokens) in (sources or {}).items():

@@ -195,3 +195,36 @@ def test_a_full_fine_tune_has_no_adapter_to_disable(tiny):
 def test_settings_that_cannot_hold_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Preference(**kwargs)
+
+
+def test_the_evaluation_of_pairs_is_the_mean_pair_loss_and_the_rewards_over_every_pair(tiny, tmp_path):
+    """The bundled preference records through the Evaluator (max_tokens small enough that some pairs
+    are over the cap, scored whole after the packed pass) against TRL's SimPO loss of each pair alone."""
+    from conftest import bundled_tokenizer
+    from odb.batching.align import SimulatedGroup
+    from odb.batching.config import OdbConfig
+    from odb.data.processing import SampleDataset
+    from odb.training.run.evaluate import Evaluator
+
+    dataset = SampleDataset(ROOT / "data" / "preference.jsonl", bundled_tokenizer(), pairs=True,
+                            cache_dir=tmp_path)
+    model = copy.deepcopy(tiny)
+    engine = OdbEngine(LocalBackend(model), world_size=1, max_tokens=400, pad_token_id=0, loss_chunk_tokens=64,
+                       objective=Preference("simpo", beta=2.0, gamma=0.5, reference="none"))
+    result = Evaluator(engine, dataset, OdbConfig(max_tokens=400, window=8, cost_model="manual"),
+                       SimulatedGroup(1).communicator(0)).run()
+    oracle_model = eager(tiny).eval()
+    losses, right, margins = [], 0, []
+    with torch.no_grad():
+        for i in range(len(dataset)):
+            sample = dataset[i]
+            pi, n = alone_logps(oracle_model, sample), answer_tokens(sample)
+            losses.append(float(trl_loss("simpo", 2.0, 0.5, pi, None, n)))
+            chosen, rejected = 2.0 * pi[0] / n[0], 2.0 * pi[1] / n[1]
+            right += bool(chosen > rejected)
+            margins.append(float(chosen - rejected))
+    print(f"eval {result.loss:.6f} over {result.samples} pairs ({result.over_cap} over the cap), {result.rewards}")
+    assert result.samples == len(dataset) and result.over_cap > 0
+    assert result.loss == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+    assert result.rewards["accuracies"] == right / len(dataset)
+    assert result.rewards["margins"] == pytest.approx(sum(margins) / len(margins), rel=1e-4, abs=1e-6)

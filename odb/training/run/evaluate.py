@@ -69,6 +69,7 @@ from odb.data.feed import SampleFeed
 from odb.data.formats import SKIP_REASONS
 from odb.data.processing import SampleDataset, sample_sizes
 from odb.training.step.engine import OdbEngine
+from odb.training.step.preference import Preference
 from odb.training.step.sources import SourceSums
 
 __all__ = ["EvalResult", "Evaluator", "eval_batching"]
@@ -100,6 +101,10 @@ class EvalResult:
     seconds: float
     over_cap: int = 0
     sources: dict[str, tuple[float | None, int]] = dataclasses.field(default_factory=dict)
+    rewards: dict[str, float] = dataclasses.field(default_factory=dict)
+    """A preference objective: the means over the eval pairs of the chosen and rejected rewards,
+    their margin and the share of pairs whose chosen reward is the higher (``eval_rewards/...``,
+    TRL's names; then ``loss`` is per pair and ``label_tokens`` counts pairs); empty otherwise."""
 
 
 def eval_batching(batching: OdbConfig) -> OdbConfig:
@@ -166,16 +171,18 @@ class Evaluator:
         names = tuple(self.dataset.source_names)
         by_source = SourceSums(self.engine.device) if len(names) > 1 else None
         kept = _KeepOverCap(feed)
+        rewards = [0.0, 0.0, 0.0] if isinstance(self.engine.objective, Preference) else None
+        extra = {} if rewards is None else {"rewards": rewards}
         try:
             batcher = OnlineBatcher(self.batching, self.comm, dataset_size=len(self.dataset), feed=kept)
             self.engine.backend.train(False)
             for plan in batcher:
                 taken = [[feed.take(uid) for uid in micro.uids] for micro in plan.micro_batches]
-                step_loss, step_tokens = self.engine.eval_step(plan, taken, by_source=by_source)
+                step_loss, step_tokens = self.engine.eval_step(plan, taken, by_source=by_source, **extra)
                 loss_sum += step_loss
                 label_tokens += step_tokens
                 samples += sum(len(micro.samples) for micro in plan.micro_batches)
-            whole_loss, whole_tokens = self._score_whole(batcher.aligner, kept.over_cap, feed, by_source)
+            whole_loss, whole_tokens = self._score_whole(batcher.aligner, kept.over_cap, feed, by_source, extra)
             loss_sum, label_tokens = loss_sum + whole_loss, label_tokens + whole_tokens
             samples += len(kept.over_cap)
         finally:
@@ -185,10 +192,10 @@ class Evaluator:
             feed.close()
         return _combine(batcher.aligner, loss_sum, label_tokens, samples, Counter(feed.skipped),
                         len(kept.over_cap), time.perf_counter() - start,
-                        sources=None if by_source is None else (names, by_source))
+                        sources=None if by_source is None else (names, by_source), rewards=rewards)
 
     def _score_whole(self, aligner: Aligner, over_cap: list[SampleCost], feed: SampleFeed,
-                     by_source: SourceSums | None = None) -> tuple[float, int]:
+                     by_source: SourceSums | None = None, extra: dict | None = None) -> tuple[float, int]:
         """This rank's samples over the caps, each whole in a forward of its own, longest first;
         as many forwards on every rank (dummies where it has fewer): ``(loss_sum, label_tokens)``.
         One gather (collective) of how many each rank holds."""
@@ -200,15 +207,15 @@ class Evaluator:
             plan = StepPlan(epoch=0, step=i, micro_batches=(micro,), num_label_tokens=0, num_samples=0,
                             rank_costs=(), rank_tokens=())  # eval_step reads only the micro-batches
             step_loss, step_tokens = self.engine.eval_step(plan, [[feed.take(s.uid) for s in micro.samples]],
-                                                           truncate=False, by_source=by_source)
+                                                           truncate=False, by_source=by_source, **(extra or {}))
             loss_sum += step_loss
             label_tokens += step_tokens
         return loss_sum, label_tokens
 
 
 def _combine(aligner: Aligner, loss_sum: float, label_tokens: int, samples: int, skipped: Counter[str],
-             over_cap: int, seconds: float, *, sources: tuple[tuple[str, ...], SourceSums] | None = None
-             ) -> EvalResult:
+             over_cap: int, seconds: float, *, sources: tuple[tuple[str, ...], SourceSums] | None = None,
+             rewards: list[float] | None = None) -> EvalResult:
     """The one gather: ``[loss_sum bits, label_tokens, samples, seconds bits, over_cap, skipped...]``
     per rank, then with ``sources`` (the names and this rank's sums, several sources) each source's
     loss sum bits and label tokens. The float64 loss sums are added exactly rounded (``math.fsum``):
@@ -226,7 +233,9 @@ def _combine(aligner: Aligner, loss_sum: float, label_tokens: int, samples: int,
         missing = len(names) - len(source_tokens)
         head += [*np.array(source_loss + [0.0] * missing, dtype=np.float64).view(np.int64),
                  *source_tokens, *[0] * missing]
-    gathered = aligner.gather_reports(np.array(head, dtype=np.int64))  # [world, 5 + len(SKIP_REASONS) + 2 S]
+    if rewards is not None:  # (last: chosen, rejected reward sums' bits, pairs ranked right)
+        head += [*np.array(rewards[:2], dtype=np.float64).view(np.int64), round(rewards[2])]
+    gathered = aligner.gather_reports(np.array(head, dtype=np.int64))  # [world, 5 + len(SKIP_REASONS) + 2 S (+ 3)]
     total = math.fsum(np.ascontiguousarray(gathered[:, 0]).view(np.float64).tolist())  # exactly rounded
     tokens = int(gathered[:, 1].sum())
     at, size = 5 + len(SKIP_REASONS), len(names)
@@ -235,7 +244,14 @@ def _combine(aligner: Aligner, loss_sum: float, label_tokens: int, samples: int,
         source_total = math.fsum(np.ascontiguousarray(gathered[:, at + s]).view(np.float64).tolist())
         source_tokens_s = int(gathered[:, at + size + s].sum())
         by_source[name] = (source_total / source_tokens_s if source_tokens_s else None, source_tokens_s)
+    pair_metrics = {}
+    if rewards is not None and tokens:  # (tokens: the pairs scored)
+        chosen, rejected = (math.fsum(np.ascontiguousarray(gathered[:, c]).view(np.float64).tolist()) / tokens
+                            for c in (-3, -2))
+        pair_metrics = {"chosen": chosen, "rejected": rejected, "margins": chosen - rejected,
+                        "accuracies": int(gathered[:, -1].sum()) / tokens}
     return EvalResult(
+        rewards=pair_metrics,
         loss=total / tokens if tokens else None, label_tokens=tokens, samples=int(gathered[:, 2].sum()),
         skipped={r: int(n) for r, n in zip(SKIP_REASONS, gathered[:, 5:at].sum(axis=0)) if n},
         seconds=float(np.ascontiguousarray(gathered[:, 3]).view(np.float64).max()),

@@ -276,7 +276,7 @@ class Trainer:
         telemetry = parts.telemetry
         telemetry.record_eval(telemetry.steps_done - 1, loss=result.loss, label_tokens=result.label_tokens,
                               samples=result.samples, seconds=result.seconds, over_cap=result.over_cap,
-                              sources=result.sources)
+                              sources=result.sources, rewards=result.rewards)
         self.evaluated_at = telemetry.steps_done
         skipped = f", skipped {result.skipped}" if result.skipped else ""
         whole = f", {result.over_cap} over max_tokens scored whole" if result.over_cap else ""

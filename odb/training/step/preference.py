@@ -149,16 +149,22 @@ class Preference:
         return engine.dummy_loss()
 
     def evaluate(self, engine: OdbEngine, plan: StepPlan, samples: Sequence[Sequence[dict[str, Any]]], *,
-                 truncate: bool = True, by_source: SourceSums | None = None) -> tuple[float, int]:
-        """An evaluation step: the summed pair loss of this rank's real micro-batches and its pairs."""
+                 truncate: bool = True, by_source: SourceSums | None = None, rewards: list[float] | None = None
+                 ) -> tuple[float, int]:
+        """An evaluation step: the summed pair loss of this rank's real micro-batches and its pairs;
+        ``rewards`` (three numbers) gets the summed chosen and rejected rewards and the pairs
+        ranked right added."""
         total, count = 0.0, 0
         for micro, micro_samples in zip(plan.micro_batches, samples, strict=True):
             if micro.is_dummy:
                 self.dummy(engine)
                 continue
-            losses, _ = self.pairs(engine, micro, micro_samples, truncate=truncate)
+            losses, scores = self.pairs(engine, micro, micro_samples, truncate=truncate)
             total += float(losses.double().sum())
             count += len(micro_samples)
+            if rewards is not None:
+                for i, value in enumerate(_reward_sums(scores)):
+                    rewards[i] += value
         return total, count
 
 
@@ -191,6 +197,12 @@ class PreferenceTally:
         chosen, rejected, right = self.rewards.tolist()
         return StepResult(loss_sum=float(self.loss_sum), label_tokens=self.label_tokens, lr=lr,
                           forward_seconds=self.clock.seconds(), rewards=(chosen, rejected, int(right)))
+
+
+def _reward_sums(rewards: torch.Tensor) -> list[float]:
+    """``[P, 2]`` rewards -> the chosen ones' sum, the rejected ones' sum, the pairs ranked right."""
+    chosen, rejected = rewards.double().sum(0).tolist()
+    return [chosen, rejected, float((rewards[:, 0] > rewards[:, 1]).sum())]
 
 
 @contextlib.contextmanager
