@@ -359,19 +359,19 @@ class OdbEngine:
         self.backend.step()
 
     @torch.no_grad()
-    def eval_step(self, plan: StepPlan, samples: Sequence[Sequence[dict[str, Any]]], *,
-                  truncate: bool = True, by_source: SourceSums | None = None) -> tuple[float, int]:
+    def eval_step(self, plan: StepPlan, samples: Sequence[Sequence[dict[str, Any]]], *, truncate: bool = True,
+                  by_source: SourceSums | None = None, objective: Objective | None = None) -> tuple[float, int]:
         """Forwards only, no gradients: the plan's micro-batches as :meth:`train_step` runs them
         (dummies too, so every rank enters ZeRO-3's or FSDP2's parameter gathers alike), no backward, no step.
         ``truncate`` False: samples are scored whole, not cut to ``max_tokens`` (evaluation's over-cap ones).
-        ``by_source``: gets the same figures per source.
+        ``by_source``: gets the same figures per source. ``objective``: scores them instead of the run's.
 
         Returns:
             the objective's ``(loss_sum, count)`` of this rank's real micro-batches
             (:meth:`odb.training.step.objective.Objective.evaluate`; next-token: the summed cross
             entropy and the label tokens it sums over).
         """
-        return self.objective.evaluate(self, plan, samples, truncate=truncate, by_source=by_source)
+        return (objective or self.objective).evaluate(self, plan, samples, truncate=truncate, by_source=by_source)
 
 
 def _real_tokens(batch: dict[str, Any], *, blank: bool) -> torch.Tensor:
