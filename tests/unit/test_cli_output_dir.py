@@ -15,6 +15,7 @@ import pytest
 from checkpoint_tags import write_tag
 from conftest import train_defaults
 from odb.training.launch.flags import parse_config
+from odb.training.launch.output_dir import DERIVED
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -72,6 +73,21 @@ def test_overwrite_removes_the_earlier_runs_records_and_nothing_else(tmp_path, c
     assert names(out) == {"notes.txt", "wandb"}
     assert "starting over in" in capsys.readouterr().out
     assert parse(out).checkpoints.resume is None  # nothing of a run left: a plain fresh run goes ahead
+
+
+def test_a_reference_table_is_no_earlier_run_kept_by_a_restart_and_removed_by_overwrite(tmp_path):
+    """--reference precompute's tables (odb.training.run.reference): checked against what made them
+    before they are used again, so they alone do not make an earlier run; --resume auto starting
+    over (a restarted attempt that saved nothing) keeps them, --overwrite_output_dir removes them."""
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in DERIVED:
+        (out / name).write_text("")
+    assert parse(out).checkpoints.resume is None and names(out) == set(DERIVED)
+    (out / "metrics.jsonl").write_text("")  # a first attempt that failed before its first checkpoint
+    assert parse(out, "--resume", "auto").checkpoints.resume is None and names(out) == set(DERIVED)
+    (out / "metrics.jsonl").write_text("")
+    assert parse(out, "--overwrite_output_dir").checkpoints.resume is None and names(out) == set()
 
 
 def test_only_rank_0_removes_the_other_ranks_pass(tmp_path, monkeypatch):

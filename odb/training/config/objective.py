@@ -13,11 +13,14 @@ __all__ = ["LOSSES", "OBJECTIVES", "REFERENCES", "ObjectiveSettings"]
 LOSSES = ("dpo", "ipo", "hinge", "simpo", "orpo")
 """The preference losses."""
 OBJECTIVES = ("next_token", *LOSSES)
-REFERENCES = ("adapter", "data", "none")
+REFERENCES = ("adapter", "data", "precompute", "none")
 """Where the reference log-probabilities come from: ``adapter``: the model with its LoRA adapter
 disabled (the base model; one forward without gradients per micro-batch, dummies too); ``data``:
 each record's ``ref_chosen_logps`` / ``ref_rejected_logps`` (the names TRL's
-``precompute_ref_log_probs`` writes); ``none``: a reference-free loss (simpo, orpo)."""
+``precompute_ref_log_probs`` writes); ``precompute``: the initial weights' own, from one
+forward-only pass over the training data before the first step, kept in ``--output_dir``
+(:mod:`odb.training.run.reference`), then read as ``data``'s; ``none``: a reference-free loss
+(simpo, orpo)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,9 +37,11 @@ class ObjectiveSettings:
     simpo_gamma: float = 0.5
     """SimPO's target reward margin gamma."""
     reference: str | None = field(default=None, metadata=flag(choices=REFERENCES, shown_default=(
-        "none for simpo and orpo; adapter for a LoRA run; data otherwise")))
+        "none for simpo and orpo; adapter for a LoRA run; precompute otherwise")))
     """Where the reference log-probabilities come from (dpo, ipo, hinge): adapter (a LoRA run's base
-    model, its adapter disabled), or data (each record's ref_chosen_logps and ref_rejected_logps)."""
+    model, its adapter disabled), data (each record's ref_chosen_logps and ref_rejected_logps), or
+    precompute (the initial weights', one forward-only pass over the training data before the first
+    step, kept in --output_dir as reference_logps.npy and reused by a resume)."""
 
     def __post_init__(self) -> None:
         check(self.objective in OBJECTIVES, f"--objective must be one of {OBJECTIVES}, got {self.objective!r}")
@@ -48,7 +53,8 @@ class ObjectiveSettings:
         if self.objective == "next_token":
             return
         free = self.objective in ("simpo", "orpo")
-        wanted = "reference free: --reference none" if free else "against a reference: --reference adapter or data"
+        wanted = ("reference free: --reference none" if free
+                  else "against a reference: --reference adapter, data or precompute")
         check(self.reference is None or free == (self.reference == "none"),
               f"--objective {self.objective} is {wanted}, not {self.reference!r}")
 
@@ -60,4 +66,4 @@ class ObjectiveSettings:
         """The reference a preference run uses (``--reference``, else its default)."""
         if self.reference is not None:
             return self.reference
-        return "none" if self.objective in ("simpo", "orpo") else "adapter" if lora else "data"
+        return "none" if self.objective in ("simpo", "orpo") else "adapter" if lora else "precompute"

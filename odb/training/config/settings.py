@@ -324,8 +324,13 @@ class RunConfig:
         check(not preference or self.objective.reference_for(lora=self.model.lora is not None) != "adapter"
               or self.model.lora is not None,
               f"--objective {self.objective.objective} --reference adapter: the reference is the base model under a "
-              "LoRA adapter; train with --lora, or give the records ref_chosen_logps / ref_rejected_logps "
-              "(--reference data)")
+              "LoRA adapter; train with --lora, or use --reference precompute (the initial weights' log-probs, "
+              "computed before the first step) or data (the records' ref_chosen_logps / ref_rejected_logps)")
+        check(not preference or not self.data.streaming
+              or self.objective.reference_for(lora=self.model.lora is not None) != "precompute",
+              f"--objective {self.objective.objective} --reference precompute scores every record of the training data "
+              "once, by its index, before the first step, and --streaming data has no stable index: give the records "
+              "ref_chosen_logps / ref_rejected_logps (--reference data), or train LoRA (--lora: --reference adapter)")
         auto = [name for name in ("max_tokens", "max_patches") if getattr(self.batching, name) == "auto"]
         check(not auto or self.preflight.preflight == "on",
               f"{' and '.join(auto)} auto is measured by the preflight: drop --preflight off, or set a number")

@@ -37,7 +37,7 @@ from odb.training.config.settings import (
     RunConfig,
     RunSettings,
 )
-from odb.training.launch.output_dir import RUN_RECORDS, resume_tag
+from odb.training.launch.output_dir import DERIVED, RUN_RECORDS, resume_tag
 
 __all__ = ["FileDefaults", "SETTINGS_FILES", "check_inputs", "parse_config", "parser"]
 
@@ -135,7 +135,7 @@ def parser(defaults: FileDefaults) -> argparse.ArgumentParser:
     add_flags(checkpoints, CheckpointSettings)
     checkpoints.add_argument("--overwrite_output_dir", action="store_true",
                              help="start over in an --output_dir that holds an earlier run: its "
-                                  f"{', '.join(RUN_RECORDS)} are removed first (nothing else there)")
+                                  f"{', '.join(RUN_RECORDS + DERIVED)} are removed first (nothing else there)")
     add_flags(p.add_argument_group("logging"), LoggingSettings)
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by launchers
     return p

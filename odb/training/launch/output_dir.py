@@ -11,12 +11,18 @@ from pathlib import Path
 
 from odb.data.mixture import is_plain_path, parse_source, source_words
 
-__all__ = ["INCOMPLETE", "RUN_RECORDS", "earlier_run", "resume_tag"]
+__all__ = ["DERIVED", "INCOMPLETE", "RUN_RECORDS", "earlier_run", "resume_tag"]
 
 RUN_RECORDS = ("checkpoints/", "metrics.jsonl", "metrics.superseded.jsonl", "summary.json", "emitted_ids.rank*.jsonl",
                "hf/", "trackers.json", "tensorboard/", "mlruns/", "wandb/")
 """What a run writes into its ``--output_dir`` (its trackers' files too: ``--report_to``'s): an earlier
 run's, removed by ``--overwrite_output_dir``, so that no tracker mixes the new run with it."""
+DERIVED = ("reference_logps.npy", "reference_logps.json", "reference_logps.eval.npy", "reference_logps.eval.json")
+"""What a run derives from its inputs and checks against them before it uses it again (``--reference
+precompute``'s tables, :mod:`odb.training.run.reference`): removed by ``--overwrite_output_dir``, and
+no earlier run by themselves: a second run in the folder, or a restarted attempt that saved no
+checkpoint (``--resume auto`` starting over), loads a table made with the same settings instead of
+making it again."""
 INCOMPLETE = "incomplete_checkpoints"
 """Where ``--resume auto`` moves the checkpoint tags a save killed part-way left (no run reads them:
 kept for you to look at or delete)."""
@@ -58,7 +64,8 @@ def resume_tag(args: argparse.Namespace) -> str | None:
       its first save finished), its incomplete tags moved aside too; a finished run
       (``summary.json`` or ``hf/``) is refused. Rank 0 says which in one line.
     * no ``--resume``: a folder that holds an earlier run (:func:`earlier_run`) is refused unless
-      ``--overwrite_output_dir``, which removes it (rank 0): no second run is appended to its
+      ``--overwrite_output_dir``, which removes it (rank 0), and the tables of :data:`DERIVED`
+      (a table alone is no earlier run: it is kept and checked): no second run is appended to its
       metrics.jsonl, no old checkpoint or summary outlives it. In a restarted attempt of the same job
       (``torchrun --max-restarts``, a SLURM requeue) ``--overwrite_output_dir`` means ``--resume auto``:
       a restart continues the run the first attempt started, never removes it.
@@ -104,12 +111,13 @@ def resume_tag(args: argparse.Namespace) -> str | None:
         raise ValueError(f"--resume auto: --output_dir {out} holds a finished run ({', '.join(finished)}) and no "
                          f"{'complete ' if incomplete else ''}checkpoint to continue it from: pass "
                          "--overwrite_output_dir to replace it, or another --output_dir")
-    _check_not_an_input(args, found)
-    if found:
+    derived = [out / name for name in DERIVED if (out / name).exists()] if args.overwrite_output_dir else []
+    _check_not_an_input(args, found + derived)
+    if found or derived:
         why = f"--resume auto: no complete checkpoint in {checkpoints}: " if incomplete else ""
         moved = _set_aside(out, incomplete)  # (first: what is moved aside is not removed)
         if _is_rank_0():
-            gone = earlier_run(out)
+            gone = earlier_run(out) + derived
             _remove(gone)
             removed = f"; removed the earlier run's {', '.join(str(p.relative_to(out)) for p in gone)}" if gone else ""
             _say(f"{why}starting over in {out}{moved}{removed}")

@@ -37,6 +37,7 @@ from odb.training.model.mrope import supports_packing
 from odb.training.run.datasets import build_datasets, mixture_epoch, streaming_reader
 from odb.training.run.evaluate import Evaluator
 from odb.training.run.preflight import PreflightReport, run_preflight
+from odb.training.run.reference import reference_datasets
 from odb.training.run.schedule import ProgressSchedule
 from odb.training.run.startup import StartupError, probed_attention
 from odb.training.run.waits import announced_wait
@@ -228,10 +229,12 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
                        max_tokens=batching.max_tokens, pad_token_id=tokenizer.pad_token_id, packed=packed,
                        loss_chunk_tokens=config.model.loss_chunk_tokens, sequence_parallel=sp, groups=groups,
                        rank=rank, objective=objective_of(config))
-    feed = SampleFeed(dataset, sample_sizes, num_workers=config.data.num_workers,
+    # (--reference precompute: the samples carry the initial weights' log-probs, from a pass made here or loaded)
+    fed, eval_fed = reference_datasets(config, engine, dataset, eval_dataset, batching, batcher_comm, log)
+    feed = SampleFeed(fed, sample_sizes, num_workers=config.data.num_workers,
                       prefetch_factor=config.data.prefetch_factor)
     evaluator = None if eval_dataset is None else Evaluator(
-        engine, eval_dataset, batching, batcher_comm, num_workers=config.data.num_workers,
+        engine, eval_fed, batching, batcher_comm, num_workers=config.data.num_workers,
         prefetch_factor=config.data.prefetch_factor)
     mixture, reader, records = None, None, len(dataset)
     if config.data.streaming:

@@ -69,6 +69,7 @@ from odb.data.feed import SampleFeed
 from odb.data.formats import SKIP_REASONS
 from odb.data.processing import SampleDataset, sample_sizes
 from odb.training.step.engine import OdbEngine
+from odb.training.step.objective import Objective
 from odb.training.step.preference import Preference
 from odb.training.step.sources import SourceSums
 
@@ -148,13 +149,21 @@ class Evaluator:
         comm: the training batcher's communicator (or any over the same ranks).
         num_workers / prefetch_factor: the eval feed's DataLoader; its workers live for one
             :meth:`run`.
+        objective: what each step scores (:meth:`OdbEngine.eval_step`), None: the engine's own.
+        score_over_cap: score the samples over the caps whole after the packed pass (an eval set);
+            False: the packed pass applies the training's over-cap policy and leaves out what
+            training leaves out (the reference pass over the training data,
+            :mod:`odb.training.run.reference`).
     """
 
     def __init__(self, engine: OdbEngine, dataset: SampleDataset, batching: OdbConfig, comm: Communicator, *,
-                 num_workers: int = 0, prefetch_factor: int = 2) -> None:
+                 num_workers: int = 0, prefetch_factor: int = 2, objective: Objective | None = None,
+                 score_over_cap: bool = True) -> None:
         self.engine, self.dataset, self.comm = engine, dataset, comm
-        self.batching = eval_batching(batching)
+        self.batching = eval_batching(batching) if score_over_cap else \
+            dataclasses.replace(batching, gas=1, mode="join", quota=None)
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
+        self.objective, self.score_over_cap = objective, score_over_cap
 
     def run(self) -> EvalResult:
         """Scores every eval sample once (collective: every rank, at the same moment).
@@ -171,14 +180,17 @@ class Evaluator:
         names = tuple(self.dataset.source_names)
         by_source = SourceSums(self.engine.device) if len(names) > 1 else None
         kept = _KeepOverCap(feed)
-        rewards = [0.0, 0.0, 0.0] if isinstance(self.engine.objective, Preference) else None
+        preference = self.objective is None and isinstance(self.engine.objective, Preference)
+        rewards = [0.0, 0.0, 0.0] if preference else None  # (the run's own objective's)
         extra = {} if rewards is None else {"rewards": rewards}
         try:
-            batcher = OnlineBatcher(self.batching, self.comm, dataset_size=len(self.dataset), feed=kept)
+            batcher = OnlineBatcher(self.batching, self.comm, dataset_size=len(self.dataset),
+                                    feed=kept if self.score_over_cap else feed)
             self.engine.backend.train(False)
             for plan in batcher:
                 taken = [[feed.take(uid) for uid in micro.uids] for micro in plan.micro_batches]
-                step_loss, step_tokens = self.engine.eval_step(plan, taken, by_source=by_source, **extra)
+                step_loss, step_tokens = self.engine.eval_step(plan, taken, by_source=by_source,
+                                                               objective=self.objective, **extra)
                 loss_sum += step_loss
                 label_tokens += step_tokens
                 samples += sum(len(micro.samples) for micro in plan.micro_batches)
@@ -207,7 +219,8 @@ class Evaluator:
             plan = StepPlan(epoch=0, step=i, micro_batches=(micro,), num_label_tokens=0, num_samples=0,
                             rank_costs=(), rank_tokens=())  # eval_step reads only the micro-batches
             step_loss, step_tokens = self.engine.eval_step(plan, [[feed.take(s.uid) for s in micro.samples]],
-                                                           truncate=False, by_source=by_source, **(extra or {}))
+                                                           truncate=False, by_source=by_source,
+                                                           objective=self.objective, **(extra or {}))
             loss_sum += step_loss
             label_tokens += step_tokens
         return loss_sum, label_tokens

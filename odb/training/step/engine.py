@@ -359,20 +359,19 @@ class OdbEngine:
         self.backend.step()
 
     @torch.no_grad()
-    def eval_step(self, plan: StepPlan, samples: Sequence[Sequence[dict[str, Any]]], **options: Any
-                  ) -> tuple[float, int]:
+    def eval_step(self, plan: StepPlan, samples: Sequence[Sequence[dict[str, Any]]], *,
+                  objective: Objective | None = None, **options: Any) -> tuple[float, int]:
         """Forwards only, no gradients: the plan's micro-batches as :meth:`train_step` runs them
         (dummies too, so every rank enters ZeRO-3's or FSDP2's parameter gathers alike), no backward, no step.
-        ``options``: the objective's (``truncate`` False: samples scored whole, not cut to
-        ``max_tokens``, evaluation's over-cap ones; ``by_source``: the same figures per source;
-        a preference objective's ``rewards``).
+        ``objective``: scores them instead of the run's; ``options``: the objective's (``truncate``
+        False: samples scored whole, evaluation's over-cap ones; ``by_source``: per source; ``rewards``).
 
         Returns:
             the objective's ``(loss_sum, count)`` of this rank's real micro-batches
             (:meth:`odb.training.step.objective.Objective.evaluate`; next-token: the summed cross
             entropy and the label tokens it sums over).
         """
-        return self.objective.evaluate(self, plan, samples, **options)
+        return (objective or self.objective).evaluate(self, plan, samples, **options)
 
 
 def _real_tokens(batch: dict[str, Any], *, blank: bool) -> torch.Tensor:

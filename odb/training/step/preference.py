@@ -107,7 +107,7 @@ class Preference:
         free = reference_free(self.loss)
         if free != (self.reference == "none"):
             raise ValueError(f"{self.loss} is {'reference free' if free else 'against a reference'}: reference "
-                             f"{'none' if free else 'adapter or data'}, not {self.reference!r}")
+                             f"{'none' if free else 'adapter, data or precompute'}, not {self.reference!r}")
         if not self.beta > 0:
             raise ValueError(f"beta must be > 0, got {self.beta}")
 
@@ -118,26 +118,33 @@ class Preference:
     def tally(self, engine: OdbEngine, plan: StepPlan) -> PreferenceTally:
         return PreferenceTally(self, engine, plan)
 
+    def logps(self, engine: OdbEngine, micro: MicroBatch, samples: Sequence[dict[str, Any]], *, truncate: bool = True
+              ) -> torch.Tensor:
+        """The model's summed log-probabilities ``[P, 2]`` of each pair's chosen and rejected answer
+        labels, each sequence cut to ``max_tokens`` unless ``truncate`` is False: one model call, with
+        gradients where they are on. The policy's ``pi``, the adapter reference's ``rho``, and what
+        reference 'precompute' keeps of the initial weights (:mod:`odb.training.run.reference`)."""
+        seqs = [seq for sample in samples for seq in pair_sequences(sample)]
+        return -engine.forward_loss(seqs, micro.padded, truncate=truncate, per_sample=True)[0].view(-1, 2)
+
     def pairs(self, engine: OdbEngine, micro: MicroBatch, samples: Sequence[dict[str, Any]], *, truncate: bool = True
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """The pairs' losses ``[P]`` and rewards ``[P, 2]`` of one real micro-batch (its model
         calls: the reference's first, then the policy's)."""
-        seqs = [seq for sample in samples for seq in pair_sequences(sample)]
         cap = engine.max_tokens if truncate else None
-        n = torch.tensor([count_label_tokens(seq["labels"][:cap].tolist()) for seq in seqs],
+        n = torch.tensor([count_label_tokens(seq["labels"][:cap].tolist())
+                          for sample in samples for seq in pair_sequences(sample)],
                          dtype=torch.float32, device=engine.device).view(-1, 2)
         rho = None
         if self.reference == "adapter":
             with torch.no_grad(), _adapter_disabled(engine):
-                rho = -engine.forward_loss(seqs, micro.padded, truncate=truncate, per_sample=True)[0].view(-1, 2)
-        elif self.reference == "data":
+                rho = self.logps(engine, micro, samples, truncate=truncate)
+        elif self.reference in ("data", "precompute"):  # (precompute: the run's table put them there)
             missing = [sample["index"] for sample in samples if "ref_logps" not in sample]
             if missing:
-                raise ValueError(f"reference 'data': record {missing[0]} has no ref_chosen_logps / ref_rejected_logps; "
-                                 "give every record both (the reference model's summed log-probabilities of each "
-                                 "answer), or train LoRA with reference 'adapter'")
+                raise ValueError(_missing_reference(self.reference, missing[0]))
             rho = torch.tensor([sample["ref_logps"] for sample in samples], dtype=torch.float32, device=engine.device)
-        pi = -engine.forward_loss(seqs, micro.padded, truncate=truncate, per_sample=True)[0].view(-1, 2)
+        pi = self.logps(engine, micro, samples, truncate=truncate)
         return pair_losses(self.loss, pi, rho, n, beta=self.beta, gamma=self.gamma)
 
     def dummy(self, engine: OdbEngine) -> torch.Tensor:
@@ -205,6 +212,16 @@ def _reward_sums(rewards: torch.Tensor) -> list[float]:
     return [chosen, rejected, float((rewards[:, 0] > rewards[:, 1]).sum())]
 
 
+def _missing_reference(reference: str, index: int) -> str:
+    if reference == "data":
+        return (f"reference 'data': record {index} has no ref_chosen_logps / ref_rejected_logps; give every record "
+                "both (the reference model's summed log-probabilities of each answer), use --reference precompute "
+                "(the initial weights', computed before the first step), or train LoRA with reference 'adapter'")
+    return (f"reference 'precompute': pair {index} has no entry in the run's reference table (reference_logps.npy "
+            "in --output_dir: its pass skipped or dropped the pair, and training did not); remove the table's "
+            "files to make it again")
+
+
 @contextlib.contextmanager
 def _adapter_disabled(engine: OdbEngine) -> Iterator[None]:
     """The model with its LoRA adapter off: the base model, the reference of a LoRA run."""
@@ -212,8 +229,9 @@ def _adapter_disabled(engine: OdbEngine) -> Iterator[None]:
     disable = getattr(module, "disable_adapter", None)
     if disable is None:
         raise ValueError("reference 'adapter' needs a LoRA run (--lora ...): a full fine-tune changes the weights the "
-                         "reference must keep; give the records ref_chosen_logps / ref_rejected_logps (reference "
-                         "'data') or train a reference-free loss (simpo, orpo)")
+                         "reference must keep; use reference 'precompute' (the initial weights' log-probs, computed "
+                         "before the first step) or 'data' (the records' ref_chosen_logps / ref_rejected_logps), "
+                         "or train a reference-free loss (simpo, orpo)")
     with disable():
         yield
 
