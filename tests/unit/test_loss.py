@@ -9,8 +9,9 @@ gradient to 1e-5 (relative to its largest entry), for chunk counts
 that do and do not divide the scored tokens, one chunk larger than the row, more chunks than
 scored tokens (chunks of padding only, labels all -100), prompts masked with -100, padded rows, a
 micro-batch without labels, eval_step with a dummy, Gemma-2 with final soft-capping 30, and LoRA
-(on the LM head too). Then: the head's projection never sees more than a chunk, a family that
-rescales its logits after the head is refused, and Liger (not installed) is never chosen here.
+(on the LM head too). Then: the head's projection never sees more than a chunk, per-sample sums
+with gradients leave the head's call (ZeRO-3's hook on it), a family that rescales its logits
+after the head is refused, and Liger (not installed) is never chosen here.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from odb.training.step.loss import (
     scored_tokens,
     token_loss_sum,
 )
+from odb.training.step.sources import SourceSplit
 
 SOFTCAP = 30.0
 LOSS_RTOL, GRAD_RTOL = 1e-6, 1e-5
@@ -283,6 +285,51 @@ def test_a_head_with_dropout_draws_the_same_mask_when_recomputed():
     diff = float((actual - expected).abs().max())
     print(f"dropout in the head: gradient diff {diff:.1e}")
     assert diff <= GRAD_RTOL * float(expected.abs().max())
+
+
+def test_per_sample_sums_with_gradients_leave_the_heads_call():
+    """A preference step backs each sequence's own loss (a SourceSplit with ``graph``), not the
+    call's total: those sums must be the head call's output, which carries ZeRO-3's pre-backward
+    hook, the one that gathers the head's weight before the chunks are recomputed. Here a head's
+    weight is there, as under ZeRO-3, only during its call and once a hook on its output has run
+    in the backward; the gradients must be a plain head's (regression: the sums were built beside
+    the call's output, and the recomputation met the released weight)."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    whole = head.weight.data
+
+    class Gather(torch.autograd.Function):  # ZeRO-3's PreBackwardFunctionForModule, gathering
+        @staticmethod
+        def forward(ctx, output):
+            return output.view_as(output)
+
+        @staticmethod
+        def backward(ctx, grad):
+            head.weight.data = whole
+            return grad
+
+    def release(module, args, output):
+        head.weight.data = torch.empty(0)
+        return Gather.apply(output)
+
+    handles = [head.register_forward_pre_hook(lambda module, args: setattr(head.weight, "data", whole)),
+               head.register_forward_hook(release)]
+    hidden = torch.randn(1, 40, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (1, 40))
+    labels[0, :3] = -100
+    sources_bt = (torch.arange(40) >= 22).long()[None]  # two samples: tokens 0-21 and 22-39
+    split = SourceSplit(sources_bt, [0, 1], graph=True)
+    chunked_token_loss_sum(hidden, labels, head, num_chunks=3, split=split)
+    weights = torch.tensor([1.0, -2.0])
+    actual = torch.autograd.grad((split.graded * weights).sum(), [hidden, head.weight])
+    for handle in handles:
+        handle.remove()
+    per_token = torch.nn.functional.cross_entropy(head(hidden)[0, :-1], labels[0, 1:], reduction="none")
+    expected_sums = torch.stack([per_token[:21].sum(), per_token[21:].sum()])  # position t predicts t + 1
+    expected = torch.autograd.grad((expected_sums * weights).sum(), [hidden, head.weight])
+    assert torch.allclose(split.graded.detach(), expected_sums.detach(), rtol=1e-6)
+    for got, want in zip(actual, expected, strict=True):
+        assert float((got - want).abs().max()) <= GRAD_RTOL * float(want.abs().max())
 
 
 def test_num_loss_chunks():

@@ -3,15 +3,14 @@ oracles: each sequence alone through an eager copy of the model (its own logits,
 summed over the answer's labels), then TRL's own loss code (CPOTrainer.cpo_loss for sigmoid, IPO,
 hinge and SimPO, ORPOTrainer.odds_ratio_loss for ORPO's odds ratio), the mean over the pairs;
 the packed step's loss and every gradient must equal the oracle's. References: from the data
-(random log-probs) and from a LoRA model's base (the adapter disabled)."""
+(random log-probs) and from a LoRA model's base (the adapter disabled). The oracle's pieces are
+tests/preference_oracle.py's (the two-rank test, tests/e2e/test_preference_ranks.py, uses them too)."""
 
 from __future__ import annotations
 
 import copy
-import os
 import random
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,28 +21,10 @@ from odb.training.backends import LocalBackend
 from odb.training.model.build import build_model, hf_model
 from odb.training.step.engine import OdbEngine
 from odb.training.step.preference import Preference
-
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-from trl.experimental.cpo import CPOTrainer  # noqa: E402
-from trl.experimental.orpo import ORPOTrainer  # noqa: E402
+from preference_oracle import alone_logps, answer_tokens, pair, trl_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 1024
-
-
-def pair(rng: random.Random, uid: int, *, ref: bool) -> dict:
-    """A pair sample as odb.data.preference makes one: chosen then rejected, each prompt + answer,
-    labels on the answer; lengths very uneven."""
-    prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 12))]
-    seqs = []
-    for _ in range(2):
-        answer = [rng.randrange(3, VOCAB) for _ in range(rng.choice([1, 3, 9, 40]))]
-        seqs.append((prompt + answer, [-100] * len(prompt) + answer))
-    sample = {"uid": uid, "index": uid, "source": 0, "input_ids": torch.tensor(seqs[0][0] + seqs[1][0]),
-              "labels": torch.tensor(seqs[0][1] + seqs[1][1]), "pair": (len(seqs[0][0]), len(seqs[1][0]))}
-    if ref:
-        sample["ref_logps"] = (-rng.uniform(5, 200), -rng.uniform(5, 200))
-    return sample
 
 
 def cost(sample: dict) -> SampleCost:
@@ -55,43 +36,6 @@ def plan_of(micro_samples: list[list[dict]], padded: int = -1) -> StepPlan:
     return StepPlan(epoch=0, step=0, micro_batches=(*micro, MicroBatch(())),
                     num_label_tokens=sum(m.label_tokens for m in micro),
                     num_samples=sum(map(len, micro_samples)), rank_costs=(), rank_tokens=())
-
-
-def alone_logps(model, sample: dict) -> list[torch.Tensor]:
-    """The oracle's log-probabilities of a pair's two sequences, each alone (eager attention)."""
-    chosen = sample["pair"][0]
-    out = []
-    for ids, labels in ((sample["input_ids"][:chosen], sample["labels"][:chosen]),
-                        (sample["input_ids"][chosen:], sample["labels"][chosen:])):
-        logits = model(input_ids=ids[None], use_cache=False).logits[0, :-1].float()
-        targets = labels[1:]
-        scored = targets != -100
-        out.append(torch.log_softmax(logits, -1)[scored].gather(1, targets[scored][:, None]).sum())
-    return out
-
-
-def answer_tokens(sample: dict) -> list[int]:
-    chosen = sample["pair"][0]
-    labels = sample["labels"].tolist()
-    return [count_label_tokens(labels[:chosen]), count_label_tokens(labels[chosen:])]
-
-
-def trl_loss(loss: str, beta: float, gamma: float, pi, rho, n) -> torch.Tensor:
-    """TRL's own loss of one pair from its log-probabilities."""
-    trainer = SimpleNamespace(alpha=0.0, beta=beta, label_smoothing=0.0, simpo_gamma=gamma,
-                              accelerator=SimpleNamespace(device="cpu"))
-    if loss == "orpo":
-        mean = [pi[0] / n[0], pi[1] / n[1]]
-        ratio = ORPOTrainer.odds_ratio_loss(trainer, mean[0][None], mean[1][None])[0]
-        return -mean[0] - ratio[0]  # ORPO: the chosen answer's mean NLL minus beta log sigmoid(log odds)
-    trainer.loss_type = {"dpo": "sigmoid", "ipo": "ipo", "hinge": "hinge", "simpo": "simpo"}[loss]
-    if loss == "simpo":
-        chosen, rejected = pi[0] / n[0], pi[1] / n[1]
-    elif loss == "ipo":  # TRL's DPO IPO: the log ratios per answer token
-        chosen, rejected = (pi[0] - rho[0]) / n[0], (pi[1] - rho[1]) / n[1]
-    else:
-        chosen, rejected = pi[0] - rho[0], pi[1] - rho[1]
-    return CPOTrainer.cpo_loss(trainer, chosen[None], rejected[None])[0][0]
 
 
 def oracle(model, micro_samples, loss: str, beta: float, gamma: float, reference) -> tuple[float, dict]:
@@ -181,6 +125,38 @@ def test_the_reference_of_a_lora_run_is_its_base_model(tiny):
     assert got_grads and all("lora_" in name for name in got_grads)
     check_equal(got_grads, want_grads)
     assert abs(want_loss - 0.6931) > 1e-3  # the policy is not its reference (loss log 2 at equality)
+
+
+def test_the_reference_leaves_the_adapter_trainable_where_its_module_swaps_parameters():
+    """FSDP2 swaps a unit's parameters for gathered copies in its forward, and the root unit (the
+    LM head's) keeps them until the backward; PEFT's disable_adapter turns the adapter's
+    requires_grad on again on the copies only. Simulated: the model's first call swaps every
+    parameter for a copy with its flag at the time, kept through the micro-batch, the originals
+    put back after. Every trainable parameter must still be trainable (regression: the LoRA weights
+    stayed frozen under FSDP2, and so would be left out of checkpoints as frozen)."""
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "lm_head"], "lora_dropout": 0.0}
+    model = build_model(ROOT / "configs" / "tiny_model.json", seed=0, vocab_size=VOCAB, lora=lora)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+
+    def gather(module, args, kwargs):
+        if swapped:
+            return
+        for name, p in list(model.named_parameters()):
+            owner, _, leaf = name.rpartition(".")
+            holder = model.get_submodule(owner)
+            holder._parameters[leaf] = torch.nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+            swapped.append((holder, leaf, p))
+
+    handle = model.register_forward_pre_hook(gather, with_kwargs=True)
+    engine = OdbEngine(LocalBackend(model), world_size=1, max_tokens=512, pad_token_id=0, loss_chunk_tokens=64,
+                       objective=Preference("dpo"))
+    samples = [pair(random.Random(2), 0, ref=False)]
+    Preference("dpo").pairs(engine, plan_of([samples]).micro_batches[0], samples)
+    handle.remove()
+    for holder, leaf, p in swapped:  # resharded after the backward
+        holder._parameters[leaf] = p
+    assert swapped and {name for name, p in model.named_parameters() if p.requires_grad} == trainable
 
 
 def test_a_full_fine_tune_has_no_adapter_to_disable(tiny):

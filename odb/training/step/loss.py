@@ -33,12 +33,15 @@ ZeRO-3. The chunks run inside one call of the head module (:func:`call_as_forwar
 hooks on the head gather its weight (a tied embedding weight too) once before the chunk loop and
 release it after; the call's output, the loss, carries the head's pre-backward hook, so in the
 backward the weight is gathered once, before any chunk is recomputed, and released when the
-gradient of the hidden states is complete. The model's own call of the head, on one position,
-adds one gather in the forward. A head whose forward calls sub-modules (a LoRA-wrapped head) has
-them gathered per chunk, each gather a collective: so the number of chunks ``n`` is fixed per
-engine (:func:`num_loss_chunks` of the micro-batch token cap), never derived from a row, and a
-row with fewer scored tokens than chunks gets zero rows labelled -100 (a dummy micro-batch runs
-``n`` chunks of those): every rank runs the same calls.
+gradient of the hidden states is complete. Where the caller backs the per-source sums instead (a
+:class:`~odb.training.step.sources.SourceSplit` with ``graph``: each preference sequence's own
+loss), those sums are the call's output: a loss built beside the call's output would reach the
+chunks without the hook, and recompute them with the weight released. The model's own call of
+the head, on one position, adds one gather in the forward. A head whose forward calls
+sub-modules (a LoRA-wrapped head) has them gathered per chunk, each gather a collective: so the
+number of chunks ``n`` is fixed per engine (:func:`num_loss_chunks` of the micro-batch token
+cap), never derived from a row, and a row with fewer scored tokens than chunks gets zero rows
+labelled -100 (a dummy micro-batch runs ``n`` chunks of those): every rank runs the same calls.
 
 Liger's fused linear cross entropy (``liger_kernel``, not a dependency) computes the same sum with
 its own Triton kernels; :class:`HeadLoss` uses it where it can: importable, a CUDA head that is a
@@ -165,14 +168,27 @@ def chunked_token_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: Cal
 
     Returns:
         The fp32 sum; with gradients enabled each chunk's logits are recomputed in the backward.
+        With ``split.graded`` (each source's sum with its gradients) the head's call returns that
+        instead, and ``split.graded`` is what it returned.
     """
     # every chunk non-empty: the same calls and autograd graph on every rank
     hidden_nh, labels_n, sources_n = _scored(hidden, labels, min_rows=num_chunks, split=split, shifted=shifted)
     chunks = partial(_sum_of_chunks, head.forward if isinstance(head, torch.nn.Module) else head,
                      num_chunks=num_chunks, softcap=softcap, split=split, sources_n=sources_n)
-    if isinstance(head, torch.nn.Module):
+    if not isinstance(head, torch.nn.Module):
+        return chunks(hidden_nh, labels_n)
+    if split is None or split.graded is None:
         return call_as_forward(head, chunks, hidden_nh, labels_n)
-    return chunks(hidden_nh, labels_n)
+
+    def graded_chunks(hidden_nh: torch.Tensor, labels_n: torch.Tensor) -> torch.Tensor:
+        chunks(hidden_nh, labels_n)
+        return split.graded
+
+    # what the caller backs is each source's sum with its gradients (preference pairs), not the
+    # total: the sums leave the head's call, so that they carry its hooks (ZeRO-3's gather before
+    # the chunks are recomputed in the backward)
+    split.graded = call_as_forward(head, graded_chunks, hidden_nh, labels_n)
+    return split.graded.sum()
 
 
 def _sum_of_chunks(project: Callable[[torch.Tensor], torch.Tensor], hidden_nh: torch.Tensor, labels_n: torch.Tensor,

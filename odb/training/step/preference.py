@@ -224,7 +224,14 @@ def _missing_reference(reference: str, index: int) -> str:
 
 @contextlib.contextmanager
 def _adapter_disabled(engine: OdbEngine) -> Iterator[None]:
-    """The model with its LoRA adapter off: the base model, the reference of a LoRA run."""
+    """The model with its LoRA adapter off: the base model, the reference of a LoRA run.
+
+    PEFT's ``disable_adapter`` turns the adapter weights' ``requires_grad`` off, and on again, on the
+    parameters its modules hold at each moment. FSDP2 swaps a unit's parameters for gathered copies
+    in its forward and keeps them until the backward where the unit does not reshard after its
+    forward (the root, which holds the LM head; every unit under ``reshard_after_forward`` false):
+    PEFT would turn the copies on again and leave the parameters themselves frozen (so dropped from
+    checkpoints as frozen). So every parameter's flag, as it was, is set back here."""
     module = engine.backend.module
     disable = getattr(module, "disable_adapter", None)
     if disable is None:
@@ -232,8 +239,14 @@ def _adapter_disabled(engine: OdbEngine) -> Iterator[None]:
                          "reference must keep; use reference 'precompute' (the initial weights' log-probs, computed "
                          "before the first step) or 'data' (the records' ref_chosen_logps / ref_rejected_logps), "
                          "or train a reference-free loss (simpo, orpo)")
-    with disable():
-        yield
+    flags = [(param, param.requires_grad) for param in module.parameters()]
+    try:
+        with disable():
+            yield
+    finally:
+        for param, flag in flags:
+            if param.requires_grad != flag:
+                param.requires_grad_(flag)
 
 
 def objective_of(config: RunConfig) -> Objective:
