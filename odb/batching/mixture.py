@@ -218,9 +218,12 @@ class Mixture:
         """What each source may draw now: what it owes (quota mode: no end); but a source without a
         measured mean yet (its first epoch) has at most ``PROBE`` records, or twice what was measured,
         in flight, beyond the first pass it owes whole ("all"): a source guessed cheap is not drawn
-        by the hundred before one is measured. Nothing in a closed epoch (re-dealt after it was over:
-        its draws were reset when the next began, so the held records it fetches again are no
-        measure of what it owes)."""
+        by the hundred before one is measured. Under ``"first"`` so is a source whose records fetched
+        this epoch all gave no units (skipped): its mean is then its prior's hundredth, so it would
+        be the lowest level drawn in step and drawn through in one deal (a later epoch, one skipped
+        record first: 9705 tokens against a share of 750). Nothing in a closed epoch (re-dealt after
+        it was over: its draws were reset when the next began, so the held records it fetches again
+        are no measure of what it owes)."""
         seen = self.seen
         if self.closed:
             return [0] * len(self.sizes)
@@ -231,7 +234,7 @@ class Mixture:
             owed = self.owed()
         out = []
         for i, owes in enumerate(owed):
-            if not self.prior[i]:
+            if not self.prior[i] or (self.epoch_rule == "first" and seen["fetched"][i] and not seen["units"][i]):
                 in_flight = self.dealt[i] - self.seen["fetched"][i]
                 owes = min(owes, max(0, max(PROBE, 2 * self.seen["fetched"][i]) - in_flight))
             out.append(owes)

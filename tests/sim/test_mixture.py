@@ -248,6 +248,29 @@ def test_first_never_draws_past_the_anchors_pass_level():
         assert abs(units[i] - w * total) <= MAX_TOKENS, units
 
 
+def test_first_a_later_epoch_that_fetches_a_skipped_record_first_does_not_draw_that_source_through():
+    """'first', epoch 2: the long source's first record in its new pass is skipped, so its mean
+    this epoch is its prior's hundredth (nothing measured but that record); drawn in step, it was
+    then the lowest level and drawn through in one deal: 9705 tokens against the short source's
+    750 (weights 1 : 1). A source whose fetched records all gave no units is probed as one not
+    measured yet (one record, then twice what was fetched, in flight)."""
+    seed = 3
+    skip = int(np.random.default_rng([seed, 1, 1]).permutation(40)[0])  # the long source's first, pass 1
+    assert skip != int(np.random.default_rng([seed, 1, 0]).permutation(40)[0])  # (epoch 1 starts on another)
+    rng = np.random.default_rng(0)
+    lengths = [(250, 0)] * 3 + [None if j == skip else (int(rng.integers(200, 300)), 0) for j in range(40)]
+    config = OdbConfig(max_tokens=512, window=8, cost_model="manual", seed=seed)
+    result = simulate(config, lengths, 2, num_epochs=2, mixture=lambda: Mixture([3, 40], [1, 1], mix_by="tokens",
+                                                                                epoch_rule="first", seed=seed))
+    check_aligned(result.steps)
+    for epoch in (0, 1):
+        steps = [[s for s in rank if s.epoch == epoch] for rank in result.steps]
+        check_epoch(steps, lengths, [3, 40], "first")
+        units, _ = trained(steps, lengths, np.cumsum([0, 3, 40]), "tokens")
+        assert units[0] == 750, (epoch, units)  # the anchor: its whole pass
+        assert abs(units[1] - units[0]) <= config.max_tokens, (epoch, units)
+
+
 def test_weights_must_be_finite():
     with pytest.raises(ValueError, match="finite"):
         Mixture([3, 4], [float("inf"), 1.0])
