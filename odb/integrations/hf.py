@@ -296,7 +296,14 @@ class _OdbCallback(TrainerCallback):
 
 def with_odb(trainer_class: type) -> type:
     """``trainer_class`` (HF ``Trainer`` or a subclass: TRL's ``SFTTrainer``, ...) with odb's
-    batching: the class takes ``odb=OdbSettings(...)`` besides its own arguments."""
+    batching: the class takes ``odb=OdbSettings(...)`` besides its own arguments. A TRL trainer of
+    another objective (DPO, reward, KTO, GRPO, ...) is refused: odb's host adapter backs next-token
+    loss, so it would train SFT under that trainer's name."""
+    trl = [c for c in trainer_class.__mro__ if c.__module__.split(".")[0] == "trl"]
+    if trl and not any(c.__name__ == "SFTTrainer" for c in trl):
+        raise TypeError(f"with_odb({trainer_class.__name__}): odb's Trainer adapter trains next-token loss only, so "
+                        f"{trl[0].__name__}'s objective would silently become SFT; train preference objectives with "
+                        "odb's own loop: launch/train.py --objective dpo|ipo|hinge|simpo|orpo (docs/preference.md)")
     return type(f"Odb{trainer_class.__name__}", (OdbTrainerMixin, trainer_class), {})
 
 

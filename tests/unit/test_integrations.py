@@ -188,3 +188,17 @@ def test_deepspeeds_autotuner_gets_no_mlflow_and_everything_else_does():
     finally:
         if saved is not None:
             sys.modules["mlflow"] = saved
+
+
+def test_a_trl_trainer_of_another_objective_is_refused_and_sft_is_kept():
+    """with_odb(DPOTrainer) would back next-token loss under DPO's name: refused, naming odb's own
+    preference objectives; SFTTrainer (and HF's Trainer) keep working."""
+    from transformers import Trainer
+    from trl import DPOTrainer, RewardTrainer, SFTTrainer
+
+    from odb.integrations.hf import with_odb
+
+    for trainer in (DPOTrainer, RewardTrainer):
+        with pytest.raises(TypeError, match="--objective dpo"):
+            with_odb(trainer)
+    assert with_odb(SFTTrainer).__name__ == "OdbSFTTrainer" and with_odb(Trainer).__name__ == "OdbTrainer"
