@@ -107,6 +107,11 @@ class EvalResult:
     their margin and the share of pairs whose chosen reward is the higher (``eval_rewards/...``,
     TRL's names; then ``loss`` is per pair and ``label_tokens`` counts pairs); empty otherwise."""
 
+    @property
+    def unit(self) -> str:
+        """What ``label_tokens`` counts, for the log line."""
+        return "pairs" if self.rewards else "label tokens"
+
 
 def eval_batching(batching: OdbConfig) -> OdbConfig:
     """The training settings as the packed pass runs them: one micro-batch per step, join mode

@@ -285,7 +285,7 @@ class Trainer:
         by_source = "".join(f"; {name} {'-' if value is None else f'{value:.5f}'} ({tokens} label tokens)"
                             for name, (value, tokens) in result.sources.items())
         self.log(f"eval after step {telemetry.steps_done}: {loss} over {result.samples} samples "
-                 f"({result.label_tokens} label tokens{whole}, {result.seconds:.1f} s{skipped}){by_source}")
+                 f"({result.label_tokens} {result.unit}{whole}, {result.seconds:.1f} s{skipped}){by_source}")
 
     # ---- the end ----------------------------------------------------------------------------
 
