@@ -20,7 +20,7 @@ from odb.batching.plan import MicroBatch, StepPlan
 from odb.training.backends import LocalBackend
 from odb.training.model.build import build_model, hf_model
 from odb.training.step.engine import OdbEngine
-from odb.training.step.preference import Preference
+from odb.training.step.preference import Preference, pair_losses
 from preference_oracle import alone_logps, answer_tokens, pair, trl_loss
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -204,3 +204,18 @@ def test_the_evaluation_of_pairs_is_the_mean_pair_loss_and_the_rewards_over_ever
     assert result.loss == pytest.approx(sum(losses) / len(losses), rel=1e-5)
     assert result.rewards["accuracies"] == right / len(dataset)
     assert result.rewards["margins"] == pytest.approx(sum(margins) / len(margins), rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.parametrize("mean_chosen", [0.0, -1e-8, -3e-8])
+def test_orpo_has_finite_gradients_where_the_chosen_answer_is_certain(mean_chosen):
+    # every chosen label token's fp32 cross entropy 0 (its logit leads by ~17): a_c = 0, or a few
+    # 1e-8 above; log(1 - e^a) was -inf there, or its unused branch's backward 0 x inf: NaN gradients
+    pi = torch.tensor([[mean_chosen * 4, -8.0]], requires_grad=True)
+    n = torch.tensor([[4.0, 4.0]])
+    loss, _ = pair_losses("orpo", pi, None, n, beta=0.1)
+    loss.sum().backward()
+    assert torch.isfinite(pi.grad).all(), pi.grad
+    if mean_chosen:  # the value is TRL's in float64 (finite there but at 0) to within beta * 1e-6
+        pi64 = pi.detach().double()[0]
+        want = trl_loss("orpo", 0.1, 0.5, [pi64[0], pi64[1]], None, [4.0, 4.0])
+        torch.testing.assert_close(loss.double()[0], want, rtol=0, atol=1e-6)

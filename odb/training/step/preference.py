@@ -85,9 +85,23 @@ def pair_losses(loss: str, pi: torch.Tensor, rho: torch.Tensor | None, n: torch.
     return -F.logsigmoid(margin), rewards
 
 
+_CERTAIN = 1e-6
+"""ORPO's mean log-probabilities are taken as at most ``-_CERTAIN``: an answer every label token of
+which the model is sure of in fp32 (each token's cross entropy exactly 0 once its logit leads by
+about 17) has ``a = 0``, where ``log(1 - e^a)`` is ``-inf`` and its gradient NaN, which would reach
+every weight. Above it the odds-ratio term's gradient in ``a`` is left out (the NLL term's is not);
+its value moves by about ``beta * 1e-6``."""
+
+
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
-    """``log(1 - exp(x))`` for ``x < 0``, stable at both ends."""
-    return torch.where(x > -0.6931, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+    """``log(1 - exp(x))`` for ``x < 0``, stable at both ends, with finite gradients up to 0 (``x``
+    taken as at most ``-_CERTAIN``). Each branch of the ``where`` gets only the inputs it serves:
+    the branch not taken still runs its backward, and ``log1p(-exp(x))`` at ``exp(x) == 1`` (fp32,
+    ``x > -6e-8``) would give ``0 x inf``, NaN."""
+    x = x.clamp(max=-_CERTAIN)
+    near = x > -0.6931
+    return torch.where(near, torch.log(-torch.expm1(torch.where(near, x, -1.0))),
+                       torch.log1p(-torch.exp(torch.where(near, -1.0, x))))
 
 
 @dataclass(frozen=True)
