@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from odb.settings import check, check_number, flag
 
-__all__ = ["LOSSES", "OBJECTIVES", "REFERENCES", "ObjectiveSettings"]
+__all__ = ["LOSSES", "OBJECTIVES", "REFERENCES", "ObjectiveSettings", "padded_refusal"]
 
 LOSSES = ("dpo", "ipo", "hinge", "simpo", "orpo")
 """The preference losses."""
@@ -67,3 +67,14 @@ class ObjectiveSettings:
         if self.reference is not None:
             return self.reference
         return "none" if self.objective in ("simpo", "orpo") else "adapter" if lora else "precompute"
+
+
+def padded_refusal(objective: str, padded: str) -> str:
+    """Why ``--objective objective`` cannot train on padded micro-batches (``padded``: what pads
+    them). A padded bin holds ``samples x longest <= max_tokens``, a pair counted as one sample of
+    its two sequences' tokens, but a pair trains as two rows, each padded to the bin's longest
+    sequence: a pair of 1000 and 10 tokens alone in a bin of 1024 is 2 x 1000 tokens, twice what the
+    batcher planned, over the hard cap (I5)."""
+    return (f"--objective {objective} trains each pair as two sequences, and {padded}: a padded micro-batch "
+            "would hold each pair as two rows padded to the longer one, up to twice max_tokens (odb's padded "
+            "bins count a pair as one row); train a model odb packs, with policy odb")

@@ -35,7 +35,7 @@ from odb.settings import (
 )
 from odb.telemetry.trackers import TRACKERS
 from odb.training.config.lora import check_lora
-from odb.training.config.objective import ObjectiveSettings
+from odb.training.config.objective import ObjectiveSettings, padded_refusal
 from odb.training.config.optimization import OptimizationSettings
 
 __all__ = ["DEFAULT_LOSS_CHUNK_TOKENS", "CheckpointSettings", "DataSettings", "LoggingSettings", "ModelSettings",
@@ -321,6 +321,8 @@ class RunConfig:
               f"--objective {self.objective.objective} trains each pair whole on one rank: sequence parallelism "
               "(--sequence_parallel_size, over_cap sequence_parallel) is for next-token loss; use over_cap truncate "
               "or drop")
+        check(not preference or self.batching.policy == "odb",
+              padded_refusal(self.objective.objective, f"policy {self.batching.policy!r} pads its micro-batches"))
         check(not preference or self.objective.reference_for(lora=self.model.lora is not None) != "adapter"
               or self.model.lora is not None,
               f"--objective {self.objective.objective} --reference adapter: the reference is the base model under a "

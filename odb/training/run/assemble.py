@@ -31,6 +31,7 @@ from odb.telemetry.trackers import RunInfo, Trackers
 from odb.training import backends
 from odb.training.backends import Backend
 from odb.training.backends.process_group import collective_timeout_s
+from odb.training.config.objective import padded_refusal
 from odb.training.config.settings import RunConfig
 from odb.training.model.build import flops_model, hf_model, load_tokenizer, vision_spec
 from odb.training.model.mrope import supports_packing
@@ -161,9 +162,11 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
         backend = build_backend(config, rank=rank, vocab_size=len(tokenizer), load=load)
     model = hf_model(backend.module)
     vision = vision_spec(model, config.data.processing, source=config.model.path)
+    packed = supports_packing(model)
+    if not packed and config.objective.is_preference:
+        raise ValueError(padded_refusal(config.objective.objective, f"odb cannot pack {model.config.model_type}"))
     comm = TorchCommunicator(timeout_s=collective_timeout_s(config.run.dist_timeout_s))
     watched = comm if watchdog is None else WatchedCommunicator(comm, watchdog)
-    packed = supports_packing(model)
     sp, size = None, config.model.sequence_parallel_size
     if size > 1:
         if host_backend:
