@@ -165,7 +165,8 @@ class Telemetry:
         self.steps.pending.append(Step(plan, loss_sum, lr, times, aux_sum, rewards))
         self.totals.record(plan)
         self.totals.sources.record(source_samples, source_label_tokens)
-        self.sources.record(plan.step, source_loss, source_label_tokens)
+        self.sources.record(plan.step, source_loss, source_label_tokens if rewards is None else source_samples,
+                            pairs=rewards is not None)  # (a preference step's loss is per pair)
 
     def end_interval(self) -> bool:
         """The run's last per-source log interval ends at the last step recorded (every rank alike:

@@ -45,8 +45,9 @@ def step_row(step: Step, per_rank: Mapping[str, np.ndarray], *, samples_done: in
     """The metrics of a trained step: ``per_rank``: every rank's report fields for it;
     ``samples_done``: the run's samples up to and including it; ``skipped`` / ``truncated``: the
     run's record counts as of its round; ``flops``: the model's, for ``mfu`` (where the device's
-    peak is known); ``sources``: ``loss/<source>`` and ``label_tokens/<source>`` of the log interval
-    the step ends (:mod:`odb.telemetry.sources`), after ``loss``."""
+    peak is known); ``sources``: ``loss/<source>`` and ``label_tokens/<source>`` (a preference
+    objective: ``pairs/<source>``) of the log interval the step ends (:mod:`odb.telemetry.sources`),
+    after ``loss``."""
     plan, step_s = step.plan, step.times.step
     rank_costs = np.array(plan.rank_costs)  # [micro, world]
     rank_tokens = np.array(plan.rank_tokens)

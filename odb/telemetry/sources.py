@@ -16,7 +16,11 @@ rounded) and writes, on the row of the interval's last step::
     label_tokens/<source>  the source's label tokens over ranks and the interval's steps
 
 So ``loss/<source>`` is a per-token mean over the interval, as ``loss`` is over its step; the label
-tokens weigh it. Every step is in exactly one interval:
+tokens weigh it. A preference objective's steps train the mean over their pairs
+(:mod:`odb.training.step.preference`): there the sums are of the source's pair losses and the
+pairs weigh them, ``pairs/<source>`` in place of ``label_tokens/<source>`` (the run totals in
+``summary.json`` still count the pairs as ``samples`` and their label tokens). Every step is in
+exactly one interval:
 
 * the run's last interval ends at its last step, whole or not (:meth:`SourceIntervals.close`: at
   the run's end, at a stop on request, after ``--max_steps``), before the checkpoint of that step,
@@ -63,12 +67,14 @@ def _padded(values: Sequence[Any], size: int, zero: Any) -> list[Any]:
     return [*values, *[zero] * (size - len(values))]
 
 
-def source_keys(names: Sequence[str], loss: Sequence[float], label_tokens: Sequence[int]) -> dict[str, Any]:
+def source_keys(names: Sequence[str], loss: Sequence[float], label_tokens: Sequence[int], *,
+                unit: str = "label_tokens") -> dict[str, Any]:
     """``loss/<name>`` (the summed loss / the label tokens, None where there are none) and
-    ``label_tokens/<name>`` of every source."""
+    ``label_tokens/<name>`` of every source (``unit`` 'pairs': what the counts are, a preference
+    objective's pairs, as ``pairs/<name>``)."""
     out: dict[str, Any] = {f"loss/{name}": round(total / tokens, 6) if tokens else None
                            for name, total, tokens in zip(names, loss, label_tokens)}
-    out.update({f"label_tokens/{name}": int(tokens) for name, tokens in zip(names, label_tokens)})
+    out.update({f"{unit}/{name}": int(tokens) for name, tokens in zip(names, label_tokens)})
     return out
 
 
@@ -90,6 +96,7 @@ class SourceIntervals:
         self.open: _Interval | None = None
         self.pending: list[_Interval] = []  # closed, not yet reported
         self.reported: list[_Interval] = []  # reported, not yet gathered
+        self.unit = "label_tokens"  # what the counts are: 'pairs' for a preference objective (record)
 
     @property
     def active(self) -> bool:
@@ -103,10 +110,12 @@ class SourceIntervals:
         size = self.slots * len(self.names)
         return Layout(scalars=("source_intervals",), arrays={"source_loss_bits": size, "source_label_tokens": size})
 
-    def record(self, step: int, loss: Sequence[float], label_tokens: Sequence[int]) -> None:
-        """This rank trained ``step`` (in order): its summed token loss and label tokens per source id."""
+    def record(self, step: int, loss: Sequence[float], label_tokens: Sequence[int], *, pairs: bool = False) -> None:
+        """This rank trained ``step`` (in order): its summed token loss and label tokens per source id
+        (``pairs``: a preference objective's summed pair losses and pairs)."""
         if not self.active:
             return
+        self.unit = "pairs" if pairs else "label_tokens"
         size = len(self.names)
         if self.open is None:
             self.open = _Interval(step, [0.0] * size, [0] * size)
@@ -188,7 +197,7 @@ class SourceIntervals:
         rows = {}
         for i, interval in enumerate(reported):
             sums = [math.fsum(loss[:, i, s].tolist()) for s in range(size)]
-            rows[interval.last_step] = source_keys(self.names, sums, tokens[:, i].sum(axis=0).tolist())
+            rows[interval.last_step] = source_keys(self.names, sums, tokens[:, i].sum(axis=0).tolist(), unit=self.unit)
         return rows
 
 

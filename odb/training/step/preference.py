@@ -49,7 +49,7 @@ from odb.data.preference import pair_sequences
 from odb.training.config.objective import LOSSES, REFERENCES
 from odb.training.step.clock import ForwardClock
 from odb.training.step.objective import NEXT_TOKEN, Objective, StepResult
-from odb.training.step.sources import SourceSums
+from odb.training.step.sources import SourceSums, sample_source
 
 if TYPE_CHECKING:
     from odb.training.config.settings import RunConfig
@@ -173,8 +173,9 @@ class Preference:
                  truncate: bool = True, by_source: SourceSums | None = None, rewards: list[float] | None = None
                  ) -> tuple[float, int]:
         """An evaluation step: the summed pair loss of this rank's real micro-batches and its pairs;
-        ``rewards`` (three numbers) gets the summed chosen and rejected rewards and the pairs
-        ranked right added."""
+        ``by_source`` gets the same per source (its label tokens count pairs, as the evaluation's
+        total does); ``rewards`` (three numbers) gets the summed chosen and rejected rewards and the
+        pairs ranked right added."""
         total, count = 0.0, 0
         for micro, micro_samples in zip(plan.micro_batches, samples, strict=True):
             if micro.is_dummy:
@@ -183,6 +184,8 @@ class Preference:
             losses, scores = self.pairs(engine, micro, micro_samples, truncate=truncate)
             total += float(losses.double().sum())
             count += len(micro_samples)
+            if by_source is not None:
+                _by_source(by_source, micro_samples, losses, [1] * len(micro_samples))
             if rewards is not None:
                 for i, value in enumerate(_reward_sums(scores)):
                     rewards[i] += value
@@ -191,7 +194,8 @@ class Preference:
 
 class PreferenceTally:
     """One optimizer step of a :class:`Preference` objective: each micro-batch backs
-    ``sum_p loss_p * W / P_s`` (the module docstring)."""
+    ``sum_p loss_p * W / P_s`` (the module docstring). Per source (a mixture) it reports the pairs'
+    summed losses, their label tokens and the pairs (:attr:`StepResult.source_loss`, ...)."""
 
     def __init__(self, objective: Preference, engine: OdbEngine, plan: StepPlan) -> None:
         self.objective, self.engine, self.plan = objective, engine, plan
@@ -199,6 +203,7 @@ class PreferenceTally:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
         self.rewards = torch.zeros(3, dtype=torch.float64, device=engine.device)  # chosen, rejected, ranked right
         self.label_tokens = 0
+        self.by_source = SourceSums(engine.device)  # per source: pair losses, label tokens, pairs
         self.clock = ForwardClock(engine.device)
 
     def loss(self, micro: MicroBatch, samples: Sequence[dict[str, Any]]) -> torch.Tensor:
@@ -210,14 +215,26 @@ class PreferenceTally:
             self.loss_sum += losses.detach().double().sum()
             self.rewards += torch.cat([rewards.double().sum(0), (rewards[:, 0] > rewards[:, 1]).double().sum()[None]])
             self.label_tokens += micro.label_tokens
+            _by_source(self.by_source, samples, losses, [cost.label_tokens for cost in micro.samples])
             loss = losses.sum() * self.scale
         self.clock.stop()
         return loss
 
     def result(self, lr: float) -> StepResult:
         chosen, rejected, right = self.rewards.tolist()
+        loss, tokens, pairs = self.by_source.read()
         return StepResult(loss_sum=float(self.loss_sum), label_tokens=self.label_tokens, lr=lr,
-                          forward_seconds=self.clock.seconds(), rewards=(chosen, rejected, int(right)))
+                          forward_seconds=self.clock.seconds(), rewards=(chosen, rejected, int(right)),
+                          source_loss=tuple(loss), source_label_tokens=tuple(tokens), source_samples=tuple(pairs))
+
+
+def _by_source(sums: SourceSums, samples: Sequence[dict[str, Any]], losses: torch.Tensor, counts: Sequence[int]
+               ) -> None:
+    """Each pair's loss into its source's sum, its pair and ``counts`` (its label tokens, or 1) into its
+    source's counts (a mixture's figures: :mod:`odb.telemetry.sources`)."""
+    for sample, value, count in zip(samples, losses.detach(), counts, strict=True):
+        sums.add_total(sample_source(sample), value)
+        sums.count(sample_source(sample), count)
 
 
 def _reward_sums(rewards: torch.Tensor) -> list[float]:
