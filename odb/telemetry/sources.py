@@ -142,7 +142,7 @@ class SourceIntervals:
         if self.open is None:
             return None
         return {"last_step": self.open.last_step, "loss": dict(zip(self.names, self.open.loss)),
-                "label_tokens": dict(zip(self.names, self.open.label_tokens))}
+                "label_tokens": dict(zip(self.names, self.open.label_tokens)), "unit": self.unit}
 
     def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
         """Reopens a checkpoint's open interval (:meth:`state_dict`; a source this run no longer has
@@ -151,6 +151,7 @@ class SourceIntervals:
             return
         self.open = _Interval(state["last_step"], [float(state["loss"].get(name, 0.0)) for name in self.names],
                               [int(state["label_tokens"].get(name, 0)) for name in self.names])
+        self.unit = state.get("unit", "label_tokens")  # (what its counts are: a stop right after the resume)
 
     @staticmethod
     def redealt(states: Sequence[Mapping[str, Any] | None], world_size: int) -> list[dict[str, Any] | None]:
@@ -167,10 +168,11 @@ class SourceIntervals:
                 loss.setdefault(name, []).append(value)
             for name, value in (state or {}).get("label_tokens", {}).items():
                 tokens[name] = tokens.get(name, 0) + value
+        unit = first.get("unit", "label_tokens")
         merged = {"last_step": first["last_step"], "loss": {name: math.fsum(v) for name, v in loss.items()},
-                  "label_tokens": tokens}
+                  "label_tokens": tokens, "unit": unit}
         empty = {"last_step": first["last_step"], "loss": dict.fromkeys(loss, 0.0),
-                 "label_tokens": dict.fromkeys(tokens, 0)}
+                 "label_tokens": dict.fromkeys(tokens, 0), "unit": unit}
         return [merged if r == 0 else empty for r in range(world_size)]
 
     def fields(self) -> dict[str, Any]:

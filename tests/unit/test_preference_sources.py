@@ -84,21 +84,40 @@ def test_a_step_reports_each_sources_pair_losses_label_tokens_and_pairs(engine, 
     assert math.fsum(result.source_loss) == pytest.approx(result.loss_sum, rel=1e-9)
 
 
-def test_the_rows_give_each_sources_mean_pair_loss_and_the_summary_its_pairs(tmp_path):
-    telemetry = Telemetry(rank=0, max_steps_per_round=4, max_tokens=512, dataset_size=5, output_dir=tmp_path)
+STEPS = [((1.0, 6.0), (30, 50), (1, 2)), ((2.0, 0.0), (40, 0), (2, 0))]  # loss, label tokens, pairs per source
+
+
+def telemetry_of(out: Path, state: dict | None = None) -> Telemetry:
+    out.mkdir(parents=True, exist_ok=True)
+    telemetry = Telemetry(rank=0, max_steps_per_round=4, max_tokens=512, dataset_size=5, output_dir=out)
     telemetry.set_sources(("a", "b"), every=2)
-    for step, (loss, tokens, pairs) in enumerate([((1.0, 6.0), (30, 50), (1, 2)), ((2.0, 0.0), (40, 0), (2, 0))]):
+    if state is not None:
+        telemetry.load_state_dict(state)
+    return telemetry
+
+
+def train(telemetry: Telemetry, steps: range) -> None:
+    for step in steps:
+        loss, tokens, pairs = STEPS[step]
         sample = SampleCost(uid=step, tokens=100, label_tokens=sum(tokens), patches=0, cost=100)
         plan = StepPlan(epoch=0, step=step, micro_batches=(MicroBatch((sample,)),), num_label_tokens=sum(tokens),
                         num_samples=sum(pairs), rank_costs=((100,),), rank_tokens=((100,),))
         telemetry.record(plan, loss_sum=sum(loss), lr=0.1, times=TIMES, source_loss=loss, source_label_tokens=tokens,
                          source_samples=pairs, rewards=(0.0, 0.0, 0))
-    gathered = np.stack([telemetry.report({})])
-    telemetry.on_reports(gathered)
+    telemetry.on_reports(np.stack([telemetry.report({})]))
+
+
+def finish(telemetry: Telemetry, out: Path) -> list[dict]:
     telemetry.end_interval()
     telemetry.on_final_reports(np.stack([telemetry.final_report({}, dropped=0)]))
     telemetry.close()
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_rows_give_each_sources_mean_pair_loss_and_the_summary_its_pairs(tmp_path):
+    telemetry = telemetry_of(tmp_path)
+    train(telemetry, range(2))
+    rows = finish(telemetry, tmp_path)
     carrying = [r for r in rows if "loss/a" in r]
     assert len(carrying) == 1 and carrying[0]["step"] == 1
     # per pair, as the step's loss: a's 3 pairs lost 3.0, b's 2 pairs 6.0
@@ -116,3 +135,13 @@ def test_an_evaluation_gives_each_sources_mean_pair_loss(engine, micro_samples):
     got_loss, got_pairs, got_samples = sums.read()
     assert count == 5 and got_pairs == pairs == got_samples
     assert got_loss == pytest.approx(loss, rel=1e-5) and math.fsum(got_loss) == pytest.approx(total, rel=1e-9)
+
+
+def test_a_resumed_open_interval_stays_per_pair_where_it_closes_before_any_step(tmp_path):
+    first = telemetry_of(tmp_path / "1")
+    train(first, range(1))  # step 0 of an interval of 2: open at the checkpoint
+    state = json.loads(json.dumps(first.state_dict({}, {})))
+    resumed = telemetry_of(tmp_path / "2", state)
+    resumed.on_reports(np.stack([resumed.report({})]))  # a stop before its first step
+    carrying = [r for r in finish(resumed, tmp_path / "2") if "loss/a" in r]
+    assert carrying and carrying[0]["pairs/a"] == 1 and carrying[0]["loss/b"] == pytest.approx(3.0)
