@@ -95,8 +95,8 @@ class ReferenceScores:
                  truncate: bool = True, by_source: SourceSums | None = None) -> tuple[float, int]:
         count = 0
         for micro, micro_samples in zip(plan.micro_batches, samples, strict=True):
-            if micro.is_dummy:  # a real forward, as the other ranks run theirs
-                engine.dummy_loss()
+            if micro.is_dummy:  # a real forward, as the other ranks run theirs (no router logits either)
+                engine.dummy_loss(router=False)
                 continue
             logps = self.preference.logps(engine, micro, micro_samples, truncate=truncate).double().cpu().tolist()
             for sample, (chosen, rejected) in zip(micro_samples, logps, strict=True):

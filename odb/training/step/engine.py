@@ -292,14 +292,15 @@ class OdbEngine:
                            "image_grid_thw": torch.tensor([[1, merge, merge]])}
         return self._blank
 
-    def dummy_loss(self) -> torch.Tensor:
+    def dummy_loss(self, router: bool | None = None) -> torch.Tensor:
         """0 x the outputs of a real (tiny) call, with the graph of a real micro-batch's loss: the
-        router loss too (MoE), so that every rank's backward runs the same way. ZeRO-3 gathers a
+        router loss too (MoE; ``router`` False where the real ones have none: a preference objective's),
+        so that every rank's backward runs the same way. ZeRO-3 gathers a
         layer's parameters in its backward, and a checkpointed layer's recomputation runs when the
         backward first needs it: a rank whose loss left out the router logits would recompute and
         gather its layers in another order than the others, and hang (measured: Qwen3-MoE at ZeRO-3
-        with --gradient_checkpointing)."""
-        router = self.router_loss is not None
+        with --gradient_checkpointing, either way round)."""
+        router = self.router_loss is not None if router is None else router
         if self.vision is not None:  # a real pass through every module, as the others run
             summed, aux = self.forward_loss([], padded=False, router=router)
         else:

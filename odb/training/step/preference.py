@@ -163,11 +163,12 @@ class Preference:
 
     def dummy(self, engine: OdbEngine) -> torch.Tensor:
         """A dummy micro-batch's loss, after the same model calls as a real one (the reference's
-        without gradients), so that every rank gathers ZeRO-3's or FSDP2's parameters alike."""
+        without gradients), so that every rank gathers ZeRO-3's or FSDP2's parameters alike: no
+        router logits either (a mixture-of-experts model's), as a real one's calls have none."""
         if self.reference == "adapter":
             with torch.no_grad(), _adapter_disabled(engine):
-                engine.dummy_loss()
-        return engine.dummy_loss()
+                engine.dummy_loss(router=False)
+        return engine.dummy_loss(router=False)
 
     def evaluate(self, engine: OdbEngine, plan: StepPlan, samples: Sequence[Sequence[dict[str, Any]]], *,
                  truncate: bool = True, by_source: SourceSums | None = None, rewards: list[float] | None = None
