@@ -38,8 +38,8 @@ def test_a_padded_bin_of_one_pair_would_be_twice_what_the_batcher_planned():
     assert rows.numel() == 2000 > 1024
 
 
-@pytest.mark.parametrize("policy", ["fixed", "gmt", "bmt"])
-def test_a_padded_baseline_policy_is_refused(tmp_path, policy):
+@pytest.mark.parametrize("policy", ["gmt", "bmt"])  # (fixed: batch_size pairs, no budget to keep)
+def test_a_padded_baseline_policy_under_a_budget_is_refused(tmp_path, policy):
     with pytest.raises(ValueError, match="pads its micro-batches.*up to twice max_tokens"):
         parse_config(["--output_dir", str(tmp_path / "o"), "--objective", "simpo", "--policy", policy],
                      defaults=train_defaults())

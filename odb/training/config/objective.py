@@ -77,4 +77,5 @@ def padded_refusal(objective: str, padded: str) -> str:
     batcher planned, over the hard cap (I5)."""
     return (f"--objective {objective} trains each pair as two sequences, and {padded}: a padded micro-batch "
             "would hold each pair as two rows padded to the longer one, up to twice max_tokens (odb's padded "
-            "bins count a pair as one row); train a model odb packs, with policy odb")
+            "bins count a pair as one row); train a model odb packs, with policy odb (or the baseline fixed, which "
+            "ignores max_tokens)")

@@ -321,7 +321,7 @@ class RunConfig:
               f"--objective {self.objective.objective} trains each pair whole on one rank: sequence parallelism "
               "(--sequence_parallel_size, over_cap sequence_parallel) is for next-token loss; use over_cap truncate "
               "or drop")
-        check(not preference or self.batching.policy == "odb",
+        check(not preference or self.batching.policy not in ("gmt", "bmt"),  # (fixed ignores max_tokens anyway)
               padded_refusal(self.objective.objective, f"policy {self.batching.policy!r} pads its micro-batches"))
         check(not preference or self.objective.reference_for(lora=self.model.lora is not None) != "adapter"
               or self.model.lora is not None,
