@@ -138,27 +138,26 @@ class Preference:
         labels, each sequence cut to ``max_tokens`` unless ``truncate`` is False: one model call, with
         gradients where they are on. The policy's ``pi``, the adapter reference's ``rho``, and what
         reference 'precompute' keeps of the initial weights (:mod:`odb.training.run.reference`)."""
-        seqs = [seq for sample in samples for seq in pair_sequences(sample)]
-        return -engine.forward_loss(seqs, micro.padded, truncate=truncate, per_sample=True)[0].view(-1, 2)
+        return _logps(engine, micro, [seq for sample in samples for seq in pair_sequences(sample)], truncate)
 
     def pairs(self, engine: OdbEngine, micro: MicroBatch, samples: Sequence[dict[str, Any]], *, truncate: bool = True
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """The pairs' losses ``[P]`` and rewards ``[P, 2]`` of one real micro-batch (its model
         calls: the reference's first, then the policy's)."""
+        seqs = [seq for sample in samples for seq in pair_sequences(sample)]
         cap = engine.max_tokens if truncate else None
-        n = torch.tensor([count_label_tokens(seq["labels"][:cap].tolist())
-                          for sample in samples for seq in pair_sequences(sample)],
+        n = torch.tensor([count_label_tokens(seq["labels"][:cap].tolist()) for seq in seqs],
                          dtype=torch.float32, device=engine.device).view(-1, 2)
         rho = None
         if self.reference == "adapter":
             with torch.no_grad(), _adapter_disabled(engine):
-                rho = self.logps(engine, micro, samples, truncate=truncate)
+                rho = _logps(engine, micro, seqs, truncate)
         elif self.reference in ("data", "precompute"):  # (precompute: the run's table put them there)
             missing = [sample["index"] for sample in samples if "ref_logps" not in sample]
             if missing:
                 raise ValueError(_missing_reference(self.reference, missing[0]))
             rho = torch.tensor([sample["ref_logps"] for sample in samples], dtype=torch.float32, device=engine.device)
-        pi = self.logps(engine, micro, samples, truncate=truncate)
+        pi = _logps(engine, micro, seqs, truncate)
         return pair_losses(self.loss, pi, rho, n, beta=self.beta, gamma=self.gamma)
 
     def dummy(self, engine: OdbEngine) -> torch.Tensor:
@@ -188,7 +187,7 @@ class Preference:
             if by_source is not None:
                 _by_source(by_source, micro_samples, losses, [1] * len(micro_samples))
             if rewards is not None:
-                for i, value in enumerate(_reward_sums(scores)):
+                for i, value in enumerate(_reward_terms(scores).tolist()):
                     rewards[i] += value
         return total, count
 
@@ -214,7 +213,7 @@ class PreferenceTally:
         else:
             losses, rewards = self.objective.pairs(self.engine, micro, samples)
             self.loss_sum += losses.detach().double().sum()
-            self.rewards += torch.cat([rewards.double().sum(0), (rewards[:, 0] > rewards[:, 1]).double().sum()[None]])
+            self.rewards += _reward_terms(rewards)
             self.label_tokens += micro.label_tokens
             _by_source(self.by_source, samples, losses, [cost.label_tokens for cost in micro.samples])
             loss = losses.sum() * self.scale
@@ -229,19 +228,28 @@ class PreferenceTally:
                           source_loss=tuple(loss), source_label_tokens=tuple(tokens), source_samples=tuple(pairs))
 
 
+def _logps(engine: OdbEngine, micro: MicroBatch, seqs: list[dict[str, Any]], truncate: bool) -> torch.Tensor:
+    """:meth:`Preference.logps` of the pairs' sequences (chosen, rejected, chosen, ...)."""
+    return -engine.forward_loss(seqs, micro.padded, truncate=truncate, per_sample=True)[0].view(-1, 2)
+
+
 def _by_source(sums: SourceSums, samples: Sequence[dict[str, Any]], losses: torch.Tensor, counts: Sequence[int]
                ) -> None:
     """Each pair's loss into its source's sum, its pair and ``counts`` (its label tokens, or 1) into its
-    source's counts (a mixture's figures: :mod:`odb.telemetry.sources`)."""
-    for sample, value, count in zip(samples, losses.detach(), counts, strict=True):
-        sums.add_total(sample_source(sample), value)
-        sums.count(sample_source(sample), count)
+    source's counts (a mixture's figures: :mod:`odb.telemetry.sources`): one sum per source present."""
+    sources = [sample_source(sample) for sample in samples]
+    for source, count in zip(sources, counts, strict=True):
+        sums.count(source, count)
+    losses = losses.detach().double()  # (each pair added in fp64)
+    for source in sorted(set(sources)):
+        mine = [i for i, s in enumerate(sources) if s == source]
+        sums.add_total(source, losses.sum() if len(mine) == len(sources) else losses[mine].sum())
 
 
-def _reward_sums(rewards: torch.Tensor) -> list[float]:
-    """``[P, 2]`` rewards -> the chosen ones' sum, the rejected ones' sum, the pairs ranked right."""
-    chosen, rejected = rewards.double().sum(0).tolist()
-    return [chosen, rejected, float((rewards[:, 0] > rewards[:, 1]).sum())]
+def _reward_terms(rewards: torch.Tensor) -> torch.Tensor:
+    """``[P, 2]`` rewards -> ``[3]`` fp64: the chosen ones' sum, the rejected ones' sum, the pairs
+    ranked right (no host sync)."""
+    return torch.cat([rewards.double().sum(0), (rewards[:, 0] > rewards[:, 1]).double().sum()[None]])
 
 
 def _missing_reference(reference: str, index: int) -> str:

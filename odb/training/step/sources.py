@@ -36,8 +36,8 @@ class SourceSplit:
 
     Attributes:
         sums: ``[max(present) + 1]`` fp64, detached: each source's summed token loss, once the loss
-            has run (0 for a source absent from the call).
-        graded: with ``graph``, the same sums in fp32 with their gradients (else None).
+            has run (0 for a source absent from the call; left at 0 with ``graph``).
+        graded: with ``graph``, the sums in fp32 with their gradients, instead (else None).
     """
 
     def __init__(self, sources_bt: torch.Tensor, present: Sequence[int], *, shifted: bool = False,
@@ -57,10 +57,12 @@ class SourceSplit:
         return out
 
     def add(self, sources_n: torch.Tensor, losses_n: torch.Tensor) -> None:
-        """Adds token losses ``[n]`` (detached here; kept in :attr:`graded` too) into their sources ``[n]``."""
-        self.sums.index_add_(0, sources_n, losses_n.detach().double())
+        """Adds token losses ``[n]`` into their sources ``[n]``: detached into :attr:`sums`, or with
+        ``graph`` into :attr:`graded` alone (what the caller reads then)."""
         if self.graded is not None:  # (out of place: the graph keeps each step)
             self.graded = self.graded.index_add(0, sources_n, losses_n.float())
+        else:
+            self.sums.index_add_(0, sources_n, losses_n.detach().double())
 
     def add_total(self, source: int, loss: torch.Tensor) -> None:
         """Adds one source's summed loss (a fused loss run on that source's tokens alone)."""
