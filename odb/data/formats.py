@@ -71,7 +71,7 @@ SKIP_REASONS = ("not_json", "not_an_object", "no_messages", "bad_role", "bad_con
                 "missing_image", "unreadable_image", "video_placeholder_mismatch", "mixed_video_sources",
                 "video_not_supported", "missing_video", "unreadable_video", "image_token_mismatch", "template_mismatch",
                 "template_drops_fields", "no_labels", "over_cap", "not_a_pair", "pair_prompt_mismatch",
-                "pair_media_not_supported", "preference_record", "error")
+                "pair_media_not_supported", "preference_record", "no_reference", "error")
 """Every :class:`SkipSample` reason, in the order the run's totals count them (metrics, summary).
 
 The preference reasons (:mod:`odb.data.preference`): ``not_a_pair``, a record without ``chosen``
@@ -80,7 +80,8 @@ and ``rejected`` where every record must be a pair (``SampleDataset(pairs=True)`
 differ before their final answers; ``pair_media_not_supported``, an image or video in an answer
 (a pair carries its prompt's only); ``preference_record``, a preference record with its prompt
 turns under ``messages`` / ``conversations`` read as a next-token (SFT) sample, which would train
-the prompt's turns and neither answer."""
+the prompt's turns and neither answer; ``no_reference``, a pair without ``ref_chosen_logps`` and
+``ref_rejected_logps`` where the run's reference is the records' own (``--reference data``)."""
 
 
 class SkipSample(Exception):

@@ -50,7 +50,9 @@ is cut at the ends of its answers, the longer first, never in a prompt
 whose prompts and one answer token each do not fit is ``over_cap``. Both sequences carry the
 prompt's images and videos: ``pixel_values`` (``image_grid_thw``, ...) hold them twice, chosen's
 then rejected's, and ``patches`` counts both. Augmentation is refused for pairs: a pair's reference
-log-probs must be the same every epoch. A preference record read as SFT (``pairs=False``) is skipped,
+log-probs must be the same every epoch. Where those are the records' own (``reference``:
+``--reference data``), a pair without them is ``no_reference`` and one over ``truncate_to`` is
+``over_cap``, never cut. A preference record read as SFT (``pairs=False``) is skipped,
 never trained on its prompt alone (``preference_record``; ``no_messages`` where it has no prompt turns).
 """
 
@@ -116,12 +118,17 @@ class SampleDataset(MediaSamples, Dataset):
         pairs: every record is a preference record, and every sample a pair (the module docstring):
             ``pair``, ``(len(chosen), len(rejected))``, with both sequences end to end in
             ``input_ids`` and ``labels``.
+        reference: (pairs) each pair's reference log-probs are its record's ``ref_chosen_logps`` /
+            ``ref_rejected_logps`` (``--reference data``): a record without them is ``no_reference``,
+            and a pair over ``truncate_to`` is ``over_cap`` (they score the whole answers, and a cut
+            pair would train against the log-probs of tokens it no longer has).
     """
 
     def __init__(self, path: str | Path, tokenizer, config: DataConfig = DataConfig(), *, seed: int = 0,
                  max_samples: int | None = None, truncate_to: int | None = None,
                  vision: VisionSpec | None = None, indices: Sequence[int] | None = None,
-                 cache_dir: str | Path | None = None, streaming: bool = False, pairs: bool = False) -> None:
+                 cache_dir: str | Path | None = None, streaming: bool = False, pairs: bool = False,
+                 reference: bool = False) -> None:
         if streaming and (indices is not None or max_samples):
             raise ValueError("a streaming source has no record numbers: no indices or max_samples")
         for option, off in (("turn_sampling", "false"), ("system_prompt_prob", "0")):
@@ -139,7 +146,7 @@ class SampleDataset(MediaSamples, Dataset):
         available = len(indices) if indices is not None else len(self.source)
         self.size = min(available, max_samples) if max_samples else available
         self.tokenizer, self.config, self.seed, self.truncate_to = tokenizer, config, seed, truncate_to
-        self.pairs = pairs
+        self.pairs, self.reference = pairs, reference
         root = Path(path) if Path(path).is_dir() else Path(path).parent
         self.image_folder = Path(config.image_folder) if config.image_folder else root
         self.vision = vision
@@ -252,7 +259,17 @@ class SampleDataset(MediaSamples, Dataset):
                                  "generation prompt); check that the template renders the assistant turns")
             ids.append(input_ids)
             labels.append(torch.where(keep, input_ids, torch.full_like(input_ids, -100)))
+        reference = [value.get(f"ref_{name}_logps") for name in PAIR_KEYS]  # (TRL's precomputed columns)
+        if self.reference and any(v is None for v in reference):
+            raise SkipSample("no_reference", "--reference data takes each pair's reference log-probs from its record, "
+                             "and this one has no ref_chosen_logps / ref_rejected_logps: give every record both, or "
+                             "use --reference precompute (the initial weights' own, computed before the first step)")
         if self.truncate_to is not None and sum(map(len, ids)) > self.truncate_to:
+            if self.reference:
+                raise SkipSample("over_cap", f"the pair's {sum(map(len, ids))} tokens would be cut to max_tokens "
+                                 f"{self.truncate_to}, and its record's ref_chosen_logps / ref_rejected_logps score "
+                                 "the whole answers (--reference data): raise max_tokens, or use --reference "
+                                 "precompute, which scores each pair as it is trained")
             prompts = [int((label != -100).nonzero()[0]) for label in labels]  # the tokens before the first label
             kept = pair_answer_tokens((prompts[0], prompts[1]), (len(ids[0]), len(ids[1])), self.truncate_to)
             sample["truncated_tokens"] = sum(map(len, ids)) - sum(prompts) - sum(kept)
@@ -264,7 +281,6 @@ class SampleDataset(MediaSamples, Dataset):
                     sample[key] = torch.cat([sample[key], sample[key]])
         sample.update(input_ids=torch.cat(ids), labels=torch.cat(labels), pair=(len(ids[0]), len(ids[1])),
                       patches=2 * sample["patches"])
-        reference = [value.get(f"ref_{name}_logps") for name in PAIR_KEYS]  # (TRL's precomputed columns)
         if any(v is not None for v in reference):
             if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v <= 0
                        for v in reference):

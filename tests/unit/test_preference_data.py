@@ -162,6 +162,28 @@ def test_a_pair_whose_prompts_do_not_fit_is_over_cap_and_without_a_cap_a_long_pa
     assert whole["pair"] == (prompt + 301, prompt + 4) and whole["truncated_tokens"] == 0
 
 
+def test_under_reference_data_a_pair_without_its_log_probs_or_over_the_cap_is_skipped_never_cut(tmp_path):
+    """--reference data: the record's log-probs score the whole answers, so a cut pair would train
+    against another sequence's reference; a record without them would raise on one rank mid-step."""
+    prompt = prompt_tokens()
+    refs = {"ref_chosen_logps": -12.5, "ref_rejected_logps": -30.0}
+    long = {"prompt": QUESTION, "chosen": words(30), "rejected": words(3), **refs}
+    short = {"prompt": QUESTION, "chosen": words(3), "rejected": words(4), **refs}
+    bare = {"prompt": QUESTION, "chosen": words(3), "rejected": words(4)}
+    cap = 2 * prompt + 20  # the long pair's 30 + 1 + 3 + 1 answer tokens do not fit, the short one's do
+    samples = [dataset(tmp_path, [long, short, bare], truncate_to=cap, reference=True)[i] for i in range(3)]
+    assert samples[0]["skip"] == "over_cap" and "--reference precompute" in samples[0]["detail"]
+    assert "skip" not in samples[1] and samples[1]["ref_logps"] == (-12.5, -30.0)
+    assert samples[1]["pair"] == (prompt + 4, prompt + 5)
+    assert samples[2]["skip"] == "no_reference" and "ref_rejected_logps" in samples[2]["detail"]
+    # the same records without reference 'data': the long pair is cut to fit, the bare one kept
+    plain = [dataset(tmp_path, [long, short, bare], truncate_to=cap)[i] for i in range(3)]
+    assert [("skip" in sample) for sample in plain] == [False, False, False]
+    assert len(plain[0]["input_ids"]) == cap and plain[0]["truncated_tokens"] == 15
+    whole = dataset(tmp_path, [long], reference=True)[0]  # no cap: whole (an evaluation's samples)
+    assert whole["pair"] == (prompt + 31, prompt + 4) and whole["ref_logps"] == (-12.5, -30.0)
+
+
 def test_the_answer_budget_of_the_brief():
     # chosen 6000 answer tokens, rejected 40, prompts of 100, budget 4096: the rejected stays whole
     assert pair_answer_tokens((100, 100), (6100, 140), 4096) == (3856, 40)

@@ -82,13 +82,15 @@ def build_datasets(config: RunConfig, tokenizer, vision, *, truncate_to: int | N
     evaluator scores one over the cap in a forward of its own), so the eval loss does not depend
     on ``max_tokens``."""
     data = config.data
+    reference = config.objective.is_preference and \
+        config.objective.reference_for(lora=config.model.lora is not None) == "data"
     sources = data.sources or (SourceSpec("data", data.path),)
     train, held_out = [], []
     for number, source in enumerate(sources):
         processing = dataclasses.replace(data.processing, **source.processing)
         plain = dataclasses.replace(processing, system_prompt_prob=0.0, turn_sampling=False)
         common = {"seed": config.seed + 7919 * number, "truncate_to": truncate_to, "vision": vision,
-                  "cache_dir": config.output_dir, "pairs": config.objective.is_preference}
+                  "cache_dir": config.output_dir, "pairs": config.objective.is_preference, "reference": reference}
         whole = {**common, "truncate_to": None}
         dataset = SampleDataset(source.path, tokenizer, processing, max_samples=data.max_samples,
                                 streaming=data.streaming, **common)
@@ -106,7 +108,7 @@ def build_datasets(config: RunConfig, tokenizer, vision, *, truncate_to: int | N
     if data.eval_path is not None:
         plain = dataclasses.replace(data.processing, system_prompt_prob=0.0, turn_sampling=False)
         whole = {"seed": config.seed, "truncate_to": None, "vision": vision, "cache_dir": config.output_dir,
-                 "pairs": config.objective.is_preference}
+                 "pairs": config.objective.is_preference, "reference": reference}
         held_out = [(s.name, SampleDataset(s.path, tokenizer, dataclasses.replace(plain, **s.processing), **whole))
                     for s in data.eval_sources or (SourceSpec("data", data.eval_path),)]
 
