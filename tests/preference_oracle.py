@@ -3,21 +3,24 @@ tests/unit/test_preference_loss.py and tests/e2e/preference_ranks_worker.py: pai
 odb.data.preference makes them, each sequence's log-probability alone through a plain model (its
 own logits, log-softmax summed over the answer's labels), and TRL's own loss code on one pair
 (CPOTrainer.cpo_loss for sigmoid, IPO, hinge and SimPO, ORPOTrainer.odds_ratio_loss for ORPO's
-odds ratio). Nothing here calls odb."""
+odds ratio; RewardTrainer.compute_loss for a reward model, on the pair's two rows padded as its
+collator pads them). Nothing here calls odb."""
 
 from __future__ import annotations
 
 import os
 import random
+from collections import defaultdict
 from types import SimpleNamespace
 
 import torch
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+from trl import RewardTrainer  # noqa: E402
 from trl.experimental.cpo import CPOTrainer  # noqa: E402
 from trl.experimental.orpo import ORPOTrainer  # noqa: E402
 
-__all__ = ["alone_logps", "answer_tokens", "pair", "trl_loss"]
+__all__ = ["alone_logps", "answer_tokens", "pair", "trl_loss", "trl_reward_loss"]
 
 
 def pair(rng: random.Random, uid: int, *, ref: bool, vocab: int = 1024) -> dict:
@@ -72,3 +75,23 @@ def trl_loss(loss: str, beta: float, gamma: float, pi, rho, n) -> torch.Tensor:
     else:
         chosen, rejected = pi[0] - rho[0], pi[1] - rho[1]
     return CPOTrainer.cpo_loss(trainer, chosen[None], rejected[None])[0][0]
+
+
+def trl_reward_loss(model, sample: dict, pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's RewardTrainer loss of one pair (``model``: a sequence classifier, one label) and the
+    two rewards: its ``compute_loss`` on the chosen and the rejected rows padded on the right to the
+    longer (the model's own class pools each row's last token that is not padding)."""
+    chosen = sample["pair"][0]
+    rows = [sample["input_ids"][:chosen], sample["input_ids"][chosen:]]
+    longest = max(map(len, rows))
+    input_ids = torch.full((2, longest), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((2, longest), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, :len(row)], mask[i, :len(row)] = row, 1
+    same = lambda x: x  # noqa: E731 (one process: nothing to gather)
+    trainer = SimpleNamespace(model=model, args=SimpleNamespace(center_rewards_coefficient=None), _tp_size=1,
+                              accelerator=SimpleNamespace(gather=same, gather_for_metrics=same),
+                              _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, _total_train_tokens=0)
+    loss, outputs = RewardTrainer.compute_loss(trainer, model, {"input_ids": input_ids, "attention_mask": mask},
+                                               return_outputs=True)
+    return loss, outputs.logits[:, 0].detach()

@@ -36,10 +36,11 @@ The loss normalizer is the number of labels != -100: :func:`odb.batching.cost.co
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["collate_packed", "collate_padded", "token_sources"]
+__all__ = ["collate_packed", "collate_padded", "to_device", "token_sources"]
 
 
 def _ids_and_labels(sample: Mapping, max_tokens: int | None) -> tuple[list[int], list[int]]:
@@ -157,3 +158,15 @@ def collate_padded(samples: Sequence[Mapping], *, pad_token_id: int, max_tokens:
     positions = torch.arange(longest).expand(len(rows), longest).clone()
     return {"input_ids": input_ids, "attention_mask": mask, "position_ids": positions, "labels": labels,
             **_images(samples), **(_sources(samples) if sources else {})}
+
+
+def to_device(batch: dict[str, Any], device) -> dict[str, Any]:
+    """The batch's tensors on ``device``; one tensor under two keys stays one tensor (the
+    attention then sees ``cu_seq_lens_k is cu_seq_lens_q``)."""
+    moved: dict[int, torch.Tensor] = {}
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            value = moved.setdefault(id(value), value.to(device))
+        out[key] = value
+    return out

@@ -20,6 +20,11 @@ Two doors, one writer:
   ``modules_to_save`` naming ``lm_head``), is saved untied: training changed one and not the other,
   so the head gets its own tensor and the saved config says ``tie_word_embeddings: false``.
 
+  A reward model (``--objective reward``) saves as the family's ``...ForSequenceClassification``
+  (``AutoModelForSequenceClassification.from_pretrained(out)`` loads it: ``num_labels`` 1, the
+  tokenizer's ``pad_token_id``, by which it finds each padded row's last token), its LoRA with
+  PEFT's ``SEQ_CLS`` task (the score head trained whole, merged or in the adapter);
+
   plus the tokenizer, and for a vision-language model (its config has ``vision_config``) the image
   processor odb trained with (``AutoImageProcessor.from_pretrained(out)``) and, for one that takes
   videos, its video processor settings (``video_preprocessor_config.json``: frames sampled, pixel
@@ -43,7 +48,8 @@ import torch
 from odb.data.images import VisionSpec, vision_spec_for
 from odb.data.processing import DataConfig
 from odb.training import backends
-from odb.training.model.build import load_tokenizer
+from odb.training.config.objective import run_scores
+from odb.training.model.build import auto_class, hf_model, load_tokenizer
 
 __all__ = ["consolidated_state_dict", "export_checkpoint", "find_checkpoint", "save_hf", "write_hf"]
 
@@ -85,6 +91,7 @@ def save_hf(backend, *, model_path: str | Path, lora: dict[str, Any] | None, tok
 
     _check_adapter(adapter_only, lora)
     module = backend.module
+    scores = _is_score_model(hf_model(module))
     if isinstance(module, PeftModel) != (lora is not None):
         raise ValueError("save_hf: pass lora=config.model.lora, the run's LoRA settings (None: full fine-tuning); "
                          f"the engine's model is {'' if isinstance(module, PeftModel) else 'not '}a PEFT model")
@@ -95,7 +102,7 @@ def save_hf(backend, *, model_path: str | Path, lora: dict[str, Any] | None, tok
     if rank == 0:
         try:
             write_hf(state_dict, model_path=model_path, lora=lora, tokenizer=tokenizer, out=out,
-                     adapter_only=adapter_only, vision=vision)
+                     adapter_only=adapter_only, vision=vision, score_head=scores)
         except Exception as exc:  # told to every rank below, then raised here
             error = exc
     if distributed:  # the barrier: every rank learns whether rank 0 wrote ``out``
@@ -109,7 +116,7 @@ def save_hf(backend, *, model_path: str | Path, lora: dict[str, Any] | None, tok
 
 def write_hf(state_dict: dict[str, torch.Tensor], *, model_path: str | Path, lora: dict[str, Any] | None,
              tokenizer: Any, out: str | Path, adapter_only: bool = False, dtype: torch.dtype | None = None,
-             vision: VisionSpec | None = None) -> Path:
+             vision: VisionSpec | None = None, score_head: bool = False) -> Path:
     """Writes ``out`` from a full state dict (one process). Consumes ``state_dict``: its tensors
     become the saved model's (cast to ``dtype`` after any LoRA merge), and the dict is emptied.
 
@@ -118,19 +125,24 @@ def write_hf(state_dict: dict[str, torch.Tensor], *, model_path: str | Path, lor
             with ``adapter_only`` the trainable ones suffice.
         model_path / lora / tokenizer / out / adapter_only / vision: as :func:`save_hf`.
         dtype: of the saved weights (default: as given).
+        score_head: a reward model's weights (:func:`odb.training.model.build.build_model`).
 
     Returns:
         ``out``.
     """
     out = Path(out)
     _check_adapter(adapter_only, lora)
+    if isinstance(tokenizer, (str, Path)):
+        tokenizer = load_tokenizer(tokenizer)
     config = _export_config(model_path)
-    model = _empty_model(config, lora, model_path)
+    if score_head:
+        config.num_labels, config.pad_token_id = 1, tokenizer.pad_token_id
+    model = _empty_model(config, lora, model_path, score_head=score_head)
     untie = lora is not None and not adapter_only and _adapts_tied_embeddings(model)
     if untie:  # the head gets its own tensor: merging its delta must leave the input embeddings alone
         for sub in (config, config.get_text_config()):
             sub.tie_word_embeddings = False
-        model = _empty_model(config, lora, model_path)
+        model = _empty_model(config, lora, model_path, score_head=score_head)
     if adapter_only:
         trainable = {name for name, p in model.named_parameters() if p.requires_grad}
         missing = trainable - state_dict.keys()
@@ -154,22 +166,22 @@ def write_hf(state_dict: dict[str, torch.Tensor], *, model_path: str | Path, lor
         base.config.dtype = base.dtype
         _copy_generation_config(base, model_path)
         base.save_pretrained(str(out), safe_serialization=True)
-    _save_tokenizer(tokenizer, out)
+    tokenizer.save_pretrained(str(out))
     if getattr(config, "vision_config", None) is not None:
         _save_image_processor(config, vision, out, model_path)
     return out
 
 
-def _empty_model(config, lora: dict[str, Any] | None, model_path: str | Path):
+def _empty_model(config, lora: dict[str, Any] | None, model_path: str | Path, *, score_head: bool = False):
     """The model of ``config`` on the ``meta`` device (shapes only), wrapped by PEFT for ``lora``."""
     with torch.device("meta"):  # the weights come from the state dict
-        model = _auto_class(config).from_config(config, dtype=torch.float32)
+        model = auto_class(config, score_head=score_head).from_config(config, dtype=torch.float32)
         if lora is not None:
             from peft import LoraConfig, get_peft_model
 
             base_path = str(model_path) if Path(model_path).is_dir() else None
-            model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", base_model_name_or_path=base_path,
-                                                     **lora))
+            model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS" if score_head else "CAUSAL_LM",
+                                                     base_model_name_or_path=base_path, **lora))
     return model
 
 
@@ -226,10 +238,11 @@ def _export_config(model_path: str | Path):
     return config
 
 
-def _auto_class(config):
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+def _is_score_model(model) -> bool:
+    """Whether ``model`` (no PEFT wrapper) is a sequence classifier: a reward model."""
+    from transformers import AutoModelForSequenceClassification
 
-    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    return type(model) in AutoModelForSequenceClassification._model_mapping.values()
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -243,12 +256,6 @@ def _copy_generation_config(model, model_path: str | Path) -> None:
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(str(path))
-
-
-def _save_tokenizer(tokenizer: Any, out: Path) -> None:
-    if isinstance(tokenizer, (str, Path)):
-        tokenizer = load_tokenizer(tokenizer)
-    tokenizer.save_pretrained(str(out))
 
 
 def _save_image_processor(config, vision: VisionSpec | None, out: Path, model_path: str | Path) -> None:
@@ -341,4 +348,4 @@ def export_checkpoint(checkpoint_dir: str | Path, out: str | Path, *, adapter_on
                                          exclude_frozen=adapter_only)
     return write_hf(state_dict, model_path=model_path or model["path"],
                     lora=model["lora"], tokenizer=tokenizer, out=out, adapter_only=adapter_only, dtype=dtype,
-                    vision=vision)
+                    vision=vision, score_head=run_scores(run))

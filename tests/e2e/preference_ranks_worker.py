@@ -12,7 +12,8 @@ reference's too) as a real micro-batch. The cases (:data:`CASES`): DPO on a Qwen
 attention and the LM head, its reference the base model (the adapter disabled; A and B random, so
 policy and reference differ); SimPO, a Gemma-2 full fine-tune (tied embeddings, soft-capping,
 sliding window 16 under 52-token sequences), reference free; IPO, a Qwen2 full fine-tune, its
-reference the records' log-probs. SGD at lr 0 keeps the weights; each step's gradient is read,
+reference the records' log-probs; a Bradley-Terry reward model, a Qwen2 with LoRA on attention under
+its score head (trained whole), TRL's RewardTrainer loss. SGD at lr 0 keeps the weights; each step's gradient is read,
 gathered whole, just before the optimizer step.
 
 The oracle shares no odb code path under test (tests/preference_oracle.py): the same model built
@@ -53,7 +54,8 @@ from odb.training.model.build import build_model  # noqa: E402
 from odb.training.run.teardown import end_process  # noqa: E402
 from odb.training.step.engine import OdbEngine  # noqa: E402
 from odb.training.step.preference import Preference  # noqa: E402
-from preference_oracle import alone_logps, answer_tokens, pair, trl_loss  # noqa: E402
+from odb.training.step.reward import Reward  # noqa: E402
+from preference_oracle import alone_logps, answer_tokens, pair, trl_loss, trl_reward_loss  # noqa: E402
 
 VOCAB = TEXT["vocab_size"]
 CONFIGS = {"qwen2": {**TEXT, "model_type": "qwen2"}, "gemma2": {**TEXT, **MODELS["gemma2"]}}
@@ -63,6 +65,7 @@ CASES = {  # model, LoRA, objective
     "dpo_lora_adapter": ("qwen2", LORA, Preference("dpo", beta=0.1, reference="adapter")),
     "simpo_full": ("gemma2", None, Preference("simpo", beta=2.0, gamma=0.5, reference="none")),
     "ipo_full_data": ("qwen2", None, Preference("ipo", beta=0.1, reference="data")),
+    "reward_lora": ("qwen2", {**LORA, "target_modules": ["q_proj", "v_proj"]}, Reward()),
 }
 BACKENDS = ("deepspeed", "fsdp2")
 RANK_PAIRS = [[3, 1], [1, 0]]  # pairs per micro-batch; 0 = a dummy
@@ -96,13 +99,20 @@ def oracle(path: Path, name: str) -> dict:
     """Per rank, the summed loss and rewards (chosen, rejected, ranked right) of its pairs, and
     the step's gradient: the mean over every pair of both ranks, each alone, TRL's loss."""
     model_name, lora, objective = CASES[name]
-    model = build_model(path, seed=0, vocab_size=VOCAB, lora=lora)
+    scores = isinstance(objective, Reward)
+    model = build_model(path, seed=0, vocab_size=VOCAB, lora=lora, score_head=scores)
     (model.get_base_model() if lora else model).set_attn_implementation("eager")
     layout = rank_samples(ref=objective.reference == "data")
     losses, rewards = [], []
     for micros in layout:
         rank_losses, rank_rewards = [], [0.0, 0.0, 0]
         for sample in (s for micro in micros for s in micro):
+            if scores:
+                loss, reward = trl_reward_loss(model, sample)
+                rank_losses.append(loss)
+                rank_rewards = [rank_rewards[0] + float(reward[0]), rank_rewards[1] + float(reward[1]),
+                                rank_rewards[2] + int(reward[0] > reward[1])]
+                continue
             pi, n = alone_logps(model, sample), answer_tokens(sample)
             if objective.reference == "adapter":
                 with torch.no_grad(), model.disable_adapter():
@@ -140,23 +150,25 @@ def reading_fsdp2_grads(backend) -> list[dict[str, torch.Tensor]]:
     return grads
 
 
-def train_backend(kind: str, path: Path, lora: dict | None, rank: int, world: int):
-    """The backend of ``kind`` over the model built from ``path``, and the list its step's gradients go to."""
+def train_backend(kind: str, path: Path, lora: dict | None, rank: int, world: int, scores: bool):
+    """The backend of ``kind`` over the model built from ``path`` (``scores``: a reward model's), and
+    the list its step's gradients go to."""
     if kind == "deepspeed":
-        engine = deepspeed_engine(build_model(path, seed=0, vocab_size=VOCAB, lora=lora), world)
+        engine = deepspeed_engine(build_model(path, seed=0, vocab_size=VOCAB, lora=lora, score_head=scores), world)
         return DeepSpeedBackend(engine), reading_grads(engine)
     optimization = OptimizationSettings(optimizer="sgd", lr=0.0, backend="fsdp2",
                                         fsdp2=Fsdp2Settings(mixed_precision="fp32", gradient_clipping=0.0))
     backend = build_fsdp2(ModelSettings(path=str(path), tokenizer="unused", lora=lora), optimization, seed=0,
-                          vocab_size=VOCAB, rank=rank)
+                          vocab_size=VOCAB, rank=rank, score_head=scores)
     return backend, reading_fsdp2_grads(backend)
 
 
 def run(kind: str, name: str, path: Path, expected: dict, rank: int, world: int) -> dict:
     _, lora, objective = CASES[name]
-    backend, grads = train_backend(kind, path, lora, rank, world)
+    scores = isinstance(objective, Reward)
+    backend, grads = train_backend(kind, path, lora, rank, world, scores)
     trainer = OdbEngine(backend, world_size=world, max_tokens=MAX_TOKENS, pad_token_id=0,
-                        loss_chunk_tokens=CHUNK_TOKENS, objective=objective, rank=rank)
+                        loss_chunk_tokens=None if scores else CHUNK_TOKENS, objective=objective, rank=rank)
     layout = rank_samples(ref=objective.reference == "data")
     result = trainer.train_step(plan_of(layout, rank), layout[rank], lr=0.0)
     (got,) = grads

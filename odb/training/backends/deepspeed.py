@@ -175,10 +175,10 @@ def release() -> None:
 
 
 def build_model(path: str | Path, *, seed: int, vocab_size: int, ds_config: Mapping[str, Any] | None,
-                lora: Mapping[str, Any] | None = None, gradient_checkpointing: bool = False):
+                lora: Mapping[str, Any] | None = None, gradient_checkpointing: bool = False, score_head: bool = False):
     """:func:`odb.training.model.build.build_model` in DeepSpeed's precision and, at ZeRO-3, partitioned as
     it is constructed (collective at ZeRO-3: every rank, after the process group is joined)."""
-    return build_hf_model(path, seed=seed, vocab_size=vocab_size, lora=lora,
+    return build_hf_model(path, seed=seed, vocab_size=vocab_size, lora=lora, score_head=score_head,
                           gradient_checkpointing=gradient_checkpointing, dtype=training_dtype(ds_config),
                           construction=Zero3Construction(ds_config) if is_zero3(ds_config) else None)
 
@@ -193,7 +193,8 @@ def build(config: RunConfig, *, rank: int, vocab_size: int, load: LoadPlan | Non
     model_settings = config.model
     model = build_model(model_settings.path, seed=config.seed, vocab_size=vocab_size,
                         lora=dict(model_settings.lora) if model_settings.lora is not None else None,
-                        ds_config=optimization.deepspeed, gradient_checkpointing=model_settings.gradient_checkpointing)
+                        ds_config=optimization.deepspeed, gradient_checkpointing=model_settings.gradient_checkpointing,
+                        score_head=config.objective.scores)
     return DeepSpeedBackend(initialize_deepspeed(optimization, model))
 
 

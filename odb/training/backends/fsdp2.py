@@ -42,6 +42,7 @@ import torch
 
 from odb.settings import ConfigSource, field_names, load_json_config
 from odb.training.backends.base import optimizer_kept_fresh, torch_optimizer
+from odb.training.config.objective import run_scores
 from odb.training.config.optimization import Fsdp2Settings, OptimizationSettings
 from odb.training.config.settings import ModelSettings
 from odb.training.model.build import build_model, hf_model
@@ -142,7 +143,8 @@ def plan_load(config: RunConfig, folder: Path, tag: str, *, rank: int, world_siz
 
 def build(config: RunConfig, *, rank: int, vocab_size: int, load: LoadPlan | None = None) -> Fsdp2Backend:
     """:func:`build_fsdp2` with the run's settings (collective)."""
-    return build_fsdp2(config.model, config.optimization, seed=config.seed, vocab_size=vocab_size, rank=rank)
+    return build_fsdp2(config.model, config.optimization, seed=config.seed, vocab_size=vocab_size, rank=rank,
+                       score_head=config.objective.scores)
 
 
 def holds_checkpoint(tag_folder: Path) -> bool:
@@ -169,7 +171,8 @@ def consolidated_state_dict(tag_folder: Path, *, run: Mapping[str, Any], model_p
         state_dict = torch.load(Path(tmp) / "model.pt", map_location="cpu", weights_only=False)["model"]
     lora = run["model"]["lora"]
     if lora is not None and not exclude_frozen:
-        base = build_model(model_path, seed=run["batching"]["seed"], vocab_size=0, lora=lora).state_dict()
+        base = build_model(model_path, seed=run["batching"]["seed"], vocab_size=0, lora=lora,
+                           score_head=run_scores(run)).state_dict()
         state_dict = {**base, **state_dict}
     return state_dict
 
@@ -183,7 +186,7 @@ def param_dtype(settings: Fsdp2Settings) -> torch.dtype:
 
 
 def build_fsdp2(model_settings: ModelSettings, opt: OptimizationSettings, *, seed: int, vocab_size: int,
-                rank: int) -> Fsdp2Backend:
+                rank: int, score_head: bool = False) -> Fsdp2Backend:
     """The sharded model and its optimizer (collective: every rank, after the process group).
 
     Args:
@@ -192,6 +195,7 @@ def build_fsdp2(model_settings: ModelSettings, opt: OptimizationSettings, *, see
         seed: the run's seed (random init and LoRA init, as the DeepSpeed path draws them).
         vocab_size: the tokenizer's.
         rank: this rank (rank 0 reads the weights and broadcasts them).
+        score_head: a reward model (:func:`odb.training.model.build.build_model`).
     """
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -199,7 +203,7 @@ def build_fsdp2(model_settings: ModelSettings, opt: OptimizationSettings, *, see
     settings = opt.fsdp2
     assert settings is not None, "the FSDP2 settings are resolved by parse_config"
     lora = dict(model_settings.lora) if model_settings.lora is not None else None
-    common = {"seed": seed, "vocab_size": vocab_size, "lora": lora}
+    common = {"seed": seed, "vocab_size": vocab_size, "lora": lora, "score_head": score_head}
     model = build_model(model_settings.path, empty=True, gradient_checkpointing=model_settings.gradient_checkpointing,
                         **common)
     full = None

@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 
 from odb.settings import check, check_number, flag
 
-__all__ = ["LOSSES", "OBJECTIVES", "REFERENCES", "ObjectiveSettings", "padded_refusal"]
+__all__ = ["LOSSES", "OBJECTIVES", "REFERENCES", "ObjectiveSettings", "padded_refusal", "run_scores"]
 
-LOSSES = ("dpo", "ipo", "hinge", "simpo", "orpo")
-"""The preference losses."""
+LOSSES = ("dpo", "ipo", "hinge", "simpo", "orpo", "reward")
+"""The preference losses (``reward``: a Bradley-Terry reward model's, on a score head)."""
+REFERENCE_FREE = ("simpo", "orpo", "reward")
 OBJECTIVES = ("next_token", *LOSSES)
 REFERENCES = ("adapter", "data", "precompute", "none")
 """Where the reference log-probabilities come from: ``adapter``: the model with its LoRA adapter
@@ -30,7 +31,9 @@ class ObjectiveSettings:
     objective: str = field(default="next_token", metadata=flag(choices=OBJECTIVES))
     """next_token: supervised fine-tuning (each record a conversation); dpo, ipo, hinge (against a
     reference), simpo, orpo (reference free): preference training, each record a prompt with a
-    chosen and a rejected answer, trained as one packing unit (docs/training.md, Preference records)."""
+    chosen and a rejected answer, trained as one packing unit (docs/training.md, Preference records);
+    reward: a Bradley-Terry reward model on the same pairs (the model under a one-output score head,
+    trained so that the chosen answer scores higher)."""
     beta: float = 0.1
     """The preference loss's beta (DPO's KL strength; IPO's tau; SimPO's reward scale; ORPO's weight
     of its odds-ratio term)."""
@@ -52,7 +55,7 @@ class ObjectiveSettings:
               f"--reference must be one of {REFERENCES}, got {self.reference!r}")
         if self.objective == "next_token":
             return
-        free = self.objective in ("simpo", "orpo")
+        free = self.objective in REFERENCE_FREE
         wanted = ("reference free: --reference none" if free
                   else "against a reference: --reference adapter, data or precompute")
         check(self.reference is None or free == (self.reference == "none"),
@@ -66,7 +69,17 @@ class ObjectiveSettings:
         """The reference a preference run uses (``--reference``, else its default)."""
         if self.reference is not None:
             return self.reference
-        return "none" if self.objective in ("simpo", "orpo") else "adapter" if lora else "precompute"
+        return "none" if self.objective in REFERENCE_FREE else "adapter" if lora else "precompute"
+
+    @property
+    def scores(self) -> bool:
+        """A reward model: the model is built with a score head instead of its LM head."""
+        return self.objective == "reward"
+
+
+def run_scores(run: dict) -> bool:
+    """Whether a saved run (its ``config.json``, as a dict) trained a reward model."""
+    return (run.get("objective") or {}).get("objective") == "reward"
 
 
 def padded_refusal(objective: str, padded: str) -> str:

@@ -22,7 +22,8 @@ from odb.data.images import VisionSpec, vision_spec_for
 from odb.telemetry.flops import FlopsModel
 from odb.training.attention.varlen import register
 
-__all__ = ["Construction", "PEAK_FLOPS", "build_model", "flops_model", "hf_model", "load_tokenizer", "vision_spec"]
+__all__ = ["Construction", "PEAK_FLOPS", "auto_class", "build_model", "flops_model", "hf_model", "load_tokenizer",
+           "vision_spec"]
 
 
 def load_tokenizer(path: str | Path):
@@ -55,8 +56,9 @@ class Construction(Protocol):
 
 def build_model(path: str | Path, *, seed: int, vocab_size: int, lora: Mapping[str, Any] | None = None,
                 gradient_checkpointing: bool = False, empty: bool = False, dtype: torch.dtype | str | None = None,
-                construction: Construction | None = None):
-    """A causal LM with ``attn_implementation="odb_varlen"``, in train mode, ``use_cache`` off.
+                construction: Construction | None = None, score_head: bool = False):
+    """A causal LM with ``attn_implementation="odb_varlen"``, in train mode, ``use_cache`` off
+    (``score_head``: a reward model, :func:`auto_class`).
 
     Args:
         path: a Hugging Face model folder, or a model config JSON (random init from ``seed``).
@@ -71,6 +73,10 @@ def build_model(path: str | Path, *, seed: int, vocab_size: int, lora: Mapping[s
         dtype: the precision (default fp32); ``"auto"``: a folder's own.
         construction: the backend's way to construct it (collective where the backend's is: every
             rank, after the process group is joined); None: whole, in this process.
+        score_head: the language model under a one-output score head instead of its LM head
+            (``AutoModelForSequenceClassification``, ``num_labels`` 1: a Bradley-Terry reward model,
+            :mod:`odb.training.step.reward`); the head is a new, seeded init, as TRL's reward models
+            start; LoRA trains it whole (PEFT's ``SEQ_CLS`` task keeps the score head trainable).
     """
     from transformers import AutoConfig
 
@@ -79,6 +85,8 @@ def build_model(path: str | Path, *, seed: int, vocab_size: int, lora: Mapping[s
     config = AutoConfig.for_model(**json.loads(path.read_text())) if path.is_file() else \
         AutoConfig.from_pretrained(str(path))
     text_config = getattr(config, "text_config", config)
+    if score_head:
+        config.num_labels = 1
     if text_config.vocab_size < vocab_size:
         raise ValueError(f"the tokenizer has {vocab_size} tokens but the model's vocab_size is "
                          f"{text_config.vocab_size}; use the model's own tokenizer (--tokenizer)")
@@ -86,7 +94,8 @@ def build_model(path: str | Path, *, seed: int, vocab_size: int, lora: Mapping[s
     torch.manual_seed(seed)  # the same random init, and the same LoRA init, on every rank
     with _parameters_on_meta() if empty else nullcontext():
         with _freed_memory_returned() if construction is not None else nullcontext():
-            model = _construct(path, config, attn=attn, construction=construction, dtype=dtype, empty=empty)
+            model = _construct(path, config, attn=attn, construction=construction, dtype=dtype, empty=empty,
+                               score_head=score_head)
         model.config.use_cache = False  # packed samples leak into each other through the cache
         model.train()  # from_pretrained leaves a model in eval mode: dropout off
         if lora is not None:
@@ -94,31 +103,41 @@ def build_model(path: str | Path, *, seed: int, vocab_size: int, lora: Mapping[s
 
             # (under ZeRO-3 PEFT gathers where an init reads the weight)
             with construction.pretrained() if construction else nullcontext():
-                model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
+                model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS" if score_head else "CAUSAL_LM", **lora))
     if gradient_checkpointing:
         _checkpoint_activations(model.get_base_model() if lora is not None else model)
     return model
 
 
-def _auto_class(config):
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+def auto_class(config, *, score_head: bool = False):
+    """The transformers auto class of a model of ``config``: an image-text model's own (Qwen2-VL,
+    Qwen3-VL, ...), a causal LM, or with ``score_head`` a sequence classifier (a reward model: text
+    models only, refused here naming the fix)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
 
-    # Image-text models (Qwen2-VL, Qwen3-VL, ...) load through their own auto class.
-    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    vision = getattr(config, "vision_config", None) is not None
+    if score_head:
+        if vision or type(config) not in AutoModelForSequenceClassification._model_mapping:
+            raise ValueError(f"--objective reward trains a score head on the language model "
+                             f"(AutoModelForSequenceClassification), which transformers has no class for with "
+                             f"{config.model_type}{' (a vision-language model)' if vision else ''}: train a text model "
+                             "of a family that has one (Llama, Qwen2, Qwen3, Gemma, Mistral, ...)")
+        return AutoModelForSequenceClassification
+    return AutoModelForImageTextToText if vision else AutoModelForCausalLM
 
 
 def _construct(path: Path, config, *, attn: str, construction: Construction | None, dtype: torch.dtype | str,
-               empty: bool = False):
+               empty: bool = False, score_head: bool = False):
     """The model in ``dtype``: a random init (``path`` a config JSON, or ``empty``: from the config
     alone, the weights never read) or a folder's weights, constructed the backend's way."""
-    auto = _auto_class(config)
+    auto = auto_class(config, score_head=score_head)
     construction = None if empty else construction
     if empty or path.is_file():
         dtype = torch.float32 if dtype == "auto" else dtype
         with construction.random_init() if construction else nullcontext():
             return auto.from_config(config, attn_implementation=attn, dtype=dtype)
     with construction.pretrained() if construction else nullcontext():
-        return auto.from_pretrained(str(path), attn_implementation=attn, dtype=dtype)
+        return auto.from_pretrained(str(path), config=config, attn_implementation=attn, dtype=dtype)
 
 
 def _checkpoint_activations(model) -> None:

@@ -230,7 +230,8 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
             batching = dataclasses.replace(batching, pad_rows=True)
     engine = OdbEngine(backend, world_size=world_size,
                        max_tokens=batching.max_tokens, pad_token_id=tokenizer.pad_token_id, packed=packed,
-                       loss_chunk_tokens=config.model.loss_chunk_tokens, sequence_parallel=sp, groups=groups,
+                       loss_chunk_tokens=None if config.objective.scores else config.model.loss_chunk_tokens,
+                       sequence_parallel=sp, groups=groups,
                        rank=rank, objective=objective_of(config))
     # (--reference precompute: the samples carry the initial weights' log-probs, from a pass made here or loaded)
     fed, eval_fed = reference_datasets(config, engine, dataset, eval_dataset, batching, batcher_comm, log)

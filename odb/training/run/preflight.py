@@ -56,6 +56,7 @@ from odb.training.run.worst_case import (
     worst_videos,
 )
 from odb.training.step.engine import OdbEngine
+from odb.training.step.preference import objective_of
 from odb.training.step.sequence_parallel import SequenceParallel
 
 __all__ = ["MAX_AUTO_TOKENS", "PreflightError", "PreflightReport", "local_ranks", "measure", "memory_cap_mb",
@@ -79,6 +80,7 @@ def run_preflight(config: RunConfig, backend: Backend, comm, *, tokenizer, visio
     groups = groups or {}
     model, batching = hf_model(backend.module), config.batching
     engines: dict[int, OdbEngine] = {}
+    objective = objective_of(config)  # (its probe: a reward model's scores, else next-token loss)
     vocab_size = min(len(tokenizer), model.get_input_embeddings().num_embeddings)
     avoid = special_token_ids(model.config)
 
@@ -91,7 +93,8 @@ def run_preflight(config: RunConfig, backend: Backend, comm, *, tokenizer, visio
         if budget not in engines:  # (its loss chunks are those of a run at this budget)
             engines[budget] = OdbEngine(backend, world_size=world_size, max_tokens=budget,
                                         pad_token_id=tokenizer.pad_token_id, packed=packed,
-                                        loss_chunk_tokens=config.model.loss_chunk_tokens,
+                                        loss_chunk_tokens=None if config.objective.scores
+                                        else config.model.loss_chunk_tokens, objective=objective,
                                         sequence_parallel=sequence_parallel, groups=groups, rank=rank)
         shared = None
         if degree > 1:  # the group's first rank holds the long sample and sends it, as a run's owner does

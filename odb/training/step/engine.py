@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from odb.batching.plan import MicroBatch, Shared, StepPlan
-from odb.data.collate import collate_packed, collate_padded, token_sources
+from odb.data.collate import collate_packed, collate_padded, to_device, token_sources
 from odb.training import attention
 from odb.training.attention.semantics import calls as attention_calls
 from odb.training.backends.base import Backend
@@ -161,7 +161,7 @@ class OdbEngine:
         if present is not None:
             split = SourceSplit(token_sources(batch).to(self.device), present, graph=graph)
             del batch["sources"]  # not the model's
-        batch = _to_device(batch, self.device)
+        batch = to_device(batch, self.device)
         labels = batch.pop("labels")
         if self.vision is not None:
             self._vision_inputs(batch)
@@ -182,7 +182,7 @@ class OdbEngine:
         labels = batch.pop("labels")
         inputs, labels, sources, real = sp.shard(batch, labels, pad_token_id=self.pad_token_id, sources=sources)
         share = int(real.sum()) / batch["input_ids"].shape[1]
-        inputs = _to_device(inputs, self.device)
+        inputs = to_device(inputs, self.device)
         labels, real = labels.to(self.device), real.to(self.device)
         split = None if sources is None else SourceSplit(sources.to(self.device), present, shifted=True)
         summed, aux = self._call(inputs, labels, router=router, real_tokens=real if share else None, split=split,
@@ -234,27 +234,38 @@ class OdbEngine:
     def _loss(self, batch: dict[str, Any], labels: torch.Tensor, forward=None, *,
               split: SourceSplit | None = None, shifted: bool = False) -> torch.Tensor:
         """The summed token loss of one model call (through the backend either way; ``forward``:
-        the call, when it is not the plain one). The first call checks that the model's attention
-        went through odb's (a model that computes attention its own way would attend across the
-        packed row; :func:`odb.training.model.capability.packing_refusal` refuses those at start)."""
+        the call, when it is not the plain one), the first one's attention checked."""
         forward = forward or (lambda: self.backend(**batch, use_cache=False))
+        with self._attention_checked():
+            if self.head_loss is None:
+                return token_loss_sum(forward().logits, labels, split, shifted=shifted)
+            return self.head_loss.forward_loss(forward, labels, split, shifted=shifted)
+
+    def call(self, batch: dict[str, Any]) -> Any:
+        """One plain model call on a collated ``batch`` on the device (no loss: a reward model's
+        scores, :mod:`odb.training.step.reward`), its attention checked as :meth:`_loss` checks it."""
+        with self._attention_checked():
+            return self.backend(**batch, use_cache=False)
+
+    @contextlib.contextmanager
+    def _attention_checked(self) -> Iterator[None]:
+        """Around the first model call: checks that the model's attention went through odb's (a
+        model that computes attention its own way would attend across the packed row;
+        :func:`odb.training.model.capability.packing_refusal` refuses those at start)."""
         before = None if self._attention_seen else sum(attention_calls.values())
-        if self.head_loss is None:
-            summed = token_loss_sum(forward().logits, labels, split, shifted=shifted)
-        else:
-            summed = self.head_loss.forward_loss(forward, labels, split, shifted=shifted)
-        if before is not None:
-            if sum(attention_calls.values()) == before:
-                chosen = getattr(self.model.config, "_attn_implementation", None)
-                if chosen != attention.ATTN_IMPLEMENTATION:  # (a host's own model, loaded with its default)
-                    raise ValueError(f"{type(self.model).__name__} runs attn_implementation {chosen!r}, which would "
-                                     "let packed samples attend to each other: switch it to odb's, "
-                                     "model.set_attn_implementation(odb.training.attention.register())")
-                raise ValueError(f"{type(self.model).__name__} never called odb's attention in its forward: it "
-                                 "computes attention its own way, so packed samples would attend to each other; "
-                                 "odb cannot train it (check it with odb check-model)")
-            self._attention_seen = True
-        return summed
+        yield
+        if before is None:
+            return
+        if sum(attention_calls.values()) == before:
+            chosen = getattr(self.model.config, "_attn_implementation", None)
+            if chosen != attention.ATTN_IMPLEMENTATION:  # (a host's own model, loaded with its default)
+                raise ValueError(f"{type(self.model).__name__} runs attn_implementation {chosen!r}, which would "
+                                 "let packed samples attend to each other: switch it to odb's, "
+                                 "model.set_attn_implementation(odb.training.attention.register())")
+            raise ValueError(f"{type(self.model).__name__} never called odb's attention in its forward: it "
+                             "computes attention its own way, so packed samples would attend to each other; "
+                             "odb cannot train it (check it with odb check-model)")
+        self._attention_seen = True
 
     def _vision_inputs(self, batch: dict[str, Any]) -> None:
         """A vision model's rotary positions, in ``batch``: each packed sample's own M-RoPE (text in row
@@ -349,14 +360,11 @@ class OdbEngine:
         elsewhere). The optimizer's state it makes is the caller's to reset
         (:meth:`Backend.pristine`). The preflight's step (:mod:`odb.training.run.preflight`)."""
         self.backend.set_lr(0.0)
-        router = self.router_loss is not None
         for micro, last in ((earlier, False), (samples, True)):
             if micro is None:
                 continue
             with self.route(MicroBatch((), shared=shared if last else None)):
-                summed, aux = self.forward_loss(micro, padded=False, router=router, truncate=False,
-                                                shared=shared if last else None)
-                self.backend.backward((summed if aux is None else summed + aux) * 0.0, sync=last)
+                self.backend.backward(self.objective.probe_loss(self, micro, shared if last else None), sync=last)
         self.backend.step()
 
     @torch.no_grad()
@@ -387,14 +395,3 @@ def _real_tokens(batch: dict[str, Any], *, blank: bool) -> torch.Tensor:
             real[-1] = 0
     return real
 
-
-def _to_device(batch: dict[str, Any], device) -> dict[str, Any]:
-    """The batch's tensors on ``device``; one tensor under two keys stays one tensor (the
-    attention then sees ``cu_seq_lens_k is cu_seq_lens_q``)."""
-    moved: dict[int, torch.Tensor] = {}
-    out = {}
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor):
-            value = moved.setdefault(id(value), value.to(device))
-        out[key] = value
-    return out

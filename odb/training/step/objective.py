@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from odb.batching.plan import MicroBatch, StepPlan
+from odb.batching.plan import MicroBatch, Shared, StepPlan
 from odb.training.step.clock import ForwardClock
 from odb.training.step.sources import SourceSums, sample_source
 
@@ -104,6 +104,11 @@ class Objective(Protocol):
     def evaluate(self, engine: OdbEngine, plan: StepPlan, samples: Sequence[Sequence[dict[str, Any]]], *,
                  truncate: bool = True, by_source: SourceSums | None = None) -> tuple[float, int]:
         """An evaluation step's ``(loss_sum, count)`` on this rank, forwards only (dummies too)."""
+
+    def probe_loss(self, engine: OdbEngine, samples: Sequence[dict[str, Any]], shared: Shared | None
+                   ) -> torch.Tensor:
+        """0 x the loss of ``samples`` (each a sequence, whole) as a micro-batch of them trains it:
+        the preflight's backward at a real size (:meth:`OdbEngine.probe_step`)."""
 
 
 class NextTokenTally:
@@ -203,6 +208,13 @@ class NextToken:
                 loss_sum, mine.loss = engine.group_sums(loss_sum, mine.loss)
                 by_source.add_sums(mine)
         return float(loss_sum), label_tokens
+
+
+    def probe_loss(self, engine: OdbEngine, samples: Sequence[dict[str, Any]], shared: Shared | None
+                   ) -> torch.Tensor:
+        summed, aux = engine.forward_loss(samples, padded=False, router=engine.router_loss is not None,
+                                          truncate=False, shared=shared)
+        return (summed if aux is None else summed + aux) * 0.0
 
 
 NEXT_TOKEN = NextToken()

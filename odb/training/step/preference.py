@@ -44,9 +44,9 @@ import torch
 import torch.nn.functional as F
 
 from odb.batching.cost import count_label_tokens
-from odb.batching.plan import MicroBatch, StepPlan
+from odb.batching.plan import MicroBatch, Shared, StepPlan
 from odb.data.preference import pair_sequences
-from odb.training.config.objective import LOSSES, REFERENCES
+from odb.training.config.objective import LOSSES, REFERENCE_FREE, REFERENCES
 from odb.training.step.clock import ForwardClock
 from odb.training.step.objective import NEXT_TOKEN, Objective, StepResult
 from odb.training.step.sources import SourceSums, sample_source
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 __all__ = ["Preference", "PreferenceTally", "objective_of", "pair_losses", "reference_free"]
 
 def reference_free(loss: str) -> bool:
-    return loss in ("simpo", "orpo")
+    return loss in REFERENCE_FREE
 
 
 def pair_losses(loss: str, pi: torch.Tensor, rho: torch.Tensor | None, n: torch.Tensor, *, beta: float,
@@ -168,6 +168,12 @@ class Preference:
             with torch.no_grad(), _adapter_disabled(engine):
                 engine.dummy_loss(router=False)
         return engine.dummy_loss(router=False)
+
+    def probe_loss(self, engine: OdbEngine, samples: Sequence[dict[str, Any]], shared: Shared | None
+                   ) -> torch.Tensor:
+        """The preflight's backward: next-token loss over ``samples``, the same model call as a pair
+        micro-batch of as many tokens trains (a reference's, without gradients, holds less)."""
+        return NEXT_TOKEN.probe_loss(engine, samples, shared)
 
     def evaluate(self, engine: OdbEngine, plan: StepPlan, samples: Sequence[Sequence[dict[str, Any]]], *,
                  truncate: bool = True, by_source: SourceSums | None = None, rewards: list[float] | None = None
@@ -294,5 +300,9 @@ def objective_of(config: RunConfig) -> Objective:
     settings = config.objective
     if not settings.is_preference:
         return NEXT_TOKEN
+    if settings.scores:
+        from odb.training.step.reward import Reward
+
+        return Reward()
     return Preference(settings.objective, beta=settings.beta, gamma=settings.simpo_gamma,
                       reference=settings.reference_for(lora=config.model.lora is not None))

@@ -1,0 +1,126 @@
+"""A Bradley-Terry reward model over packed pairs (odb.training.step.reward) against TRL's own
+RewardTrainer.compute_loss on each pair alone (its two rows padded as TRL's collator pads them,
+through the family's own sequence-classifier class with eager attention, which pools each row's
+last real token): the step's loss (the mean over its pairs), its rewards and every gradient. Full
+fine-tuning and LoRA (the score head trained whole), packed and padded micro-batches, a dummy;
+the export loads with AutoModelForSequenceClassification and scores as the trained model does."""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from test_preference_loss import check_equal, plan_of
+from transformers import AutoModelForSequenceClassification
+
+from odb.training.backends import LocalBackend
+from odb.training.model.build import build_model, hf_model
+from odb.training.step.engine import OdbEngine
+from odb.training.step.reward import Reward
+from preference_oracle import pair, trl_reward_loss
+
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB = 1024
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
+
+
+def reward_model(lora=None):
+    model = build_model(ROOT / "configs" / "tiny_model.json", seed=0, vocab_size=VOCAB, score_head=True, lora=lora)
+    with torch.no_grad():  # the score head (and LoRA's B) off their init, so rewards differ and move
+        for name, p in model.named_parameters():
+            if "score" in name or "lora_B" in name:
+                p.normal_(0, 0.5 if "score" in name else 0.05, generator=torch.Generator().manual_seed(len(name)))
+    return model
+
+
+def engine_of(model, **kwargs):
+    return OdbEngine(LocalBackend(model), world_size=1, max_tokens=512, pad_token_id=0, loss_chunk_tokens=None,
+                     objective=Reward(), **kwargs)
+
+
+def odb_step(model, micro_samples, padded: int = -1):
+    model.zero_grad()
+    engine = engine_of(model)
+    plan = plan_of(micro_samples, padded)
+    tally = engine.tally(plan)
+    for micro, samples in zip(plan.micro_batches, [*micro_samples, []], strict=True):
+        tally.loss(micro, samples).backward()
+    result = tally.result(lr=0.0)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return result.loss_sum / plan.num_samples, grads, result
+
+
+def trl_step(model, samples):
+    model.zero_grad()
+    hf_model(model).set_attn_implementation("eager")
+    losses, rewards = zip(*(trl_reward_loss(model, sample) for sample in samples))
+    mean = torch.stack(losses).mean()
+    mean.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return float(mean.detach()), grads, torch.stack(rewards)
+
+
+@pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
+def test_packed_pairs_train_trls_reward_loss_of_each_pair_alone(lora):
+    """Three micro-batches of 3, 2 and 1 pairs (the second padded), a dummy."""
+    rng = random.Random(3)
+    samples = [pair(rng, uid, ref=False) for uid in range(6)]
+    micro_samples = [samples[:3], samples[3:5], samples[5:]]
+    model = reward_model(lora)
+    got_loss, got_grads, result = odb_step(copy.deepcopy(model), micro_samples, padded=1)
+    want_loss, want_grads, rewards = trl_step(copy.deepcopy(model), samples)
+    assert got_loss == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+    assert abs(want_loss - 0.6931) > 1e-2  # the rewards differ (log 2 where they are equal)
+    check_equal(got_grads, want_grads)
+    score = [name for name in got_grads if "score" in name]
+    assert score and all(got_grads[name].abs().sum() > 0 for name in score)  # the head trains
+    if lora is not None:
+        assert all("lora_" in name or "score" in name for name in got_grads)
+    chosen, rejected, right = result.rewards
+    assert chosen == pytest.approx(float(rewards[:, 0].sum()), rel=1e-5, abs=1e-5)
+    assert rejected == pytest.approx(float(rewards[:, 1].sum()), rel=1e-5, abs=1e-5)
+    assert right == int((rewards[:, 0] > rewards[:, 1]).sum())
+
+
+def test_a_cut_sequence_is_scored_at_its_last_kept_token():
+    """max_tokens cuts each sequence (over_cap truncate, as the engine collates): the reward is the
+    head's at the last token kept, as the class scores the cut sequence alone."""
+    rng = random.Random(5)
+    samples = [pair(rng, uid, ref=False) for uid in range(3)]
+    model = reward_model()
+    engine = OdbEngine(LocalBackend(model), world_size=1, max_tokens=8, pad_token_id=0, loss_chunk_tokens=None,
+                       objective=Reward())
+    with torch.no_grad():
+        _, rewards = Reward().pairs(engine, plan_of([samples]).micro_batches[0], samples)
+        alone = copy.deepcopy(model)
+        alone.config.pad_token_id = None  # one row: its last token
+        want = [[float(alone(input_ids=seq[:8][None]).logits[0, 0]) for seq in
+                 (s["input_ids"][:s["pair"][0]], s["input_ids"][s["pair"][0]:])] for s in samples]
+    torch.testing.assert_close(rewards, torch.tensor(want), rtol=1e-5, atol=1e-5)
+
+
+def test_the_export_is_a_sequence_classifier_that_scores_as_trained(tmp_path):
+    from conftest import bundled_tokenizer
+    from odb.training.export import write_hf
+
+    model = reward_model(LORA)
+    engine = engine_of(model)
+    out = tmp_path / "hf"
+    write_hf({k: v.clone() for k, v in model.state_dict().items()}, model_path=ROOT / "configs" / "tiny_model.json",
+             lora=LORA, tokenizer=bundled_tokenizer(), out=out, score_head=True)
+    loaded = AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
+    assert loaded.config.num_labels == 1 and loaded.config.pad_token_id == bundled_tokenizer().pad_token_id
+    samples = [pair(random.Random(9), uid, ref=False) for uid in range(2)]
+    with torch.no_grad():
+        _, trained = Reward().pairs(engine, plan_of([samples]).micro_batches[0], samples)
+        exported = torch.stack([trl_reward_loss(loaded, s, pad_token_id=loaded.config.pad_token_id)[1]
+                                for s in samples])
+    torch.testing.assert_close(exported, trained, rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_without_a_sequence_classifier_class_is_refused_naming_the_fix():
+    with pytest.raises(ValueError, match="reward.*no class for with qwen2_vl"):
+        build_model(ROOT / "configs" / "tiny_vl_model.json", seed=0, vocab_size=VOCAB, score_head=True)
