@@ -28,7 +28,7 @@ import numpy as np
 from odb.batching.align import Aligner, Communicator, PeerStopped
 from odb.batching.config import OdbConfig
 from odb.batching.cost import CostModel, sequence_parallel_degrees
-from odb.batching.feed import Feed, Sizes
+from odb.batching.feed import Feed
 from odb.batching.fit import CostFit, Fitted, Observation, features
 from odb.batching.mixture import Mixture
 from odb.batching.packer import make_packer
@@ -308,28 +308,20 @@ class OnlineBatcher:
             self._next_epoch()
 
     def remeasure(self, sizes: dict[int, tuple | None]) -> None:
-        """The held samples whose processed sizes (``sizes``, by uid, as :meth:`Feed.fetch` returns
-        them; None: the data layer now skips it) differ from what was planned, measured again (or left
-        out, counted as skipped): after a resume whose data layer cuts otherwise (on fewer ranks,
-        over_cap 'sequence_parallel''s largest group is smaller). Queued steps are left as planned
-        (a resume on the same ranks processes alike)."""
+        """The held samples whose sizes (``sizes``, by uid, as :meth:`Feed.fetch` gives them; None: the
+        data layer now skips it) differ from what was planned, measured again (or left out, counted as
+        skipped): after a resume whose data layer cuts otherwise (on fewer ranks, over_cap
+        'sequence_parallel''s largest group is smaller). Queued steps are left as planned (a resume on
+        the same ranks processes alike)."""
         def again(samples):
             kept = []
             for sample in samples:
                 if sample.uid not in sizes:
                     kept.append(sample)
-                    continue
-                if sizes[sample.uid] is None:
+                elif sizes[sample.uid] is None:
                     self.counts["skipped"] += 1
-                    continue
-                size = Sizes(*sizes[sample.uid])
-                if (size.tokens, size.label_tokens, size.patches, size.second) == (
-                        sample.tokens, sample.label_tokens, sample.patches, sample.second):
-                    kept.append(sample)
                 else:
-                    measured, _ = self.cost_model.measure(sample.uid, *size)
-                    assert measured is not None, f"sample {sample.uid} no longer fits ({size}): it was admitted once"
-                    kept.append(measured)
+                    kept.append(self.cost_model.measure_again(sample, sizes[sample.uid]))
             return kept
 
         self.packer.restore([b for b in (again(b.samples) for b in self.packer.bins) if b],

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from odb.batching.feed import Sizes
+
 __all__ = ["CostModel", "OverCapError", "SampleCost", "count_label_tokens", "group_for", "sequence_parallel_degrees"]
 
 
@@ -154,6 +156,18 @@ class CostModel:
         """Cost of a padded micro-batch of ``rows`` rows (a sample's sequences, one row each: a
         pair is two), every row as long as the longest sequence, ``longest``."""
         return rows * self.cost(longest)
+
+    def measure_again(self, sample: SampleCost, sizes: tuple) -> SampleCost:
+        """``sample`` as the data layer gives its sizes now (:class:`~odb.batching.feed.Sizes`, or a
+        plain tuple of its first fields): itself where they are the same as planned, else measured
+        again (it was admitted once, so it is again)."""
+        now = Sizes(*sizes)
+        if (now.tokens, now.label_tokens, now.patches, now.second) == (sample.tokens, sample.label_tokens,
+                                                                       sample.patches, sample.second):
+            return sample
+        measured, _ = self.measure(sample.uid, *now)
+        assert measured is not None, f"sample {sample.uid} no longer fits ({now}): it was admitted once"
+        return measured
 
     def measure_many(self, uids: list[int], raw: list[tuple | None]
                      ) -> tuple[list[SampleCost], dict[str, int]]:

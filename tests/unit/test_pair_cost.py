@@ -147,3 +147,13 @@ def test_a_pair_over_the_cap_is_not_cut_by_the_batcher(samples):
         CostModel(max_tokens=sizes.tokens - 1, over_cap="truncate").measure(0, *sizes)
     sample, outcome = CostModel(max_tokens=sizes.tokens - 1, over_cap="drop").measure(0, *sizes)
     assert sample is None and outcome == "dropped"
+
+
+def test_a_held_pair_measured_again_keeps_or_gains_its_second_sequence(samples):
+    cost_model = CostModel(max_tokens=1 << 20, attn_coef=ATTN)
+    (pair,) = admitted(cost_model, samples[:1])
+    sizes = sample_sizes(samples[0])
+    assert cost_model.measure_again(pair, sizes) is pair
+    written_before = pair._replace(second=0, cost=cost_model.cost(pair.tokens))  # a state of an odb before pairs
+    assert cost_model.measure_again(written_before, sizes) == pair
+    assert cost_model.measure_again(written_before, tuple(sizes[:3])) is written_before  # (a feed of three fields)
