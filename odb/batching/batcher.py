@@ -307,24 +307,21 @@ class OnlineBatcher:
             assert not self.packer.num_samples and not self.stream.pending, "epoch ended with samples left"
             self._next_epoch()
 
-    def remeasure(self, sizes: dict[int, tuple[int, int, int] | None]) -> None:
-        """The held samples whose processed ``(tokens, label_tokens, patches)`` (``sizes``, by uid;
-        None: the data layer now skips it) differ from what was planned, measured again (or left
-        out, counted as skipped): after a resume whose data layer cuts otherwise (on fewer ranks,
-        over_cap 'sequence_parallel''s largest group is smaller). Queued steps are left as planned
-        (a resume on the same ranks processes alike)."""
+    def remeasure(self, sizes: dict[int, tuple | None]) -> None:
+        """The held samples whose sizes (``sizes``, by uid, as :meth:`Feed.fetch` gives them; None: the
+        data layer now skips it) differ from what was planned, measured again (or left out, counted as
+        skipped): after a resume whose data layer cuts otherwise (on fewer ranks, over_cap
+        'sequence_parallel''s largest group is smaller). Queued steps are left as planned (a resume on
+        the same ranks processes alike)."""
         def again(samples):
             kept = []
             for sample in samples:
-                size = sizes.get(sample.uid, (sample.tokens, sample.label_tokens, sample.patches))
-                if size is None:
-                    self.counts["skipped"] += 1
-                elif tuple(size) == (sample.tokens, sample.label_tokens, sample.patches):
+                if sample.uid not in sizes:
                     kept.append(sample)
+                elif sizes[sample.uid] is None:
+                    self.counts["skipped"] += 1
                 else:
-                    measured, _ = self.cost_model.measure(sample.uid, *size)
-                    assert measured is not None, f"sample {sample.uid} no longer fits ({size}): it was admitted once"
-                    kept.append(measured)
+                    kept.append(self.cost_model.measure_again(sample, sizes[sample.uid]))
             return kept
 
         self.packer.restore([b for b in (again(b.samples) for b in self.packer.bins) if b],

@@ -79,7 +79,8 @@ class OdbConfig:
     micro-batch times, from the values given until the first fit (plans then depend on the
     machine's timings); 'manual': the values given, so plans depend on the seed and data alone."""
     attn_coef: float = 0.0
-    """Cost = tokens + attn_coef * sum(sample_tokens^2) + patch_coef * patches."""
+    """Cost = tokens + attn_coef * sum(sequence_tokens^2) + patch_coef * patches (a preference pair: its
+    chosen and rejected sequences apart)."""
     patch_coef: float = 0.0
     """The cost of one vision-encoder patch (see attn_coef)."""
     a2a_coef: float = 0.0

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from odb.batching.feed import Sizes
+
 __all__ = ["CostModel", "OverCapError", "SampleCost", "count_label_tokens", "group_for", "sequence_parallel_degrees"]
 
 
@@ -26,6 +28,9 @@ class SampleCost(NamedTuple):
         label_tokens: labels that count in the loss (see :func:`count_label_tokens`).
         patches: vision-encoder patches (0 for text).
         cost: compute estimate used to balance ranks; see :meth:`CostModel.cost`.
+        second: a sample of two sequences (a preference pair: chosen, then rejected, each its own
+            segment packed, its own row padded): the second's tokens, the first's being
+            ``tokens - second``; 0 for a sample of one sequence.
     """
 
     uid: int
@@ -33,6 +38,23 @@ class SampleCost(NamedTuple):
     label_tokens: int
     patches: int
     cost: int
+    second: int = 0
+
+    @property
+    def rows(self) -> int:
+        """Rows the sample takes in a padded micro-batch: one a sequence."""
+        return 2 if self.second else 1
+
+    @property
+    def longest(self) -> int:
+        """Tokens of its longest sequence, the length a padded micro-batch pads its rows to."""
+        return max(self.tokens - self.second, self.second)
+
+    @property
+    def area(self) -> int:
+        """The sum of its sequences' squared lengths: what its attention costs packed."""
+        first = self.tokens - self.second
+        return first * first + self.second * self.second
 
 
 def sequence_parallel_degrees(max_sp: int, world_size: int) -> tuple[int, ...]:
@@ -64,9 +86,11 @@ def count_label_tokens(labels: Sequence[int]) -> int:
 class CostModel:
     """Tokens, label tokens, patches and compute cost of a sample, and the caps of a micro-batch.
 
-    ``cost = tokens + attn_coef * tokens**2 + patch_coef * patches`` (rounded to an int): the
-    linear term is the MLP/projection work, the quadratic one the attention of varlen packing,
-    where each sample attends only to itself.
+    ``cost = tokens + attn_coef * sum(L**2) + patch_coef * patches`` (rounded to an int), ``L``
+    over the sample's sequences (one, or a pair's two: :attr:`SampleCost.second`): the linear term
+    is the MLP/projection work, the quadratic one the attention of varlen packing, where each
+    sequence attends only to itself (a pair of ``c`` and ``r`` tokens: ``c**2 + r**2``, not
+    ``(c + r)**2``).
     """
 
     def __init__(self, *, max_tokens: int, max_patches: int | None = None, attn_coef: float = 0.0,
@@ -112,31 +136,45 @@ class CostModel:
         when it processes the sample again."""
         if self.over_cap == "sequence_parallel" and sample.tokens > self.long_cap:
             sample = sample._replace(tokens=self.long_cap, label_tokens=min(sample.label_tokens, self.long_cap - 1))
-        return sample._replace(cost=self.cost(sample.tokens, sample.patches))
+        return sample._replace(cost=self.cost(sample.tokens, sample.patches, sample.second))
 
-    def cost(self, tokens: int, patches: int = 0) -> int:
-        """The cost of a sample on each rank that trains it: a long sample's (over_cap
-        'sequence_parallel') is its whole cost and the all-to-all's, ``a2a_coef * tokens``, shared
-        by its group's ``d`` ranks (each holds ``tokens / d`` and attends with ``1 / d`` of the
-        heads over the whole sample)."""
+    def cost(self, tokens: int, patches: int = 0, second: int = 0) -> int:
+        """The cost of a sample on each rank that trains it (``second``: a pair's second sequence,
+        :class:`SampleCost`): a long sample's (over_cap 'sequence_parallel') is its whole cost and
+        the all-to-all's, ``a2a_coef * tokens``, shared by its group's ``d`` ranks (each holds
+        ``tokens / d`` and attends with ``1 / d`` of the heads over the whole sample)."""
         degree = self.degree(tokens)
         if degree == 1 and not (self.attn_coef or self.patch_coef):
             return tokens
-        whole = tokens + self.attn_coef * tokens * tokens + self.patch_coef * patches
+        first = tokens - second
+        whole = tokens + self.attn_coef * (first * first + second * second) + self.patch_coef * patches
         if degree > 1:
             whole = (whole + self.a2a_coef * tokens) / degree
         return int(round(whole))
 
-    def padded_cost(self, num_samples: int, longest: int) -> int:
-        """Cost of a padded micro-batch: every row is as long as the longest."""
-        return num_samples * self.cost(longest)
+    def padded_cost(self, rows: int, longest: int) -> int:
+        """Cost of a padded micro-batch of ``rows`` rows (a sample's sequences, one row each: a
+        pair is two), every row as long as the longest sequence, ``longest``."""
+        return rows * self.cost(longest)
+
+    def measure_again(self, sample: SampleCost, sizes: tuple) -> SampleCost:
+        """``sample`` as the data layer gives its sizes now (:class:`~odb.batching.feed.Sizes`, or a
+        plain tuple of its first fields): itself where they are the same as planned, else measured
+        again (it was admitted once, so it is again)."""
+        now = Sizes(*sizes)
+        if (now.tokens, now.label_tokens, now.patches, now.second) == (sample.tokens, sample.label_tokens,
+                                                                       sample.patches, sample.second):
+            return sample
+        measured, _ = self.measure(sample.uid, *now)
+        assert measured is not None, f"sample {sample.uid} no longer fits ({now}): it was admitted once"
+        return measured
 
     def measure_many(self, uids: list[int], raw: list[tuple | None]
                      ) -> tuple[list[SampleCost], dict[str, int]]:
-        """:meth:`measure` for each ``(tokens, label_tokens, patches)`` or ``(tokens, label_tokens,
-        patches, labels)`` (``None``: a record the data layer skipped; see
-        :class:`~odb.batching.feed.Feed`): the admitted samples and how many were truncated (and the
-        tokens cut from them), dropped, skipped."""
+        """:meth:`measure` for each ``(tokens, label_tokens, patches)``, ``(tokens, label_tokens,
+        patches, labels)`` or ``(tokens, label_tokens, patches, labels, second)`` (``None``: a record
+        the data layer skipped; see :class:`~odb.batching.feed.Feed`): the admitted samples and how
+        many were truncated (and the tokens cut from them), dropped, skipped."""
         admitted: list[SampleCost] = []
         outcomes = {"truncated": 0, "truncated_tokens": 0, "dropped": 0, "skipped": 0, "long": 0}
         cap, cap_patches = self.max_tokens, self.max_patches
@@ -148,9 +186,10 @@ class CostModel:
             tokens, label_tokens, patches = entry[:3]
             if is_linear and 0 < tokens <= cap and 0 <= label_tokens <= tokens and (
                     cap_patches is None or patches <= cap_patches):
-                admitted.append(SampleCost(uid, tokens, label_tokens, patches, tokens))  # fast path
+                admitted.append(SampleCost(uid, tokens, label_tokens, patches, tokens,  # fast path
+                                           entry[4] if len(entry) > 4 else 0))
                 continue
-            sample, outcome = self.measure(uid, tokens, label_tokens, patches, *entry[3:4])
+            sample, outcome = self.measure(uid, *entry)
             if sample is not None:
                 admitted.append(sample)
             if outcome != "ok":
@@ -160,10 +199,10 @@ class CostModel:
         return admitted, outcomes
 
     def measure(self, uid: int, tokens: int, label_tokens: int, patches: int = 0,
-                labels: Sequence[int] | None = None) -> tuple[SampleCost | None, str]:
+                labels: Sequence[int] | None = None, second: int = 0) -> tuple[SampleCost | None, str]:
         """The sample's cost record and what the over-cap policy did: 'ok', 'truncated', 'dropped',
         or 'long' (over ``max_tokens``, trained whole by a group of ranks: over_cap
-        'sequence_parallel').
+        'sequence_parallel'). ``second``: a pair's second sequence (:class:`SampleCost`).
 
         A dropped sample returns ``None``. Truncation keeps the first ``max_tokens`` tokens
         (``long_cap`` under 'sequence_parallel'; the collate does the same to the tensors); a sample
@@ -172,18 +211,21 @@ class CostModel:
         A cut sample trains the label tokens of the prefix it keeps: counted from ``labels`` (the
         sample's labels, -100 where none) when given; without them the count is exact only where
         every position is a label or none is, and any other cut sample raises
-        :class:`OverCapError` (a prompt's share of the prefix is unknown).
+        :class:`OverCapError` (a prompt's share of the prefix is unknown), as does a pair over the
+        cap that is to be cut (the data layer cuts a pair at its answers' ends, never here).
         """
         if tokens < 1:
             raise ValueError(f"sample {uid} is empty (0 tokens); the data layer must skip it")
         if label_tokens < 0 or label_tokens > tokens:
             raise ValueError(f"sample {uid}: label_tokens={label_tokens} is not within [0, {tokens}]")
+        if not 0 <= second < tokens:
+            raise ValueError(f"sample {uid}: its second sequence's {second} tokens are not within [0, {tokens})")
         over_tokens = tokens > self.max_tokens
         over_patches = self.max_patches is not None and patches > self.max_patches
         if not (over_tokens or over_patches):
-            return SampleCost(uid, tokens, label_tokens, patches, self.cost(tokens, patches)), "ok"
+            return SampleCost(uid, tokens, label_tokens, patches, self.cost(tokens, patches, second), second), "ok"
         if over_tokens and not over_patches and self.degrees and tokens <= self.long_cap:
-            return SampleCost(uid, tokens, label_tokens, patches, self.cost(tokens, patches)), "long"
+            return SampleCost(uid, tokens, label_tokens, patches, self.cost(tokens, patches, second), second), "long"
         if self.over_cap == "error":
             what = (f"{tokens} tokens > max_tokens={self.max_tokens}" if over_tokens
                     else f"{patches} patches > max_patches={self.max_patches}")
@@ -191,6 +233,10 @@ class CostModel:
                                "'truncate' or 'drop'")
         if self.over_cap == "drop" or over_patches:
             return None, "dropped"
+        if second:
+            raise OverCapError(f"pair {uid} has {tokens} tokens > max_tokens={self.max_tokens}: a pair is cut in the "
+                               "data layer, at its answers' ends (SampleDataset(truncate_to=max_tokens)), never by "
+                               "the batcher; or set over_cap to 'drop'")
         kept = self.long_cap
         if labels is not None:
             if len(labels) != tokens:

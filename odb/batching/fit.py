@@ -1,9 +1,10 @@
 """Cost coefficients fitted from the run's own micro-batch times (``cost_model: "fit"``).
 
 The cost model prices a sample as ``tokens + attn_coef * tokens**2 + patch_coef * patches``, in
-units of one token's time (:class:`odb.batching.cost.CostModel`). Tokens alone misjudge a real
-step: at equal tokens, one long sample costs more than many short ones (attention grows with
-each sample's squared length), and a vision tower's patches cost apart from the text. A sample
+units of one token's time (:class:`odb.batching.cost.CostModel`; a preference pair's attention
+term is its two sequences' apart, ``attn_coef * (chosen**2 + rejected**2)``). Tokens alone
+misjudge a real step: at equal tokens, one long sample costs more than many short ones (attention
+grows with each sequence's squared length), and a vision tower's patches cost apart from the text. A sample
 longer than ``max_tokens`` (over_cap ``"sequence_parallel"``) is trained by a group of ``g``
 ranks together, each holding ``tokens / g`` of it, and an all-to-all exchange adds time in
 proportion to those tokens: such a sample costs each rank of its group
@@ -15,18 +16,19 @@ of all ranks solves
 
     time_us ~ d + a * tokens + b * sum(L**2) + c * patches + e * a2a     a > 0,  b, c, e >= 0
 
-where ``L`` runs over the micro-batch's samples (a padded micro-batch: its rows, each as long as
-the longest) and ``a2a`` is 0 but for a micro-batch that is a rank's slice of a sample shared by a
-group of ``g``: its tokens are the slice's, its ``sum(L**2)`` is ``L**2 / g`` of the whole sample,
-its patches 0 and its ``a2a`` the slice's tokens. Then ``attn_coef = b / a``, ``patch_coef =
-c / a`` and ``a2a_coef = e / a``; ``d``, what any micro-batch costs whatever it holds, does not
-enter the balance (every rank runs the same number of micro-batches). Full micro-batches all hold
-about ``max_tokens`` tokens, so ``d`` and ``a`` can only be told apart where the tokens vary
-(:data:`TOKEN_SPREAD`); else the fit has no ``d``. A slice's ``a2a`` equals its tokens, so ``e``
-and ``a`` can only be told apart where the window holds slices and other micro-batches both; else
-the fit leaves ``e`` out: with slices alone their all-to-all is in the token term (``a2a_coef``
-0), with no slice the all-to-all coefficient in effect stays (the configured ``a2a_coef`` until a
-fit sees both). A fit is held to
+where ``L`` runs over the micro-batch's sequences, each attending only to itself (a sample's one,
+or a preference pair's two, chosen and rejected apart; a padded micro-batch: its rows, a sequence
+each, each as long as the longest) and ``a2a`` is 0 but for a micro-batch that is a rank's slice
+of a sample shared by a group of ``g``: its tokens are the slice's, its ``sum(L**2)`` is
+``L**2 / g`` of the whole sample, its patches 0 and its ``a2a`` the slice's tokens. Then
+``attn_coef = b / a``, ``patch_coef = c / a`` and ``a2a_coef = e / a``; ``d``, what any
+micro-batch costs whatever it holds, does not enter the balance (every rank runs the same number
+of micro-batches). Full micro-batches all hold about ``max_tokens`` tokens, so ``d`` and ``a`` can
+only be told apart where the tokens vary (:data:`TOKEN_SPREAD`); else the fit has no ``d``. A
+slice's ``a2a`` equals its tokens, so ``e`` and ``a`` can only be told apart where the window
+holds slices and other micro-batches both; else the fit leaves ``e`` out: with slices alone their
+all-to-all is in the token term (``a2a_coef`` 0), with no slice the all-to-all coefficient in
+effect stays (the configured ``a2a_coef`` until a fit sees both). A fit is held to
 :data:`MAX_ATTENTION`, :data:`MAX_PATCH` and :data:`MAX_A2A`, so that a noisy one cannot price a
 sample absurdly.
 
@@ -247,8 +249,9 @@ class CostFit:
 
 
 def features(micro: MicroBatch) -> tuple[int, int, int, int]:
-    """What the cost fit sees of a micro-batch: tokens (padding included), the sum of its samples'
-    squared lengths (a padded one: its rows, each as long as the longest), vision patches, and the
+    """What the cost fit sees of a micro-batch: tokens (padding included), the sum of its sequences'
+    squared lengths (a pair's two apart; a padded one: its rows, each as long as the longest
+    sequence), vision patches, and the
     tokens that go through an all-to-all. A rank's slice of a shared sample (``T`` tokens over
     ``d`` ranks): ``T / d`` tokens, ``T**2 / d`` (its ``1 / d`` of the heads over the whole
     sample), and its ``T / d`` tokens through the all-to-all."""
@@ -257,8 +260,8 @@ def features(micro: MicroBatch) -> tuple[int, int, int, int]:
         slice_tokens = -(-tokens // degree)
         return slice_tokens, tokens * tokens // degree, 0, slice_tokens
     if micro.padded:
-        longest = max(s.tokens for s in micro.samples)
-        area = len(micro.samples) * longest * longest
+        longest = max(s.longest for s in micro.samples)
+        area = micro.rows * longest * longest
     else:
-        area = sum(s.tokens * s.tokens for s in micro.samples)
+        area = sum(s.area for s in micro.samples)
     return micro.materialized, area, sum(s.patches for s in micro.samples), 0

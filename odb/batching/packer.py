@@ -34,14 +34,15 @@ __all__ = ["Bin", "BmtPacker", "FixedPacker", "GmtPacker", "OnlinePacker", "Pack
 class Bin:
     """Samples that go through the model together as one micro-batch."""
 
-    __slots__ = ("cost", "longest", "padded", "patches", "samples", "tokens")
+    __slots__ = ("cost", "longest", "padded", "patches", "rows", "samples", "tokens")
 
     def __init__(self, padded: bool = False) -> None:
         self.samples: list[SampleCost] = []
         self.tokens = 0
         self.patches = 0
         self.cost = 0
-        self.longest = 0
+        self.longest = 0  # the longest sequence (a sample's, or one of a pair's: SampleCost.longest)
+        self.rows = 0  # padded rows: one a sequence (a pair is two)
         self.padded = padded
 
     @classmethod
@@ -52,9 +53,10 @@ class Bin:
             new.tokens += sample.tokens
             new.patches += sample.patches
             new.cost += sample.cost
-        new.longest = max((s.tokens for s in chosen), default=0)
+            new.rows += sample.rows
+        new.longest = max((s.longest for s in chosen), default=0)
         if padded:
-            new.cost = cost_model.padded_cost(len(new.samples), new.longest)
+            new.cost = cost_model.padded_cost(new.rows, new.longest)
         return new
 
     def add(self, sample: SampleCost) -> None:
@@ -62,12 +64,13 @@ class Bin:
         self.tokens += sample.tokens
         self.patches += sample.patches
         self.cost += sample.cost
-        self.longest = max(self.longest, sample.tokens)
+        self.rows += sample.rows
+        self.longest = max(self.longest, sample.longest)
 
     @property
     def materialized(self) -> int:
-        """Tokens the model processes, padding included."""
-        return len(self.samples) * self.longest if self.padded else self.tokens
+        """Tokens the model processes, padding included (padded: every row as long as the longest)."""
+        return self.rows * self.longest if self.padded else self.tokens
 
     def split(self, keep: int, cost_model: CostModel) -> tuple[Bin, Bin]:
         """The first ``keep`` samples and the rest, as two bins (quota closure uses it)."""
@@ -79,10 +82,10 @@ class Bin:
         first k samples as one bin (a padded bin's cost grows with its longest row)."""
         if not self.padded:
             return [s.cost for s in self.samples]
-        steps, before, longest = [], 0, 0
-        for count, sample in enumerate(self.samples, 1):
-            longest = max(longest, sample.tokens)
-            now = cost_model.padded_cost(count, longest)
+        steps, before, longest, rows = [], 0, 0, 0
+        for sample in self.samples:
+            longest, rows = max(longest, sample.longest), rows + sample.rows
+            now = cost_model.padded_cost(rows, longest)
             steps.append(now - before)
             before = now
         return steps
@@ -258,8 +261,9 @@ class OnlinePacker(Packer):
         current.tokens -= outgoing.tokens
         current.patches -= outgoing.patches
         current.cost -= outgoing.cost
+        current.rows -= outgoing.rows
         current.add(incoming)
-        current.longest = max(s.tokens for s in current.samples)
+        current.longest = max(s.longest for s in current.samples)
         at = bisect.bisect_left(sizes, outgoing.tokens)
         sizes.insert(at, outgoing.tokens)
         items.insert(at, outgoing)

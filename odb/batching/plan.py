@@ -54,10 +54,16 @@ class MicroBatch(NamedTuple):
         return sum(s.tokens for s in self.samples)
 
     @property
+    def rows(self) -> int:
+        """Rows of a padded micro-batch: one a sequence (a pair is two, :class:`SampleCost`)."""
+        return sum(s.rows for s in self.samples)
+
+    @property
     def materialized(self) -> int:
-        """Tokens the model processes, padding included."""
+        """Tokens the model processes, padding included: padded, every row (a pair: two) as long
+        as the longest sequence."""
         if self.padded:
-            return len(self.samples) * max((s.tokens for s in self.samples), default=0)
+            return self.rows * max((s.longest for s in self.samples), default=0)
         return self.tokens
 
     @property

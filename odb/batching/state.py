@@ -16,6 +16,8 @@ new :class:`Snapshot`, never touching its input. The layout (``STATE_VERSION`` 2
     round_index, step_index, num_emitted, is_planned               progress (num_emitted: all ranks)
     bins, unpacked                                                 the window: [[uid, tokens, label_tokens,
                                                                    patches, cost], ...] per bin / unpacked
+                                                                   (a pair: [..., cost, second], its
+                                                                   rejected tokens: SampleCost)
     queue                                                          planned, untrained steps (encode_steps)
     observed, counts                                               [cost, cost^2, samples]; over-cap counts
     fit                                                            cost_model "fit": coefficients, window
@@ -82,8 +84,8 @@ def encode_state(snapshot: Snapshot, *, world_size: int, rank: int, config: dict
         "round_index": s.round_index, "step_index": s.step_index, "stream_pos": stream["stream_pos"],
         "num_emitted": s.num_emitted, "pending": list(stream["pending"]), "epoch_of_shard": stream["epoch_of_shard"],
         "reader": stream.get("reader"),
-        "bins": [[list(sample) for sample in samples] for samples in s.bins],
-        "unpacked": [list(sample) for sample in s.unpacked],
+        "bins": [[_sample_row(sample) for sample in samples] for samples in s.bins],
+        "unpacked": [_sample_row(sample) for sample in s.unpacked],
         "queue": encode_steps(s.queue), "observed": list(s.observed), "counts": dict(s.counts),
         "is_planned": s.is_planned, "fit": s.fit, "mixture": s.mixture,
     }
@@ -156,9 +158,15 @@ def _defaults() -> dict[str, Any]:
     return {f.name: f.default for f in dataclasses.fields(OdbConfig)}
 
 
+def _sample_row(sample: SampleCost) -> list[int]:
+    """``[uid, tokens, label_tokens, patches, cost]``, and ``second`` after them for a pair (a
+    sample of one sequence writes no 0 there: its rows read as before pairs had one)."""
+    return list(sample) if sample.second else list(sample[:5])
+
+
 def _micro_row(micro: MicroBatch) -> list:
     """``[padded, samples]``, and ``[owner, degree, tokens]`` after them for a shared micro-batch."""
-    row = [int(micro.padded), [[s.uid, s.tokens, s.label_tokens, s.patches, s.cost] for s in micro.samples]]
+    row = [int(micro.padded), [_sample_row(s) for s in micro.samples]]
     return row if micro.shared is None else [*row, list(micro.shared)]
 
 

@@ -79,11 +79,12 @@ class SampleFeed:
 
     Args:
         dataset: processes a uid into a sample dict.
-        cost: ``(tokens, label_tokens, patches)`` of a processed sample.
+        cost: a processed sample's sizes for the batcher (:class:`odb.batching.feed.Sizes`:
+            tokens, label tokens, patches, and a pair's rejected tokens).
         num_workers / prefetch_factor: the DataLoader's.
     """
 
-    def __init__(self, dataset: Dataset, cost: Callable[[dict], tuple[int, int, int]], *,
+    def __init__(self, dataset: Dataset, cost: Callable[[dict], tuple], *,
                  num_workers: int = 0, prefetch_factor: int = 2) -> None:
         self.dataset = dataset
         self.cost = cost
@@ -101,7 +102,7 @@ class SampleFeed:
     def deal(self, uids: list[int]) -> None:
         self.sampler.queue.extend(uids)
 
-    def fetch(self, uids: list[int]) -> list[tuple[int, int, int] | None]:
+    def fetch(self, uids: list[int]) -> list[tuple | None]:
         """The next ``uids`` in dealt order: processed, kept, and their costs returned (``None``
         for a skipped record, counted by reason in :attr:`skipped`).
 
@@ -111,7 +112,7 @@ class SampleFeed:
         """
         if self._iter is None:
             self._iter = iter(self.loader)
-        costs: list[tuple[int, int, int] | None] = []
+        costs: list[tuple | None] = []
         for uid in uids:
             sample = next(self._iter)
             while sample is None:  # a marker: the sampler had nothing dealt when it was asked
@@ -120,7 +121,7 @@ class SampleFeed:
             costs.append(self._keep(_to_torch(sample)))
         return costs
 
-    def _keep(self, sample: dict[str, Any]) -> tuple[int, int, int] | None:
+    def _keep(self, sample: dict[str, Any]) -> tuple | None:
         if "skip" in sample:
             if sample["fatal"]:
                 raise DataError(f"{sample['where']}: {sample['detail']} (strict: fix or remove the record, "
@@ -142,8 +143,8 @@ class SampleFeed:
         for uid in uids:
             self.store[uid] = self.dataset[uid]
 
-    def sizes_of(self, uid: int) -> tuple[int, int, int] | None:
-        """A held sample's ``(tokens, label_tokens, patches)``, as :meth:`fetch` returns them; None
+    def sizes_of(self, uid: int) -> tuple | None:
+        """A held sample's sizes, as :meth:`fetch` returns them; None
         (counted, and freed) where processing it again skipped it (a resume that cuts it shorter,
         to no label)."""
         sample = self.store[uid]

@@ -38,7 +38,8 @@ each of chosen and rejected is rendered as the whole conversation, the prompt th
 labelled as ``train_on`` 'last' labels it (the final assistant turn: its answer and end-of-turn
 token), whatever ``DataConfig.train_on`` says; ``system_message`` and ``chat_template_kwargs``
 apply as above. The pair is one sample, one packing unit for the batcher (:func:`sample_sizes`
-counts both sequences), its two sequences end to end::
+counts both sequences, and the rejected's tokens apart: the batcher prices a pair's attention and
+pads it as two sequences), its two sequences end to end::
 
     input_ids  [ chosen: prompt | answer ][ rejected: prompt | answer ]
     labels     [ -100 ...       | answer ][ -100 ...         | answer ]
@@ -70,6 +71,7 @@ import torch
 from torch.utils.data import Dataset
 
 from odb.batching.cost import count_label_tokens
+from odb.batching.feed import Sizes
 from odb.data.config import TRUNCATION, DataConfig, load_data_config
 from odb.data.formats import (
     IMAGE_PLACEHOLDER,
@@ -358,7 +360,10 @@ class SampleDataset(MediaSamples, Dataset):
         return messages
 
 
-def sample_sizes(sample: dict[str, Any]) -> tuple[int, int, int]:
-    """``(tokens, label_tokens, vision_patches)`` of a processed sample, for the batcher."""
-    return (len(sample["input_ids"]), count_label_tokens(sample["labels"].tolist()), int(sample.get("patches", 0)))
+def sample_sizes(sample: dict[str, Any]) -> Sizes:
+    """A processed sample's tokens, label tokens and vision patches, for the batcher, and a pair's
+    rejected tokens (``second``: the batcher prices and pads a pair as its two sequences)."""
+    second = int(sample["pair"][1]) if "pair" in sample else 0
+    return Sizes(len(sample["input_ids"]), count_label_tokens(sample["labels"].tolist()),
+                 int(sample.get("patches", 0)), second=second)
 

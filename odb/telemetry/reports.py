@@ -7,11 +7,11 @@ whole-run record counts (``skipped`` by reason, in :data:`odb.data.formats.SKIP_
 times in microseconds; ``aux_sum_micro`` is a mixture-of-experts model's router loss times real
 tokens summed over the rank's micro-batches (-1: no router loss); ``epoch`` is the latest epoch of
 the rank's samples in the step (``uid // dataset_size``), or -1 for dummies only; ``attn_area`` is
-the sum of its samples' squared lengths (the attention term of the model FLOPs); ``forward_us`` the
-time of its micro-batches' forward passes (the measured sync efficiency); a preference objective's
-summed rewards of the chosen and the rejected answers (millionths) and its pairs whose chosen reward
-is the higher (``ranked_right``; -1: next-token loss, no pairs). The final gather
-appends the rank's run totals (:data:`TOTALS`).
+the sum of its sequences' squared lengths (a pair's two apart; the attention term of the model
+FLOPs); ``forward_us`` the time of its micro-batches' forward passes (the measured sync
+efficiency); a preference objective's summed rewards of the chosen and the rejected answers
+(millionths) and its pairs whose chosen reward is the higher (``ranked_right``; -1: next-token
+loss, no pairs). The final gather appends the rank's run totals (:data:`TOTALS`).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class StepReports:
             "epoch": [max((u // size for m in s.plan.micro_batches for u in m.uids), default=-1)
                       if self.dataset_size else s.plan.epoch for s in steps],
             "aux_sum_micro": [-1 if s.aux_sum is None else round(s.aux_sum * 1e6) for s in steps],
-            "attn_area": [sum(c.tokens ** 2 for m in s.plan.micro_batches for c in m.samples) for s in steps],
+            "attn_area": [sum(c.area for m in s.plan.micro_batches for c in m.samples) for s in steps],
             "forward_us": [round(s.times.forward * 1e6) for s in steps],
             "chosen_reward_micro": [0 if s.rewards is None else round(s.rewards[0] * 1e6) for s in steps],
             "rejected_reward_micro": [0 if s.rewards is None else round(s.rewards[1] * 1e6) for s in steps],

@@ -67,7 +67,7 @@ def test_llava_record_expands_the_image_into_its_visual_tokens(tmp_path):
     assert layout(sample) == [("<|user|>", False), ("<|vision_start|>", False)] + [("<|image_pad|>", False)] * 6 + [
         ("<|vision_end|>", False), ("Ċ", False), ("apple", False), ("<|end|>", False), ("<|assistant|>", False),
         ("Hello", True), ("<|end|>", True)]
-    assert sample_sizes(sample) == (len(sample["input_ids"]), 2, 24)
+    assert sample_sizes(sample) == (len(sample["input_ids"]), 2, 24, None, 0)  # (one sequence: no second)
 
 
 TAG = ["<", "i", "m", "a", "ge", ">"]  # a literal "<image>" as text

@@ -310,7 +310,7 @@ def test_the_feed_counts_truncated_samples_and_tokens(tmp_path):
     feed = SampleFeed(dataset, sample_sizes, num_workers=0)
     feed.deal([0, 1, 2, 3])
     costs = feed.fetch([0, 1, 2, 3])
-    assert [tokens for tokens, _, _ in costs] == kept
+    assert [sizes.tokens for sizes in costs] == kept
     assert feed.truncated == Counter(samples=2, tokens=cut[0] + cut[2]) and cut[0] > cut[2] > 0
     feed.restore([0, 2])  # a resumed window: counted when first fetched
     assert feed.truncated == Counter(samples=2, tokens=cut[0] + cut[2])

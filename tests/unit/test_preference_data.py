@@ -85,7 +85,7 @@ def check_pair(sample, tokenizer, prompt, texts, end_of_turn, **kwargs):
     assert [set(s) for s in sequences] == [{"input_ids", "labels", "source", "uid", "index"}] * 2
     assert [(s["input_ids"].tolist(), s["labels"].tolist()) for s in sequences] == expected
     labels = sum(1 for _, labels in expected for label in labels if label != -100)
-    assert sample_sizes(sample) == (len(expected[0][0]) + len(expected[1][0]), labels, 0)
+    assert sample_sizes(sample) == (len(expected[0][0]) + len(expected[1][0]), labels, 0, None, len(expected[1][0]))
 
 
 @pytest.mark.parametrize("family", ["bundled", "qwen2_5"])

@@ -39,8 +39,9 @@ fewer, fuller micro-batches).
 counted from their ``emitted_ids.rank*.jsonl`` and their data's pairs (tokenized again with the
 run's tokenizer, default processing) as the model takes them: packed, every sequence its own
 segment; padded (policy ``fixed``), 2B rows as long as the longest sequence (``collate_padded``).
-``summary.json``'s ``padding_ratio`` counts a padded pair as one row of its two sequences' tokens
-(B x the longest pair), which is under what is materialized; both are printed.
+``summary.json``'s ``padding_ratio`` (``summary_padding_ratio``) counts the same rows, so the two
+agree; a run made before odb counted a pair as two rows says less there (it counted a padded pair
+as one row of its two sequences' tokens, B x the longest pair); both are printed.
 
     python tools/bench/bench_preference.py --recount runs/pref_odb runs/pref_padded
 """

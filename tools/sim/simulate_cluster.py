@@ -450,8 +450,8 @@ def data_lengths(config: dict) -> list[tuple[int, int]]:
                             truncate_to=batching["max_tokens"] if batching["over_cap"] == "truncate" else None)
     out = []
     for uid in range(len(dataset)):
-        tokens, _, patches = sample_sizes(dataset[uid])
-        out.append((tokens, patches))
+        sizes = sample_sizes(dataset[uid])
+        out.append((sizes.tokens, sizes.patches))
     return out
 
 

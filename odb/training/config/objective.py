@@ -84,11 +84,12 @@ def run_scores(run: dict) -> bool:
 
 def padded_refusal(objective: str, padded: str) -> str:
     """Why ``--objective objective`` cannot train on padded micro-batches (``padded``: what pads
-    them). A padded bin holds ``samples x longest <= max_tokens``, a pair counted as one sample of
-    its two sequences' tokens, but a pair trains as two rows, each padded to the bin's longest
+    them). A padded bin fills to ``samples x longest <= max_tokens``, a pair counted as one sample
+    of its two sequences' tokens, but a pair trains as two rows, each padded to the bin's longest
     sequence: a pair of 1000 and 10 tokens alone in a bin of 1024 is 2 x 1000 tokens, twice what the
-    batcher planned, over the hard cap (I5)."""
+    batcher's fill rule allowed, over the hard cap (I5). (Its cost and materialized tokens count the
+    two rows, :class:`odb.batching.cost.SampleCost`; the fill rule does not.)"""
     return (f"--objective {objective} trains each pair as two sequences, and {padded}: a padded micro-batch "
             "would hold each pair as two rows padded to the longer one, up to twice max_tokens (odb's padded "
-            "bins count a pair as one row); train a model odb packs, with policy odb (or the baseline fixed, which "
-            "ignores max_tokens)")
+            "bins fill to max_tokens counting a pair as one row); train a model odb packs, with policy odb (or "
+            "the baseline fixed, which ignores max_tokens)")

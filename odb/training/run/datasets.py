@@ -156,7 +156,7 @@ def mean_units(dataset: MixedDataset, cost_model: CostModel, mix_by: str, *, see
         chosen = np.random.default_rng([seed, source, 2]).choice(size, min(size, records), replace=False)
         uids = [start + int(index) for index in chosen]
         samples = [dataset[uid] for uid in uids]
-        raw = [None if "skip" in s else (*sample_sizes(s), s["labels"].tolist()) for s in samples]
+        raw = [None if "skip" in s else sample_sizes(s)._replace(labels=s["labels"].tolist()) for s in samples]
         admitted, _ = cost_model.measure_many(uids, raw)
         units = len(admitted) if mix_by == "samples" else sum(getattr(sample, mix_by) for sample in admitted)
         means.append(units / len(uids))

@@ -64,6 +64,7 @@ from odb.batching.align import Aligner, Communicator
 from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import OdbConfig
 from odb.batching.cost import SampleCost
+from odb.batching.feed import Sizes
 from odb.batching.plan import MicroBatch, StepPlan
 from odb.data.feed import SampleFeed
 from odb.data.formats import SKIP_REASONS
@@ -126,20 +127,23 @@ class _KeepOverCap:
 
     def __init__(self, feed: SampleFeed) -> None:
         self.feed = feed
-        self.sizes: dict[int, tuple[int, int, int]] = {}  # fetched, not skipped: (tokens, label tokens, patches)
+        self.sizes: dict[int, Sizes] = {}  # fetched, not skipped
         self.over_cap: list[SampleCost] = []
 
     def deal(self, uids: list[int]) -> None:
         self.feed.deal(uids)
 
-    def fetch(self, uids: list[int]) -> list[tuple[int, int, int] | None]:
+    def fetch(self, uids: list[int]) -> list[Sizes | None]:
         raw = self.feed.fetch(uids)
-        self.sizes.update((uid, tuple(sizes[:3])) for uid, sizes in zip(uids, raw) if sizes is not None)
+        self.sizes.update((uid, sizes) for uid, sizes in zip(uids, raw) if sizes is not None)
         return raw
 
     def forget(self, uids: list[int]) -> None:
         kept = [uid for uid in uids if uid in self.sizes]  # fetched and not admitted: over a cap
-        self.over_cap += [SampleCost(uid, *self.sizes[uid], self.sizes[uid][0]) for uid in kept]
+        for uid in kept:
+            sizes = self.sizes[uid]
+            self.over_cap.append(SampleCost(uid, sizes.tokens, sizes.label_tokens, sizes.patches, sizes.tokens,
+                                            sizes.second))
         self.feed.forget([uid for uid in uids if uid not in self.sizes])
 
 
