@@ -160,7 +160,8 @@ class OdbDPOMixin(OdbTrainerMixin):
     odb_next_token = False  # (its loss fields are DPOConfig's: preference_objective)
 
     def __init__(self, *args: Any, odb: OdbSettings, **kwargs: Any) -> None:
-        host = next(c for c in type(self).__mro__ if c.__module__.split(".")[0] == "trl")
+        mro = type(self).__mro__
+        host = mro[mro.index(OdbTrainerMixin) + 1]  # (DPOTrainer, or a subclass of one's own)
         bound = inspect.signature(host.__init__).bind(self, *args, **kwargs).arguments
         bound.pop(next(iter(bound)))  # (self)
         given = bound.get("args")

@@ -235,8 +235,9 @@ def test_the_dpo_fields_odb_keeps_pass_and_map_to_its_objective(tmp_path):
 
 def test_a_reference_odb_cannot_run_as_trl_does_is_refused(tmp_path, tokenizer):
     """A PeftModel whose adapter starts trained (TRL's reference: a copy of it; odb's: the base),
-    a non-LoRA adapter, a full fine-tune without ref_model on a model with no path to load one from;
-    a PeftModel whose adapter starts at PEFT's own init (B zero) is its base model, and passes."""
+    a non-LoRA adapter, a full fine-tune without ref_model on a model with no path to load one from
+    are refused; a PeftModel whose adapter starts at PEFT's own init (B zero) has its base model
+    as the reference, a full fine-tune of a model with a path the reference TRL loads from it."""
     from peft import IA3Config, LoraConfig, get_peft_model
     from trl import DPOTrainer
 
@@ -259,6 +260,13 @@ def test_a_reference_odb_cannot_run_as_trl_does_is_refused(tmp_path, tokenizer):
                       peft_config=IA3Config(target_modules=["v_proj"], feedforward_modules=[]))
     with pytest.raises(ValueError, match="pass ref_model="):
         trainer_class(model=tiny_model(tokenizer), args=dpo_config(tmp_path), processing_class=tokenizer, odb=odb)
+    saved = tmp_path / "model"  # a full fine-tune of a model with a path: TRL loads its reference from it
+    tiny_model(tokenizer).save_pretrained(saved)
+    from transformers import AutoModelForCausalLM
+
+    trainer = trainer_class(model=AutoModelForCausalLM.from_pretrained(saved), args=dpo_config(tmp_path),
+                            processing_class=tokenizer, odb=odb)
+    assert trainer._odb_objective()["objective"].reference == "model" and trainer._odb_reference() is not None
     with pytest.raises(ValueError, match="drop train_dataset"):
         trainer_class(model=tiny_model(tokenizer), ref_model=tiny_model(tokenizer), args=dpo_config(tmp_path),
                       processing_class=tokenizer, odb=odb, train_dataset=records()[1])

@@ -31,7 +31,8 @@ the whole step. What a step reports: ``loss_sum`` (the pairs' summed loss; the s
 over ``P_s``), and :attr:`StepResult.rewards`: the summed rewards ``beta * (pi - rho)`` (simpo,
 orpo: ``beta * a``) of the chosen and the rejected answers and the pairs whose chosen reward is the
 higher (``rewards/accuracies``). A mixture-of-experts model's router loss is not added (as TRL's
-default, ``output_router_logits`` off).
+CPO and ORPO trainers by default, ``output_router_logits`` off; TRL 1.16's DPOTrainer adds it by
+default, which ``with_odb(DPOTrainer)`` refuses unless ``router_aux_loss_coef=0.0``).
 """
 
 from __future__ import annotations
