@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -182,7 +181,7 @@ class Preference:
                 reference.dummy_loss(router=False)
         return engine.dummy_loss(router=False)
 
-    def _reference(self, engine: OdbEngine) -> tuple[OdbEngine, AbstractContextManager[None]]:
+    def _reference(self, engine: OdbEngine) -> tuple[OdbEngine, contextlib.AbstractContextManager[None]]:
         """Where a reference forward runs: the policy's engine with its adapter off (``adapter``),
         or the separate reference model's own engine (``model``: its own LM head too)."""
         if self.reference == "model":
