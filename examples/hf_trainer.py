@@ -7,7 +7,10 @@
 The run writes what odb's own trainer writes (metrics.jsonl, summary.json, with --audit_ids
 emitted_ids.rank<R>.jsonl) and the Trainer's own checkpoints; the final model goes to OUTPUT_DIR/hf.
 With --trl, TRL's ``SFTTrainer`` through ``with_odb(SFTTrainer)``, which takes the same ``odb=``
-argument.
+argument. With --dpo, TRL's ``DPOTrainer`` through ``with_odb(DPOTrainer)`` on preference records
+(--data data/preference.jsonl), a full fine-tune whose ``ref_model`` is the model as it starts:
+
+    torchrun --nproc_per_node 2 examples/hf_trainer.py --dpo --data data/preference.jsonl --output_dir runs/dpo
 """
 
 from functools import partial
@@ -28,6 +31,8 @@ def parse():
     p.add_argument("--gas", type=int, default=1, help="gradient_accumulation_steps (odb's gas)")
     p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output_dir")
     p.add_argument("--trl", action="store_true", help="TRL's SFTTrainer (with_odb(SFTTrainer)) instead of Trainer")
+    p.add_argument("--dpo", action="store_true", help="TRL's DPOTrainer (with_odb(DPOTrainer)) on preference records")
+    p.add_argument("--beta", type=float, default=0.1, help="DPO's beta (with --dpo)")
     return p.parse_args()
 
 
@@ -37,10 +42,19 @@ def main() -> None:
     batching = odb.batching
     tokenizer = load_tokenizer(args.tokenizer)
     random_init = Path(args.model).is_file()
+    def initial():
+        return build_model(args.model, seed=batching.seed, vocab_size=len(tokenizer))
+
     if random_init:  # whole, from the seed, before DeepSpeed's settings are known: the numbers odb's own trainer
-        model = build_model(args.model, seed=batching.seed, vocab_size=len(tokenizer))  # draws (ZeRO-3 included)
-    arguments, trainer_class = TrainingArguments, OdbTrainer
-    if args.trl:
+        model = initial()  # draws (ZeRO-3 included)
+    arguments, trainer_class, extra = TrainingArguments, OdbTrainer, {}
+    if args.dpo:
+        from trl import DPOConfig, DPOTrainer
+
+        # (odb's own --objective dpo of a full fine-tune: the reference is the initial weights, here a copy)
+        arguments = partial(DPOConfig, gradient_checkpointing=False, beta=args.beta, loss_type="sigmoid")
+        trainer_class = with_odb(DPOTrainer)
+    elif args.trl:
         from trl import SFTConfig, SFTTrainer
 
         # (TRL's defaults: bf16 and gradient checkpointing on; the bundled run keeps fp32 and none)
@@ -58,8 +72,10 @@ def main() -> None:
             import deepspeed
 
             deepspeed.init_distributed()
-        model = build_model(args.model, seed=batching.seed, vocab_size=len(tokenizer))
-    trainer = trainer_class(model=model, args=training, processing_class=tokenizer, odb=odb)
+        model = initial()
+    if args.dpo:
+        extra["ref_model"] = initial()
+    trainer = trainer_class(model=model, args=training, processing_class=tokenizer, odb=odb, **extra)
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     trainer.save_model(str(Path(args.output_dir) / "hf"))
 

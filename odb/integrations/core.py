@@ -7,8 +7,9 @@ DataLoader workers), the online batcher and its alignment of the ranks, the loss
 micro-batch (:class:`odb.training.step.objective.NextTokenTally`), the learning rate by progress, metrics.jsonl,
 the audit files and summary.json. Per optimizer step the host runs :class:`HostStep`'s
 micro-batches, every one of them (dummies are real zero-weight passes), backs each
-:meth:`HostMicro.loss` (already scaled for the step: ``sum_t l_t * W / N_s``; the host must not
-divide it by the accumulation steps nor average it again), reduces the gradients over the ranks in
+:meth:`HostMicro.loss` (already scaled for the step: ``sum_t l_t * W / N_s``, or under a preference
+objective ``sum_p loss_p * W / P_s``, the step's pairs over every rank; the host must not divide it
+by the accumulation steps nor average it again), reduces the gradients over the ranks in
 the last micro-batch's backward only, steps the optimizer at :attr:`HostStep.lr`, then calls
 :meth:`HostStep.end`. So I1-I6 hold in the host's loop as in odb's.
 """
@@ -29,6 +30,7 @@ from odb.batching.mixture import epoch_records
 from odb.batching.plan import MicroBatch, StepPlan
 from odb.batching.state import upgrade_state
 from odb.training import backends
+from odb.training.config.objective import ObjectiveSettings
 from odb.training.config.optimization import BACKENDS, Fsdp2Settings, OptimizationSettings
 from odb.training.config.settings import (
     DataSettings,
@@ -82,11 +84,15 @@ class OdbSettings:
 
 def host_config(settings: OdbSettings, *, model_path: str, output_dir: str | Path, lr: float, warmup_ratio: float,
                 weight_decay: float, epochs: int, gas: int, backend: str = "deepspeed",
-                backend_settings: Mapping[str, Any] | Fsdp2Settings | None = None) -> RunConfig:
+                backend_settings: Mapping[str, Any] | Fsdp2Settings | None = None,
+                objective: ObjectiveSettings | None = None, lora: Mapping[str, Any] | None = None) -> RunConfig:
     """The :class:`RunConfig` of a host's run: odb's settings with the host's values where the host
     owns them. ``backend``: what the host wraps the model in, 'deepspeed' (also DDP: ZeRO-0) or
     'fsdp2', with ``backend_settings`` (DeepSpeed's resolved config, :class:`Fsdp2Settings`;
-    None: empty, the defaults). A gas in ``settings.batching`` other than 1 must be the host's;
+    None: empty, the defaults). ``objective``: what the host's trainer trains (None: next-token
+    loss; a preference objective reads every record as a pair); ``lora``: the LoRA settings of the
+    adapter the host trains (None: every weight), which a preference reference ``adapter`` needs.
+    A gas in ``settings.batching`` other than 1 must be the host's;
     ``max_tokens`` must be a number (the preflight that measures 'auto' runs odb's own steps)."""
     batching = settings.batching
     if batching.gas not in (1, gas):
@@ -115,14 +121,14 @@ def host_config(settings: OdbSettings, *, model_path: str, output_dir: str | Pat
     empty = {"deepspeed": {}, "fsdp2": Fsdp2Settings()}  # (OptimizationSettings' field of each)
     tokenizer = settings.tokenizer or model_path
     return RunConfig(
-        model=ModelSettings(path=model_path, tokenizer=tokenizer),
+        model=ModelSettings(path=model_path, tokenizer=tokenizer, lora=lora),
         data=settings.data,
         batching=dataclasses.replace(batching, gas=gas),
         optimization=OptimizationSettings(lr=lr, warmup_ratio=warmup_ratio, weight_decay=weight_decay,
                                           backend=backend, **{backend: backend_settings or empty[backend]}),
         run=RunSettings(output_dir=str(output_dir), epochs=epochs),
         logging=LoggingSettings(audit_ids=settings.audit_ids, log_steps=settings.log_steps),
-        preflight=PreflightSettings(preflight="off"))
+        preflight=PreflightSettings(preflight="off"), objective=objective or ObjectiveSettings())
 
 
 @dataclass(eq=False)
@@ -150,7 +156,8 @@ class HostMicro:
 
     def loss(self) -> torch.Tensor:
         """The forward (through the host's model) and the loss to back: ``sum_t l_t * W / N_s``,
-        a router loss's share for a mixture of experts, 0 x a real forward for a dummy."""
+        a router loss's share for a mixture of experts (a preference objective: the reference's
+        forward first, then ``sum_p loss_p * W / P_s``), 0 x a real forward for a dummy."""
         return self.step.tally.loss(self.micro, self.samples)
 
 
@@ -190,10 +197,13 @@ class HostRun(Trainer):
             wrapped one before the first forward).
         device: where the host runs it.
         schedule: the learning rate by progress (default: odb's, from ``config``).
+        reference: a preference objective's separate reference model (reference ``model``:
+            TRL's ``ref_model``), its :attr:`HostModel.call` what the host wrapped it in.
     """
 
     def __init__(self, config: RunConfig, model: torch.nn.Module, *, device: torch.device,
-                 schedule: ProgressSchedule | None = None, resuming: bool = False) -> None:
+                 schedule: ProgressSchedule | None = None, resuming: bool = False,
+                 reference: HostModel | None = None) -> None:
         import torch.distributed as dist
 
         self._own_group = _one_rank_group()
@@ -206,7 +216,8 @@ class HostRun(Trainer):
         self.host = HostModel(model, device)
         config.output_dir.mkdir(parents=True, exist_ok=True)
         self.parts = build_components(config, rank=self.rank, world_size=self.world_size, report=self._report,
-                                      on_reports=self._on_reports, log=self.log, backend=self.host)
+                                      on_reports=self._on_reports, log=self.log, backend=self.host,
+                                      reference=reference)
         if schedule is not None:
             self.parts = dataclasses.replace(self.parts, schedule=schedule)
         self._track_sources()  # (a mixture's loss per source, as odb's trainer writes it)

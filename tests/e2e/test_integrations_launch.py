@@ -1,5 +1,6 @@
-"""odb inside HF Trainer, TRL's SFTTrainer and an Accelerate loop (odb.integrations, the examples):
-the oracle is odb's own trainer (launch/train.py) on the same model, data, seed and settings.
+"""odb inside HF Trainer, TRL's SFTTrainer and DPOTrainer and an Accelerate loop (odb.integrations,
+the examples): the oracle is odb's own trainer (launch/train.py) on the same model, data, seed and
+settings.
 
 Stated tolerance: per-step losses within 1e-5 (relative), final weights within 1e-5 (absolute).
 What was measured (2 CPU ranks, 100 bundled samples): HF Trainer at ZeRO-2 7.6e-7 from odb's own
@@ -85,6 +86,23 @@ def test_hf_trainer_and_trl_at_zero2_train_what_odbs_own_trainer_does(tmp_path):
         out = tmp_path / name
         deepspeed(host_args(tmp_path, out, "--deepspeed", deepspeed_config, *extra), script=HF)
         check_same_run(out, reference)
+
+
+def test_trl_dpo_at_zero2_trains_what_odbs_own_dpo_does(tmp_path):
+    """with_odb(DPOTrainer), a full fine-tune whose ref_model is the initial model (odb's reference
+    'model': its forward per micro-batch, packed), against odb's own --objective dpo (reference
+    precompute: the initial weights' log-probs, one pass before the first step): the same math, so
+    the same micro-batches, losses and final weights, 2 ranks at ZeRO-2 over the 40 bundled pairs."""
+    pairs = ["--data", str(ROOT / "data" / "preference.jsonl"), "--max_samples", "40"]
+    stage = str(ds_config(tmp_path, 2))
+    reference = tmp_path / "odb"
+    deepspeed(["--deepspeed_config", stage, "--odb_config", str(odb_config(tmp_path)), "--objective", "dpo",
+               "--beta", "0.1", *pairs, "--output_dir", str(reference), "--audit_ids", "--save_hf",
+               "--no_final_checkpoint"])
+    out = tmp_path / "trl"
+    deepspeed(["--odb_config", str(odb_config(tmp_path)), *pairs, "--output_dir", str(out), "--audit_ids",
+               "--deepspeed", stage, "--dpo", "--beta", "0.1"], script=HF)
+    check_same_run(out, reference, samples=40)
 
 
 def test_a_weighted_mixture_under_hf_trainer_ends_with_its_data_within_odbs_step_bound(tmp_path):

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from odb.settings import check, check_number, flag
 
-__all__ = ["LOSSES", "OBJECTIVES", "REFERENCES", "ObjectiveSettings", "padded_refusal", "run_scores"]
+__all__ = ["HOST_REFERENCES", "LOSSES", "OBJECTIVES", "REFERENCES", "ObjectiveSettings", "padded_refusal",
+           "run_scores"]
 
 LOSSES = ("dpo", "ipo", "hinge", "simpo", "orpo", "reward")
 """The preference losses (``reward``: a Bradley-Terry reward model's, on a score head)."""
@@ -22,6 +23,11 @@ each record's ``ref_chosen_logps`` / ``ref_rejected_logps`` (the names TRL's
 forward-only pass over the training data before the first step, kept in ``--output_dir``
 (:mod:`odb.training.run.reference`), then read as ``data``'s; ``none``: a reference-free loss
 (simpo, orpo)."""
+HOST_REFERENCES = ("model",)
+"""References of a host's loop only (:mod:`odb.integrations.hf`), never a ``--reference`` choice:
+``model``: a separate reference model (TRL's ``ref_model``), its forward without gradients per
+micro-batch through an engine of its own (dummy micro-batches too), the model the host built and
+wrapped; odb's own loop has none to run."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,7 +57,7 @@ class ObjectiveSettings:
         check_number("--beta", self.beta, 0)
         check(self.beta > 0, f"--beta must be > 0, got {self.beta}")
         check_number("--simpo_gamma", self.simpo_gamma, 0)
-        check(self.reference is None or self.reference in REFERENCES,
+        check(self.reference is None or self.reference in REFERENCES + HOST_REFERENCES,
               f"--reference must be one of {REFERENCES}, got {self.reference!r}")
         if self.objective == "next_token":
             return

@@ -38,7 +38,7 @@ from odb.training.model.mrope import supports_packing
 from odb.training.run.datasets import build_datasets, mixture_epoch, streaming_reader
 from odb.training.run.evaluate import Evaluator
 from odb.training.run.preflight import PreflightReport, run_preflight
-from odb.training.run.reference import reference_datasets
+from odb.training.run.reference import reference_datasets, reference_engine
 from odb.training.run.schedule import ProgressSchedule
 from odb.training.run.startup import StartupError, probed_attention
 from odb.training.run.waits import announced_wait
@@ -144,7 +144,7 @@ def port_in_use(port: str) -> str:
 def build_components(config: RunConfig, *, rank: int, world_size: int, report: Callable[[], np.ndarray],
                      on_reports: Callable[[np.ndarray], None], log: Callable[[str], None],
                      watchdog: Watchdog | None = None, load: Any = None,
-                     backend: Backend | None = None) -> Components:
+                     backend: Backend | None = None, reference: Backend | None = None) -> Components:
     """Builds the run (collective: every rank, same order).
 
     Args:
@@ -155,6 +155,8 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
             config), which the backend is built for.
         backend: the model as a host's own loop runs it (:mod:`odb.integrations`), instead of one
             built here from ``config``.
+        reference: a host's separate reference model, as the host runs it (a preference
+            objective's reference ``model``: :data:`odb.training.config.objective.HOST_REFERENCES`).
     """
     tokenizer = load_tokenizer(config.model.tokenizer)
     host_backend = backend is not None
@@ -228,11 +230,11 @@ def build_components(config: RunConfig, *, rank: int, world_size: int, report: C
             f"rows x longest <= {batching.max_tokens} tokens")
         if batching.policy == "odb":
             batching = dataclasses.replace(batching, pad_rows=True)
+    reference_model = None if reference is None else reference_engine(config, reference, batching, tokenizer)
     engine = OdbEngine(backend, world_size=world_size,
                        max_tokens=batching.max_tokens, pad_token_id=tokenizer.pad_token_id, packed=packed,
                        loss_chunk_tokens=None if config.objective.scores else config.model.loss_chunk_tokens,
-                       sequence_parallel=sp, groups=groups,
-                       rank=rank, objective=objective_of(config))
+                       sequence_parallel=sp, groups=groups, rank=rank, objective=objective_of(config, reference_model))
     # (--reference precompute: the samples carry the initial weights' log-probs, from a pass made here or loaded)
     fed, eval_fed = reference_datasets(config, engine, dataset, eval_dataset, batching, batcher_comm, log)
     feed = SampleFeed(fed, sample_sizes, num_workers=config.data.num_workers,

@@ -1,5 +1,6 @@
 """``--reference precompute``: a full fine-tune's reference log-probabilities, those of its initial
-weights, from one forward-only pass over the training data before the first step.
+weights, from one forward-only pass over the training data before the first step (and the engine of
+a host's separate reference model, reference ``model``: :func:`reference_engine`).
 
 The table, per dataset index ``i`` (float64 ``[N, 2]``)::
 
@@ -62,14 +63,18 @@ from odb.batching.align import Aligner, Communicator
 from odb.batching.config import OdbConfig
 from odb.batching.plan import StepPlan
 from odb.training import backends
+from odb.training.backends import Backend
+from odb.training.config.objective import padded_refusal
 from odb.training.config.settings import RunConfig
+from odb.training.model.build import hf_model
+from odb.training.model.mrope import supports_packing
 from odb.training.run.evaluate import EvalResult, Evaluator
 from odb.training.step.engine import OdbEngine
 from odb.training.step.preference import Preference
 from odb.training.step.sources import SourceSums
 
 __all__ = ["TABLE", "ReferenceScores", "ReferencedDataset", "TableFiles", "gather_table", "made_with",
-           "reference_datasets", "score_pairs"]
+           "reference_datasets", "reference_engine", "score_pairs"]
 
 TABLE = "reference_logps"
 """The tables' file names in ``--output_dir``: ``reference_logps.npy`` and ``.json`` (the
@@ -308,3 +313,18 @@ def _write(files: TableFiles, table: np.ndarray, wanted: dict[str, Any], *, seco
 
 def _pairs(table: np.ndarray) -> int:
     return int(np.isfinite(table).all(axis=1).sum())
+
+
+def reference_engine(config: RunConfig, reference: Backend, batching: OdbConfig, tokenizer) -> OdbEngine:
+    """The engine of a host's separate reference model (reference ``model``): the policy's packed
+    rows under the same cap, through the reference's own forward and LM head; gradients never run
+    through it (:meth:`odb.training.step.preference.Preference.pairs` calls it without them)."""
+    model = hf_model(reference.module)
+    if config.objective.reference != "model":
+        raise ValueError(f"a separate reference model is reference 'model', not {config.objective.reference!r}: "
+                         "set ObjectiveSettings(reference='model') with it")
+    if not supports_packing(model):
+        raise ValueError(padded_refusal(config.objective.objective,
+                                        f"odb cannot pack the reference model ({model.config.model_type})"))
+    return OdbEngine(reference, world_size=1, max_tokens=batching.max_tokens, pad_token_id=tokenizer.pad_token_id,
+                     loss_chunk_tokens=config.model.loss_chunk_tokens)

@@ -8,7 +8,8 @@ micro-batch on the same rank, each a varlen segment of its own, and the batcher 
 probability of its labels, ``pi = -sum_t CE_t``, with its gradient (:meth:`OdbEngine.forward_loss`
 with ``per_sample``: the token losses split at the segments' bounds, the same split as a mixture's
 per-source sums). With ``rho`` the reference's log-probability
-(:data:`odb.training.config.objective.REFERENCES`), ``n`` the
+(:data:`odb.training.config.objective.REFERENCES`; a host's separate reference model:
+:data:`~odb.training.config.objective.HOST_REFERENCES`), ``n`` the
 answer's scored label tokens, ``a = pi / n``, ``beta`` and ``gamma`` the objective's constants, the
 loss of pair p (chosen c, rejected r)::
 
@@ -30,14 +31,15 @@ the whole step. What a step reports: ``loss_sum`` (the pairs' summed loss; the s
 over ``P_s``), and :attr:`StepResult.rewards`: the summed rewards ``beta * (pi - rho)`` (simpo,
 orpo: ``beta * a``) of the chosen and the rejected answers and the pairs whose chosen reward is the
 higher (``rewards/accuracies``). A mixture-of-experts model's router loss is not added (as TRL's
-default, ``output_router_logits`` off).
+CPO and ORPO trainers by default, ``output_router_logits`` off; TRL 1.16's DPOTrainer adds it by
+default, which ``with_odb(DPOTrainer)`` refuses unless ``router_aux_loss_coef=0.0``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,7 +48,7 @@ import torch.nn.functional as F
 from odb.batching.cost import count_label_tokens
 from odb.batching.plan import MicroBatch, Shared, StepPlan
 from odb.data.preference import pair_sequences
-from odb.training.config.objective import LOSSES, REFERENCE_FREE, REFERENCES
+from odb.training.config.objective import HOST_REFERENCES, LOSSES, REFERENCE_FREE, REFERENCES
 from odb.training.step.clock import ForwardClock
 from odb.training.step.objective import NEXT_TOKEN, Objective, StepResult
 from odb.training.step.sources import SourceSums, sample_source
@@ -106,18 +108,26 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Preference:
-    """A preference objective (the module docstring). ``reference``: :data:`REFERENCES`."""
+    """A preference objective (the module docstring). ``reference``: :data:`REFERENCES`, or
+    :data:`HOST_REFERENCES`' ``model`` with :attr:`reference_model`."""
 
     loss: str = "dpo"
     beta: float = 0.1
     gamma: float = 0.5
     reference: str = "adapter"
+    reference_model: OdbEngine | None = field(default=None, compare=False, repr=False)
+    """Reference ``model``: the engine over the separate reference model (a host's), whose forward
+    gives ``rho``; None for every other reference."""
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
             raise ValueError(f"the preference loss must be one of {LOSSES}, got {self.loss!r}")
-        if self.reference not in REFERENCES:
+        if self.reference not in REFERENCES + HOST_REFERENCES:
             raise ValueError(f"the reference must be one of {REFERENCES}, got {self.reference!r}")
+        if (self.reference == "model") != (self.reference_model is not None):
+            raise ValueError("reference 'model' is a host's separate reference model (with_odb(DPOTrainer)'s "
+                             "ref_model), run through an engine of its own: pass reference_model with it, and with "
+                             "it only; odb's own loop has none (--reference adapter, data or precompute)")
         free = reference_free(self.loss)
         if free != (self.reference == "none"):
             raise ValueError(f"{self.loss} is {'reference free' if free else 'against a reference'}: reference "
@@ -149,9 +159,10 @@ class Preference:
         n = torch.tensor([count_label_tokens(seq["labels"][:cap].tolist()) for seq in seqs],
                          dtype=torch.float32, device=engine.device).view(-1, 2)
         rho = None
-        if self.reference == "adapter":
-            with torch.no_grad(), _adapter_disabled(engine):
-                rho = _logps(engine, micro, seqs, truncate)
+        if self.reference in ("adapter", "model"):
+            reference, switched = self._reference(engine)
+            with torch.no_grad(), switched:
+                rho = _logps(reference, micro, seqs, truncate)
         elif self.reference in ("data", "precompute"):  # (precompute: the run's table put them there)
             missing = [sample["index"] for sample in samples if "ref_logps" not in sample]
             if missing:
@@ -164,9 +175,10 @@ class Preference:
         """A dummy micro-batch's loss, after the same model calls as a real one (the reference's
         without gradients), so that every rank gathers ZeRO-3's or FSDP2's parameters alike: no
         router logits either (a mixture-of-experts model's), as a real one's calls have none."""
-        if self.reference == "adapter":
-            with torch.no_grad(), _adapter_disabled(engine):
-                engine.dummy_loss(router=False)
+        if self.reference in ("adapter", "model"):
+            reference, switched = self._reference(engine)
+            with torch.no_grad(), switched:
+                reference.dummy_loss(router=False)
         return engine.dummy_loss(router=False)
 
     def probe_loss(self, engine: OdbEngine, samples: Sequence[dict[str, Any]], shared: Shared | None
@@ -174,6 +186,14 @@ class Preference:
         """The preflight's backward: next-token loss over ``samples``, the same model call as a pair
         micro-batch of as many tokens trains (a reference's, without gradients, holds less)."""
         return NEXT_TOKEN.probe_loss(engine, samples, shared)
+
+    def _reference(self, engine: OdbEngine) -> tuple[OdbEngine, contextlib.AbstractContextManager[None]]:
+        """Where a reference forward runs: the policy's engine with its adapter off (``adapter``),
+        or the separate reference model's own engine (``model``: its own LM head too)."""
+        if self.reference == "model":
+            assert self.reference_model is not None
+            return self.reference_model, contextlib.nullcontext()
+        return engine, _adapter_disabled(engine)
 
     def evaluate(self, engine: OdbEngine, plan: StepPlan, samples: Sequence[Sequence[dict[str, Any]]], *,
                  truncate: bool = True, by_source: SourceSums | None = None, rewards: list[float] | None = None
@@ -295,8 +315,9 @@ def _adapter_disabled(engine: OdbEngine) -> Iterator[None]:
                 param.requires_grad_(flag)
 
 
-def objective_of(config: RunConfig) -> Objective:
-    """The run's objective (``--objective``): next-token loss, or its :class:`Preference`."""
+def objective_of(config: RunConfig, reference_model: OdbEngine | None = None) -> Objective:
+    """The run's objective (``--objective``): next-token loss, or its :class:`Preference`
+    (``reference_model``: the engine of reference ``model``, a host's separate reference model)."""
     settings = config.objective
     if not settings.is_preference:
         return NEXT_TOKEN
@@ -305,4 +326,5 @@ def objective_of(config: RunConfig) -> Objective:
 
         return Reward()
     return Preference(settings.objective, beta=settings.beta, gamma=settings.simpo_gamma,
-                      reference=settings.reference_for(lora=config.model.lora is not None))
+                      reference=settings.reference_for(lora=config.model.lora is not None),
+                      reference_model=reference_model)
