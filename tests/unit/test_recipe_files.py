@@ -18,6 +18,7 @@ RECIPES = {  # recipe: (model, lr, lora, backend, nproc on one node; None: SLURM
     "qwen2.5-vl-7b": ("configs/tiny_vl_model.json", 1e-5, False, "deepspeed", 8),
     "llama3-70b-fsdp2-slurm": ("configs/tiny_model.json", 1e-5, False, "fsdp2", None),
     "qwen2.5-7b-dpo-lora": ("configs/tiny_model.json", 5e-5, True, "deepspeed", 8),
+    "qwen2.5-7b-reward-lora": ("configs/tiny_model.json", 1e-4, True, "deepspeed", 8),
 }
 
 

@@ -124,3 +124,17 @@ def test_the_export_is_a_sequence_classifier_that_scores_as_trained(tmp_path):
 def test_a_model_without_a_sequence_classifier_class_is_refused_naming_the_fix():
     with pytest.raises(ValueError, match="reward.*no class for with qwen2_vl"):
         build_model(ROOT / "configs" / "tiny_vl_model.json", seed=0, vocab_size=VOCAB, score_head=True)
+
+
+def test_a_beta_given_to_a_reward_model_is_refused_and_its_reference_is_none(tmp_path):
+    from conftest import train_defaults
+    from odb.training.launch.flags import parse_config
+
+    with pytest.raises(ValueError, match="--objective reward has no beta"):
+        parse_config(["--output_dir", str(tmp_path / "o"), "--objective", "reward", "--beta", "0.5"],
+                     defaults=train_defaults())
+    with pytest.raises(ValueError, match="reference free: --reference none"):
+        parse_config(["--output_dir", str(tmp_path / "o"), "--objective", "reward", "--reference", "adapter"],
+                     defaults=train_defaults())
+    config = parse_config(["--output_dir", str(tmp_path / "o"), "--objective", "reward"], defaults=train_defaults())
+    assert config.objective.scores and config.objective.reference_for(lora=True) == "none"

@@ -22,7 +22,7 @@ each record's ``ref_chosen_logps`` / ``ref_rejected_logps`` (the names TRL's
 ``precompute_ref_log_probs`` writes); ``precompute``: the initial weights' own, from one
 forward-only pass over the training data before the first step, kept in ``--output_dir``
 (:mod:`odb.training.run.reference`), then read as ``data``'s; ``none``: a reference-free loss
-(simpo, orpo)."""
+(simpo, orpo, reward)."""
 HOST_REFERENCES = ("model",)
 """References of a host's loop only (:mod:`odb.integrations.hf`), never a ``--reference`` choice:
 ``model``: a separate reference model (TRL's ``ref_model``), its forward without gradients per
@@ -46,7 +46,7 @@ class ObjectiveSettings:
     simpo_gamma: float = 0.5
     """SimPO's target reward margin gamma."""
     reference: str | None = field(default=None, metadata=flag(choices=REFERENCES, shown_default=(
-        "none for simpo and orpo; adapter for a LoRA run; precompute otherwise")))
+        "none for simpo, orpo and reward; adapter for a LoRA run; precompute otherwise")))
     """Where the reference log-probabilities come from (dpo, ipo, hinge): adapter (a LoRA run's base
     model, its adapter disabled), data (each record's ref_chosen_logps and ref_rejected_logps), or
     precompute (the initial weights', one forward-only pass over the training data before the first
@@ -61,6 +61,8 @@ class ObjectiveSettings:
               f"--reference must be one of {REFERENCES}, got {self.reference!r}")
         if self.objective == "next_token":
             return
+        check(not self.scores or self.beta == 0.1,  # (the default: no --beta given)
+              f"--beta {self.beta}: --objective reward has no beta (its loss is -log sigmoid(r_c - r_r)); drop it")
         free = self.objective in REFERENCE_FREE
         wanted = ("reference free: --reference none" if free
                   else "against a reference: --reference adapter, data or precompute")
