@@ -77,10 +77,12 @@ def trl_loss(loss: str, beta: float, gamma: float, pi, rho, n) -> torch.Tensor:
     return CPOTrainer.cpo_loss(trainer, chosen[None], rejected[None])[0][0]
 
 
-def trl_reward_loss(model, sample: dict, pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def trl_reward_loss(model, sample: dict, pad_token_id: int = 0, center: float | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """TRL's RewardTrainer loss of one pair (``model``: a sequence classifier, one label) and the
     two rewards: its ``compute_loss`` on the chosen and the rejected rows padded on the right to the
-    longer (the model's own class pools each row's last token that is not padding)."""
+    longer (the model's own class pools each row's last token that is not padding); ``center``: its
+    ``center_rewards_coefficient``."""
     chosen = sample["pair"][0]
     rows = [sample["input_ids"][:chosen], sample["input_ids"][chosen:]]
     longest = max(map(len, rows))
@@ -89,7 +91,7 @@ def trl_reward_loss(model, sample: dict, pad_token_id: int = 0) -> tuple[torch.T
     for i, row in enumerate(rows):
         input_ids[i, :len(row)], mask[i, :len(row)] = row, 1
     same = lambda x: x  # noqa: E731 (one process: nothing to gather)
-    trainer = SimpleNamespace(model=model, args=SimpleNamespace(center_rewards_coefficient=None), _tp_size=1,
+    trainer = SimpleNamespace(model=model, args=SimpleNamespace(center_rewards_coefficient=center), _tp_size=1,
                               accelerator=SimpleNamespace(gather=same, gather_for_metrics=same),
                               _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, _total_train_tokens=0)
     loss, outputs = RewardTrainer.compute_loss(trainer, model, {"input_ids": input_ids, "attention_mask": mask},

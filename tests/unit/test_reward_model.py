@@ -19,6 +19,7 @@ from transformers import AutoModelForSequenceClassification
 from odb.training.backends import LocalBackend
 from odb.training.model.build import build_model, hf_model
 from odb.training.step.engine import OdbEngine
+from odb.training.step.preference import objective_of
 from odb.training.step.reward import Reward
 from preference_oracle import pair, trl_reward_loss
 
@@ -36,14 +37,14 @@ def reward_model(lora=None):
     return model
 
 
-def engine_of(model, **kwargs):
+def engine_of(model, center: float = 0.0, **kwargs):
     return OdbEngine(LocalBackend(model), world_size=1, max_tokens=512, pad_token_id=0, loss_chunk_tokens=None,
-                     objective=Reward(), **kwargs)
+                     objective=Reward(center=center), **kwargs)
 
 
-def odb_step(model, micro_samples, padded: int = -1):
+def odb_step(model, micro_samples, padded: int = -1, center: float = 0.0):
     model.zero_grad()
-    engine = engine_of(model)
+    engine = engine_of(model, center)
     plan = plan_of(micro_samples, padded)
     tally = engine.tally(plan)
     for micro, samples in zip(plan.micro_batches, [*micro_samples, []], strict=True):
@@ -53,28 +54,37 @@ def odb_step(model, micro_samples, padded: int = -1):
     return result.loss_sum / plan.num_samples, grads, result
 
 
-def trl_step(model, samples):
+def trl_step(model, samples, center: float | None = None):
     model.zero_grad()
     hf_model(model).set_attn_implementation("eager")
-    losses, rewards = zip(*(trl_reward_loss(model, sample) for sample in samples))
+    losses, rewards = zip(*(trl_reward_loss(model, sample, center=center) for sample in samples))
     mean = torch.stack(losses).mean()
     mean.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     return float(mean.detach()), grads, torch.stack(rewards)
 
 
-@pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
-def test_packed_pairs_train_trls_reward_loss_of_each_pair_alone(lora):
-    """Three micro-batches of 3, 2 and 1 pairs (the second padded), a dummy."""
+@pytest.mark.parametrize("lora,center", [(None, None), (LORA, None), (None, 0.3)], ids=["full", "lora", "centered"])
+def test_packed_pairs_train_trls_reward_loss_of_each_pair_alone(lora, center):
+    """Three micro-batches of 3, 2 and 1 pairs (the second padded), a dummy; ``centered``: TRL's
+    center_rewards_coefficient, odb's per-pair centering term."""
     rng = random.Random(3)
     samples = [pair(rng, uid, ref=False) for uid in range(6)]
     micro_samples = [samples[:3], samples[3:5], samples[5:]]
     model = reward_model(lora)
-    got_loss, got_grads, result = odb_step(copy.deepcopy(model), micro_samples, padded=1)
-    want_loss, want_grads, rewards = trl_step(copy.deepcopy(model), samples)
+    got_loss, got_grads, result = odb_step(copy.deepcopy(model), micro_samples, padded=1, center=center or 0.0)
+    want_loss, want_grads, rewards = trl_step(copy.deepcopy(model), samples, center)
     assert got_loss == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
     assert abs(want_loss - 0.6931) > 1e-2  # the rewards differ (log 2 where they are equal)
-    check_equal(got_grads, want_grads)
+    if center is None:
+        check_equal(got_grads, want_grads)
+    else:  # (rewards of about 8: the centering term's gradients are some 100 times larger, fp32's noise too)
+        assert set(got_grads) == set(want_grads)
+        for name, want in want_grads.items():
+            torch.testing.assert_close(got_grads[name], want, rtol=1e-4, atol=1e-5 * float(want.abs().max()),
+                                       msg=lambda m, n=name: f"{n}: {m}")
+        uncentered, _, _ = trl_step(copy.deepcopy(model), samples)
+        assert want_loss - uncentered > 1.0  # (the term counts)
     score = [name for name in got_grads if "score" in name]
     assert score and all(got_grads[name].abs().sum() > 0 for name in score)  # the head trains
     if lora is not None:
@@ -138,3 +148,9 @@ def test_a_beta_given_to_a_reward_model_is_refused_and_its_reference_is_none(tmp
                      defaults=train_defaults())
     config = parse_config(["--output_dir", str(tmp_path / "o"), "--objective", "reward"], defaults=train_defaults())
     assert config.objective.scores and config.objective.reference_for(lora=True) == "none"
+    with pytest.raises(ValueError, match="centers a reward model's rewards"):
+        parse_config(["--output_dir", str(tmp_path / "o"), "--objective", "simpo", "--center_rewards_coefficient",
+                      "0.01"], defaults=train_defaults())
+    config = parse_config(["--output_dir", str(tmp_path / "o"), "--objective", "reward", "--center_rewards_coefficient",
+                           "0.01"], defaults=train_defaults())
+    assert objective_of(config) == Reward(center=0.01)

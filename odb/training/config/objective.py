@@ -45,6 +45,9 @@ class ObjectiveSettings:
     of its odds-ratio term)."""
     simpo_gamma: float = 0.5
     """SimPO's target reward margin gamma."""
+    center_rewards_coefficient: float = 0.0
+    """A reward model's weight c of the centering term, each pair's loss plus c (r_c + r_r)^2, which
+    draws the rewards toward mean zero (TRL RewardTrainer's center_rewards_coefficient; 0: none)."""
     reference: str | None = field(default=None, metadata=flag(choices=REFERENCES, shown_default=(
         "none for simpo, orpo and reward; adapter for a LoRA run; precompute otherwise")))
     """Where the reference log-probabilities come from (dpo, ipo, hinge): adapter (a LoRA run's base
@@ -57,8 +60,12 @@ class ObjectiveSettings:
         check_number("--beta", self.beta, 0)
         check(self.beta > 0, f"--beta must be > 0, got {self.beta}")
         check_number("--simpo_gamma", self.simpo_gamma, 0)
+        check_number("--center_rewards_coefficient", self.center_rewards_coefficient, 0)
         check(self.reference is None or self.reference in REFERENCES + HOST_REFERENCES,
               f"--reference must be one of {REFERENCES}, got {self.reference!r}")
+        check(self.scores or not self.center_rewards_coefficient,
+              f"--center_rewards_coefficient {self.center_rewards_coefficient}: it centers a reward model's rewards "
+              "(--objective reward); drop it")
         if self.objective == "next_token":
             return
         check(not self.scores or self.beta == 0.1,  # (the default: no --beta given)

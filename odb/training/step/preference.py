@@ -324,7 +324,7 @@ def objective_of(config: RunConfig, reference_model: OdbEngine | None = None) ->
     if settings.scores:
         from odb.training.step.reward import Reward
 
-        return Reward()
+        return Reward(center=settings.center_rewards_coefficient)
     return Preference(settings.objective, beta=settings.beta, gamma=settings.simpo_gamma,
                       reference=settings.reference_for(lora=config.model.lora is not None),
                       reference_model=reference_model)

@@ -6,7 +6,11 @@ The model is the language model under a one-output score head
 the head's output at its last token, as the family's own class pools a sequence alone (its last
 token that is not padding); the loss of pair p (chosen c, rejected r) is TRL ``RewardTrainer``'s::
 
-    reward    -log sigmoid(r_c - r_r)
+    reward    -log sigmoid(r_c - r_r) + c * (r_c + r_r)^2
+
+``c`` the centering coefficient (``--center_rewards_coefficient``, TRL's own field of that name;
+0 by default: no centering term). TRL adds ``c * mean_p (r_c + r_r)^2`` to the batch's mean loss,
+the mean of the same per-pair term: so the step's mean over its pairs is TRL's on the same pairs.
 
 Packed, the head runs on every token of the row and each segment's last token is read
 (:func:`sequence_scores`: a forward hook on the head, since the class itself would pool the row's
@@ -44,18 +48,25 @@ class Reward(Preference):
 
     loss: str = "reward"
     reference: str = "none"
+    center: float = 0.0
+    """The centering coefficient ``c`` (the module docstring)."""
 
     def __post_init__(self) -> None:
         if (self.loss, self.reference) != ("reward", "none"):
             raise ValueError(f"a reward model trains loss 'reward' without a reference, not {self.loss!r} against "
                              f"{self.reference!r}")
+        if not self.center >= 0:
+            raise ValueError(f"the centering coefficient must be >= 0, got {self.center}")
 
     def pairs(self, engine: OdbEngine, micro: MicroBatch, samples: Sequence[dict[str, Any]], *, truncate: bool = True
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """The pairs' losses ``[P]`` and rewards ``[P, 2]`` (chosen, rejected; detached): one model call."""
         seqs = [seq for sample in samples for seq in pair_sequences(sample)]
         scores = sequence_scores(engine, seqs, micro.padded, truncate=truncate).view(-1, 2)
-        return -F.logsigmoid(scores[:, 0] - scores[:, 1]), scores.detach()
+        losses = -F.logsigmoid(scores[:, 0] - scores[:, 1])
+        if self.center:
+            losses = losses + self.center * scores.sum(1) ** 2
+        return losses, scores.detach()
 
     def logps(self, engine: OdbEngine, micro: MicroBatch, samples: Sequence[dict[str, Any]], *, truncate: bool = True
               ) -> torch.Tensor:
