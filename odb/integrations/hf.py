@@ -1,5 +1,6 @@
 """odb inside Hugging Face ``Trainer`` and TRL's trainers: :class:`OdbTrainer`, or
-:func:`with_odb` on any ``Trainer`` subclass (``with_odb(SFTTrainer)``, ``with_odb(DPOTrainer)``).
+:func:`with_odb` on any ``Trainer`` subclass (``with_odb(SFTTrainer)``, ``with_odb(DPOTrainer)``,
+``with_odb(RewardTrainer)``).
 
     trainer = OdbTrainer(model=model, args=TrainingArguments(..., deepspeed="configs/ds_zero2.json"),
                          odb=OdbSettings(data=DataSettings(path="data/chat.jsonl"),
@@ -25,15 +26,17 @@ What the host's arguments mean under odb (each kept, or refused naming odb's set
 * ``label_smoothing_factor``, TRL's ``loss_type`` and ``compute_loss_func``: odb backs its own loss
   (next-token cross entropy over the step's label tokens); anything but their defaults is refused.
   ``with_odb(DPOTrainer)`` backs DPO's instead (sigmoid, IPO, hinge: the mean over the step's
-  pairs on every rank), its DPOConfig mapped or refused field by field (:mod:`odb.integrations.dpo`).
+  pairs on every rank), its DPOConfig mapped or refused field by field (:mod:`odb.integrations.dpo`);
+  ``with_odb(RewardTrainer)`` a reward model's (``-log sigmoid(r_c - r_r)``, TRL's centering term
+  too: the mean over the step's pairs), its RewardConfig likewise (:mod:`odb.integrations.reward`).
 * checkpoints: each ``checkpoint-N`` folder also holds odb's state; ``resume_from_checkpoint``
   restores odb's position exactly (``ignore_data_skip`` is set: odb does not replay batches).
 
-The train dataset and the data collator are odb's (``OdbSettings.data``; under DPOTrainer every
-record a preference pair): a ``train_dataset`` passed to the trainer is refused. Evaluation stays
-the host's: its ``eval_dataset`` and collator, padded rows through the model's own loss (odb's
-attention runs padded rows as the model's own SDPA does; under DPOTrainer TRL's own evaluation,
-its reference model's rows too).
+The train dataset and the data collator are odb's (``OdbSettings.data``; under DPOTrainer and
+RewardTrainer every record a preference pair): a ``train_dataset`` passed to the trainer is
+refused. Evaluation stays the host's: its ``eval_dataset`` and collator, padded rows through the
+model's own loss (odb's attention runs padded rows as the model's own SDPA does; under DPOTrainer
+and RewardTrainer TRL's own evaluation, the reference model's rows too).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from transformers import Trainer
 
 from odb.integrations.dpo import OdbDPOMixin
 from odb.integrations.hf_trainer import SCHEDULES, OdbTrainerMixin, check_arguments, schedule
+from odb.integrations.reward import OdbRewardMixin
 
 __all__ = ["OdbTrainer", "OdbTrainerMixin", "SCHEDULES", "check_arguments", "schedule", "with_odb"]
 
@@ -50,13 +54,16 @@ def with_odb(trainer_class: type) -> type:
     """``trainer_class`` (HF ``Trainer`` or a subclass: TRL's ``SFTTrainer``, ``DPOTrainer``, ...)
     with odb's batching: the class takes ``odb=OdbSettings(...)`` besides its own arguments. TRL's
     ``DPOTrainer`` trains its sigmoid, IPO and hinge losses over odb's packed pairs
-    (:mod:`odb.integrations.dpo`). A TRL trainer of another objective (reward, CPO, ORPO, KTO,
-    GRPO, ...) is refused: odb's host adapter backs next-token loss or DPO's, so it would train
-    something else under that trainer's name."""
+    (:mod:`odb.integrations.dpo`), its ``RewardTrainer`` a Bradley-Terry reward model over them
+    (:mod:`odb.integrations.reward`). A TRL trainer of another objective (CPO, ORPO, KTO, GRPO,
+    ...) is refused: odb's host adapter backs next-token loss, DPO's or a reward model's, so it
+    would train something else under that trainer's name."""
     trl = [c for c in trainer_class.__mro__ if c.__module__.split(".")[0] == "trl"]
     names = {c.__name__ for c in trl}
     if "DPOTrainer" in names:
         return type(f"Odb{trainer_class.__name__}", (OdbDPOMixin, trainer_class), {})
+    if "RewardTrainer" in names:
+        return type(f"Odb{trainer_class.__name__}", (OdbRewardMixin, trainer_class), {})
     if trl and "SFTTrainer" not in names:
         raise TypeError(f"with_odb({trainer_class.__name__}): {_refusal(trainer_class.__name__, names)}")
     return type(f"Odb{trainer_class.__name__}", (OdbTrainerMixin, trainer_class), {})
@@ -65,18 +72,14 @@ def with_odb(trainer_class: type) -> type:
 def _refusal(name: str, names: set[str]) -> str:
     """Why a TRL trainer of another objective (``name``, its TRL classes ``names``) is refused, and
     where odb trains it."""
-    if "RewardTrainer" in names:
-        return ("a reward model's objective (a Bradley-Terry score over chosen and rejected answers) is not in "
-                "odb's Trainer adapter yet, which backs next-token loss (SFTTrainer) or DPO's (DPOTrainer) only, so "
-                "it would silently become SFT; train the reward model with TRL alone for now")
     if names & {"CPOTrainer", "ORPOTrainer"}:
-        return ("odb's Trainer adapter trains next-token loss (SFTTrainer) and DPO's sigmoid, ipo and hinge "
-                "(DPOTrainer); SimPO and ORPO run in odb's own loop: launch/train.py --objective simpo|orpo "
-                "(docs/preference.md)")
-    return (f"odb's Trainer adapter trains next-token loss (SFTTrainer) and DPO's losses (DPOTrainer) only, so "
-            f"{name}'s objective would silently become another; train preference objectives with "
-            "with_odb(DPOTrainer) or odb's own loop: launch/train.py --objective dpo|ipo|hinge|simpo|orpo "
-            "(docs/preference.md)")
+        return ("odb's Trainer adapter trains next-token loss (SFTTrainer), DPO's sigmoid, ipo and hinge "
+                "(DPOTrainer) and a reward model (RewardTrainer); SimPO and ORPO run in odb's own loop: "
+                "launch/train.py --objective simpo|orpo (docs/preference.md)")
+    return (f"odb's Trainer adapter trains next-token loss (SFTTrainer), DPO's losses (DPOTrainer) and a reward "
+            f"model (RewardTrainer) only, so {name}'s objective would silently become another; train preference "
+            "objectives with with_odb(DPOTrainer), with_odb(RewardTrainer) or odb's own loop: launch/train.py "
+            "--objective dpo|ipo|hinge|simpo|orpo|reward (docs/preference.md)")
 
 
 OdbTrainer = with_odb(Trainer)

@@ -192,8 +192,8 @@ def test_deepspeeds_autotuner_gets_no_mlflow_and_everything_else_does():
 
 def test_a_trl_trainer_of_another_objective_is_refused_and_sft_is_kept():
     """with_odb(KTOTrainer) would back next-token loss under KTO's name: refused, naming odb's
-    preference objectives; SFTTrainer (and HF's Trainer) keep working (DPO, reward, CPO, ORPO:
-    tests/unit/test_integrations_dpo.py)."""
+    preference objectives; SFTTrainer (and HF's Trainer) keep working (DPO, CPO, ORPO:
+    tests/unit/test_integrations_dpo.py; reward: tests/unit/test_integrations_reward.py)."""
     import os
 
     from transformers import Trainer
@@ -204,6 +204,6 @@ def test_a_trl_trainer_of_another_objective_is_refused_and_sft_is_kept():
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from trl.experimental.kto import KTOTrainer
 
-    with pytest.raises(TypeError, match="with_odb\\(DPOTrainer\\) or odb's own loop"):
+    with pytest.raises(TypeError, match="with_odb\\(RewardTrainer\\) or odb's own loop"):
         with_odb(KTOTrainer)
     assert with_odb(SFTTrainer).__name__ == "OdbSFTTrainer" and with_odb(Trainer).__name__ == "OdbTrainer"
