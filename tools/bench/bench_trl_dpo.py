@@ -146,11 +146,12 @@ def _cumulative(step_s: list[float]) -> list[float]:
 
 
 def curve_from_odb(rows: list[dict]) -> tuple[list[tuple[int, float, float]], list[float]]:
-    """odb's metrics.jsonl rows as (the eval curve, each step's seconds)."""
+    """odb's metrics.jsonl rows as (the eval curve, each step's seconds). A row's ``step`` is the
+    step's index (from 0); an eval row's, that of the step it follows: after ``step + 1`` steps."""
     step_s = [r["step_s"] for r in sorted((r for r in rows if "step_s" in r), key=lambda r: r["step"])]
     upto = _cumulative(step_s)
-    curve = [(r["step"], upto[r["step"] - 1], r["eval_rewards/accuracies"]) for r in rows
-             if "eval_rewards/accuracies" in r and r["step"] >= 1]
+    curve = [(r["step"] + 1, upto[r["step"]], r["eval_rewards/accuracies"]) for r in rows
+             if "eval_rewards/accuracies" in r]
     return curve, step_s
 
 
@@ -348,7 +349,9 @@ def main(argv: list[str] | None = None) -> dict:
                   "seed": args.seed, "systems": {}}
         for system in args.systems:
             print(f"bench_trl_dpo: {system} ...", file=sys.stderr, flush=True)
+            load_before = os.getloadavg()[0]  # (the machine is shared: how busy it was, around the run)
             figures = run[system](args, shared, work)
+            figures["load_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
             figures["reached"] = first_reach(figures["curve"], args.target)
             result["systems"][system] = figures
     print(f"pairs: {args.train_pairs} train, {args.eval_pairs} eval; tokens a pair mean {shared['mean_pair_tokens']}, "
@@ -356,8 +359,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"{shared['max_tokens']}; {args.world_size} ranks, {args.epochs} epochs, eval every {args.eval_steps} steps")
     print(markdown(result))
     for r in result["systems"].values():
-        print(f"{r['system']} eval curve (step, training s, accuracy): "
-              + ", ".join(f"({s}, {t}, {a:.3f})" for s, t, a in r["curve"]))
+        print(f"{r['system']}: same tokens as odb's samples {r['same_tokens']}, evaluations {r['eval_s']} s, "
+              f"load average {r['load_1min'][0]} before, {r['load_1min'][1]} after; eval curve (step, training s, "
+              "accuracy): " + ", ".join(f"({s}, {t}, {a:.3f})" for s, t, a in r["curve"]))
     if args.json:
         print(json.dumps(result))
     return result
