@@ -249,11 +249,12 @@ def run_trl(args: argparse.Namespace, shared: dict, work: Path, name: str = "trl
     _launch(trl_command(args, shared, out), work / f"{name}.log", args)
     run = json.loads((out / "trl_run.json").read_text())
     curve, step_s = curve_from_trl(run)
-    trl_lengths = [tuple(x) for x in run["lengths"]]
-    pairs = run["rows"] // 2
-    return _figures("trl", curve, step_s, pairs=pairs, real=run["real_tokens"], materialized=run["materialized_tokens"],
-                    eval_s=sum(e["eval_s"] for e in run["evals"]),
-                    same_tokens=trl_lengths == list(shared["lengths"]))
+    pairs, materialized = run["rows"] // 2, run["materialized_tokens"]
+    figures = _figures("trl", curve, step_s, pairs=pairs, padding_ratio=round(1 - run["real_tokens"] / materialized, 4),
+                       materialized_per_pair=round(materialized / pairs, 1),
+                       eval_s=sum(e["eval_s"] for e in run["evals"]))
+    figures["same_tokens"] = [tuple(x) for x in run["lengths"]] == list(shared["lengths"])  # as odb's samples'
+    return figures
 
 
 def run_odb(args: argparse.Namespace, shared: dict, work: Path, name: str = "odb") -> dict:
@@ -263,11 +264,10 @@ def run_odb(args: argparse.Namespace, shared: dict, work: Path, name: str = "odb
     _launch(odb_command(args, shared, out), work / f"{name}.log", args)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     curve, step_s = curve_from_odb(rows)
-    counted = recount(out)
-    real = sum(r["real_tokens"] for r in rows if "step_s" in r)
-    materialized = round(real / (1 - counted["padding_ratio"])) if counted["padding_ratio"] < 1 else 0
-    return _figures("odb", curve, step_s, pairs=counted["pairs"], real=real, materialized=materialized,
-                    eval_s=sum(r["eval_s"] for r in rows if "eval_s" in r), same_tokens=True)
+    counted = recount(out)  # (from the audit: every micro-batch's pairs, as the model took them)
+    return _figures("odb", curve, step_s, pairs=counted["pairs"], padding_ratio=counted["padding_ratio"],
+                    materialized_per_pair=counted["materialized_per_pair"],
+                    eval_s=sum(r["eval_s"] for r in rows if "eval_s" in r))
 
 
 def _fresh(folder: Path) -> Path:
@@ -277,15 +277,14 @@ def _fresh(folder: Path) -> Path:
     return folder
 
 
-def _figures(system: str, curve: list, step_s: list[float], *, pairs: int, real: int, materialized: int,
-             eval_s: float, same_tokens: bool) -> dict:
+def _figures(system: str, curve: list, step_s: list[float], *, pairs: int, padding_ratio: float,
+             materialized_per_pair: float, eval_s: float) -> dict:
     train_s = sum(step_s)
     return {"system": system, "steps": len(step_s), "pairs": pairs, "pairs_per_step": round(pairs / len(step_s), 2),
-            "train_s": round(train_s, 2), "pairs_per_s": round(pairs / train_s, 2),
-            "padding_ratio": round(1 - real / materialized, 4), "materialized_per_pair": round(materialized / pairs, 1),
-            "eval_s": round(eval_s, 2), "curve": [[s, round(t, 2), a] for s, t, a in curve],
-            "best_eval_accuracy": max(a for _, _, a in curve), "final_eval_accuracy": curve[-1][2],
-            "same_tokens": same_tokens}
+            "train_s": round(train_s, 2), "pairs_per_s": round(pairs / train_s, 2), "padding_ratio": padding_ratio,
+            "materialized_per_pair": materialized_per_pair, "eval_s": round(eval_s, 2),
+            "curve": [[s, round(t, 2), a] for s, t, a in curve],
+            "best_eval_accuracy": max(a for _, _, a in curve), "final_eval_accuracy": curve[-1][2]}
 
 
 # ---- the report ------------------------------------------------------------------------------
@@ -369,7 +368,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"{shared['max_tokens']}; {args.world_size} ranks, {args.epochs} epochs, eval every {args.eval_steps} steps")
     print(markdown(result))
     for r in result["systems"].values():
-        print(f"{r['system']}: same tokens as odb's samples {r['same_tokens']}; pairs/s of every pass "
+        same = f"TRL's tokens the same as odb's samples: {r['same_tokens']}; " if "same_tokens" in r else ""
+        print(f"{r['system']}: {same}pairs/s of every pass "
               f"{r['pass_pairs_per_s']}, (steps, training s) to {args.target} {r['pass_reached']}; the fastest pass: "
               f"evaluations {r['eval_s']} s, load average {r['load_1min'][0]} before, {r['load_1min'][1]} after, eval "
               "curve (step, training s, accuracy): " + ", ".join(f"({s}, {t}, {a:.3f})" for s, t, a in r["curve"]))
