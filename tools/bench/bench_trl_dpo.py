@@ -53,7 +53,7 @@ audit, ``bench_preference.recount``, packed so 0), the first evaluation at or ov
 step and the training seconds up to it), and the best and final eval reward accuracy. ``--passes N``
 runs the systems in turn N times and reports each one's fastest pass (the machine is shared: load
 from other work only slows a run), with every pass's pairs/s and time to target beside, and the
-1-minute load average before and after each run.
+1-minute load average before and after each run (every pass's eval curve in ``--json``'s).
 """
 
 from __future__ import annotations
@@ -362,7 +362,8 @@ def main(argv: list[str] | None = None) -> dict:
         for system, runs in passes.items():  # load from other work only slows a run: its fastest pass
             result["systems"][system] = {**min(runs, key=lambda r: r["train_s"]),
                                          "pass_pairs_per_s": [r["pairs_per_s"] for r in runs],
-                                         "pass_reached": [r["reached"] for r in runs]}
+                                         "pass_reached": [r["reached"] for r in runs],
+                                         "pass_curves": [r["curve"] for r in runs]}
     print(f"pairs: {args.train_pairs} train, {args.eval_pairs} eval; tokens a pair mean {shared['mean_pair_tokens']}, "
           f"longest {shared['longest_pair_tokens']}; TRL {args.batch_size} pairs a rank, odb max_tokens "
           f"{shared['max_tokens']}; {args.world_size} ranks, {args.epochs} epochs, eval every {args.eval_steps} steps")
