@@ -182,8 +182,13 @@ class Preference:
 
     def probe_loss(self, engine: OdbEngine, samples: Sequence[dict[str, Any]], shared: Shared | None
                    ) -> torch.Tensor:
-        """The preflight's backward: next-token loss over ``samples``, the same model call as a pair
-        micro-batch of as many tokens trains (a reference's, without gradients, holds less)."""
+        """The preflight's step: the reference's forward over ``samples`` without gradients (as a
+        pair micro-batch of as many tokens runs it first: its time counts), then next-token loss
+        over them, the policy's model call of a pair micro-batch of as many tokens."""
+        if self.reference == "adapter" or self.reference_model is not None:
+            reference, switched = self._reference(engine)
+            with torch.no_grad(), switched:
+                reference.forward_loss(samples, padded=False, truncate=False)
         return NEXT_TOKEN.probe_loss(engine, samples, shared)
 
     def _reference(self, engine: OdbEngine) -> tuple[OdbEngine, contextlib.AbstractContextManager[None]]:
