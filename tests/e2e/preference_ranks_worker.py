@@ -13,7 +13,9 @@ attention and the LM head, its reference the base model (the adapter disabled; A
 policy and reference differ); SimPO, a Gemma-2 full fine-tune (tied embeddings, soft-capping,
 sliding window 16 under 52-token sequences), reference free; IPO, a Qwen2 full fine-tune, its
 reference the records' log-probs; a Bradley-Terry reward model, a Qwen2 with LoRA on attention under
-its score head (trained whole), TRL's RewardTrainer loss. SGD at lr 0 keeps the weights; each step's gradient is read,
+its score head (trained whole), TRL's RewardTrainer loss; DPO on a Qwen2-VL full fine-tune, its
+prompts' images in both sequences (one pair's micro-batch text alone: odb's blank image), the
+records' log-probs as reference. SGD at lr 0 keeps the weights; each step's gradient is read,
 gathered whole, just before the optimizer step.
 
 The oracle shares no odb code path under test (tests/preference_oracle.py): the same model built
@@ -41,8 +43,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # this checkout's odb, installed or not
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT / "tests" / "unit"))
 
 from loss_zero3_worker import MODELS, TEXT, deepspeed_engine, reading_grads, worst_difference  # noqa: E402
+from test_attention import IMAGE_IDS, VL_FAMILIES  # noqa: E402
+from test_preference_vl import alone_logps as alone_vl_logps  # noqa: E402
+from test_preference_vl import vl_pair  # noqa: E402
 
 from odb.batching.cost import SampleCost, count_label_tokens  # noqa: E402
 from odb.batching.plan import MicroBatch, StepPlan  # noqa: E402
@@ -58,7 +64,8 @@ from odb.training.step.reward import Reward  # noqa: E402
 from preference_oracle import alone_logps, answer_tokens, pair, trl_loss, trl_reward_loss  # noqa: E402
 
 VOCAB = TEXT["vocab_size"]
-CONFIGS = {"qwen2": {**TEXT, "model_type": "qwen2"}, "gemma2": {**TEXT, **MODELS["gemma2"]}}
+CONFIGS = {"qwen2": {**TEXT, "model_type": "qwen2"}, "gemma2": {**TEXT, **MODELS["gemma2"]},
+           "qwen2_vl": {**VL_FAMILIES["qwen2_vl"], **IMAGE_IDS}}
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "lm_head"], "lora_dropout": 0.0,
         "init_lora_weights": False}  # A and B random: the policy is not its reference
 CASES = {  # model, LoRA, objective
@@ -66,18 +73,22 @@ CASES = {  # model, LoRA, objective
     "simpo_full": ("gemma2", None, Preference("simpo", beta=2.0, gamma=0.5, reference="none")),
     "ipo_full_data": ("qwen2", None, Preference("ipo", beta=0.1, reference="data")),
     "reward_lora": ("qwen2", {**LORA, "target_modules": ["q_proj", "v_proj"]}, Reward()),
+    "dpo_vl_data": ("qwen2_vl", None, Preference("dpo", beta=0.1, reference="data")),
 }
 BACKENDS = ("deepspeed", "fsdp2")
 RANK_PAIRS = [[3, 1], [1, 0]]  # pairs per micro-batch; 0 = a dummy
 MAX_TOKENS, CHUNK_TOKENS = 128, 16  # 8 head chunks per model call; every sequence fits (at most 52 tokens)
 
 
-def rank_samples(*, ref: bool) -> list[list[list[dict]]]:
-    """Every rank's micro-batches of pair samples (the same on every rank and in the oracle)."""
+def rank_samples(*, ref: bool, vl: bool = False) -> list[list[list[dict]]]:
+    """Every rank's micro-batches of pair samples (the same on every rank and in the oracle);
+    ``vl``: a vision-language model's, every prompt with an image but one pair's (its micro-batch
+    gets odb's blank image)."""
     rng = random.Random(3)
     uids = iter(range(100))
-    return [[[pair(rng, next(uids), ref=ref, vocab=VOCAB) for _ in range(n)] for n in micros]
-            for micros in RANK_PAIRS]
+    make = (lambda uid: vl_pair(rng, uid, image=uid != 1)) if vl else \
+        (lambda uid: pair(rng, uid, ref=ref, vocab=VOCAB))  # noqa: E731
+    return [[[make(next(uids)) for _ in range(n)] for n in micros] for micros in RANK_PAIRS]
 
 
 def cost(sample: dict) -> SampleCost:
@@ -102,7 +113,7 @@ def oracle(path: Path, name: str) -> dict:
     scores = isinstance(objective, Reward)
     model = build_model(path, seed=0, vocab_size=VOCAB, lora=lora, score_head=scores)
     (model.get_base_model() if lora else model).set_attn_implementation("eager")
-    layout = rank_samples(ref=objective.reference == "data")
+    layout = rank_samples(ref=objective.reference == "data", vl=model_name in VL_FAMILIES)
     losses, rewards = [], []
     for micros in layout:
         rank_losses, rank_rewards = [], [0.0, 0.0, 0]
@@ -113,7 +124,8 @@ def oracle(path: Path, name: str) -> dict:
                 rank_rewards = [rank_rewards[0] + float(reward[0]), rank_rewards[1] + float(reward[1]),
                                 rank_rewards[2] + int(reward[0] > reward[1])]
                 continue
-            pi, n = alone_logps(model, sample), answer_tokens(sample)
+            pi = alone_vl_logps(model, sample) if model_name in VL_FAMILIES else alone_logps(model, sample)
+            n = answer_tokens(sample)
             if objective.reference == "adapter":
                 with torch.no_grad(), model.disable_adapter():
                     rho = alone_logps(model, sample)
@@ -164,12 +176,12 @@ def train_backend(kind: str, path: Path, lora: dict | None, rank: int, world: in
 
 
 def run(kind: str, name: str, path: Path, expected: dict, rank: int, world: int) -> dict:
-    _, lora, objective = CASES[name]
+    model_name, lora, objective = CASES[name]
     scores = isinstance(objective, Reward)
     backend, grads = train_backend(kind, path, lora, rank, world, scores)
     trainer = OdbEngine(backend, world_size=world, max_tokens=MAX_TOKENS, pad_token_id=0,
                         loss_chunk_tokens=None if scores else CHUNK_TOKENS, objective=objective, rank=rank)
-    layout = rank_samples(ref=objective.reference == "data")
+    layout = rank_samples(ref=objective.reference == "data", vl=model_name in VL_FAMILIES)
     result = trainer.train_step(plan_of(layout, rank), layout[rank], lr=0.0)
     (got,) = grads
     return {"loss_sum": result.loss_sum, "rewards": list(result.rewards), "grads": worst_difference(got, expected)}

@@ -1,6 +1,6 @@
 """Preference objectives on two CPU ranks (tests/e2e/preference_ranks_worker.py, one launch):
 one optimizer step equals one process over the whole step, under DeepSpeed ZeRO-3 and FSDP2 (a
-reward model's too).
+reward model's and a vision-language model's too).
 
 The ranks hold 4 and 1 of the step's 5 pairs, one of them in a dummy micro-batch; each micro-batch
 backs its pairs' losses times W / P_s (P_s: the step's pairs on all ranks), so the reduced gradient
@@ -27,7 +27,7 @@ import pytest
 from launch import deepspeed
 
 WORKER = Path(__file__).resolve().parent / "preference_ranks_worker.py"
-CASES = ("dpo_lora_adapter", "simpo_full", "ipo_full_data", "reward_lora")
+CASES = ("dpo_lora_adapter", "simpo_full", "ipo_full_data", "reward_lora", "dpo_vl_data")
 BACKENDS = ("deepspeed", "fsdp2")
 
 

@@ -219,3 +219,23 @@ def test_orpo_has_finite_gradients_where_the_chosen_answer_is_certain(mean_chose
         pi64 = pi.detach().double()[0]
         want = trl_loss("orpo", 0.1, 0.5, [pi64[0], pi64[1]], None, [4.0, 4.0])
         torch.testing.assert_close(loss.double()[0], want, rtol=0, atol=1e-6)
+
+
+def test_the_preflight_probe_of_a_lora_dpo_run_runs_the_reference_forward_first():
+    """The preflight measures a pair micro-batch's model calls: the reference's (the adapter
+    disabled, no gradients), then the policy's with its backward; a reference-free loss the policy's alone."""
+    model = build_model(ROOT / "configs" / "tiny_model.json", seed=0, vocab_size=VOCAB,
+                        lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0})
+    calls: list[tuple[bool, bool]] = []  # (gradients on, the adapter on)
+    layer = model.get_base_model().model.layers[0].self_attn.q_proj
+    handle = layer.register_forward_hook(
+        lambda m, a, o: calls.append((torch.is_grad_enabled(), not m.disable_adapters)))
+    samples = [{"input_ids": torch.arange(3, 40), "labels": torch.arange(3, 40)}]
+    for objective, want in ((Preference("dpo"), [(False, False), (True, True)]),
+                            (Preference("simpo", reference="none"), [(True, True)])):
+        calls.clear()
+        engine = OdbEngine(LocalBackend(model), world_size=1, max_tokens=64, pad_token_id=0, loss_chunk_tokens=16,
+                           objective=objective)
+        engine.probe_step(samples)
+        assert calls == want, objective.loss
+    handle.remove()

@@ -19,7 +19,7 @@ from transformers import AutoModelForSequenceClassification
 from odb.training.backends import LocalBackend
 from odb.training.model.build import build_model, hf_model
 from odb.training.step.engine import OdbEngine
-from odb.training.step.preference import objective_of
+from odb.training.step.objectives import objective_of
 from odb.training.step.reward import Reward
 from preference_oracle import pair, trl_reward_loss
 

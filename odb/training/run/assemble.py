@@ -44,7 +44,7 @@ from odb.training.run.startup import StartupError, probed_attention
 from odb.training.run.waits import announced_wait
 from odb.training.run.watchdog import Watchdog, WatchedCommunicator
 from odb.training.step.engine import BLANK_IMAGE_TOKENS, OdbEngine
-from odb.training.step.preference import objective_of
+from odb.training.step.objectives import objective_of
 from odb.training.step.sequence_parallel import SequenceParallel, long_sample_degrees, setup_groups
 from odb.training.step.sequence_parallel import setup as setup_sequence_parallel
 

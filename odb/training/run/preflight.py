@@ -56,7 +56,7 @@ from odb.training.run.worst_case import (
     worst_videos,
 )
 from odb.training.step.engine import OdbEngine
-from odb.training.step.preference import objective_of
+from odb.training.step.objectives import objective_of
 from odb.training.step.sequence_parallel import SequenceParallel
 
 __all__ = ["MAX_AUTO_TOKENS", "PreflightError", "PreflightReport", "local_ranks", "measure", "memory_cap_mb",

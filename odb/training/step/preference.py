@@ -50,14 +50,13 @@ from odb.batching.plan import MicroBatch, Shared, StepPlan
 from odb.data.preference import pair_sequences
 from odb.training.config.objective import HOST_REFERENCES, LOSSES, REFERENCE_FREE, REFERENCES
 from odb.training.step.clock import ForwardClock
-from odb.training.step.objective import NEXT_TOKEN, Objective, StepResult
+from odb.training.step.objective import NEXT_TOKEN, StepResult
 from odb.training.step.sources import SourceSums, sample_source
 
 if TYPE_CHECKING:
-    from odb.training.config.settings import RunConfig
     from odb.training.step.engine import OdbEngine
 
-__all__ = ["Preference", "PreferenceTally", "objective_of", "pair_losses", "reference_free"]
+__all__ = ["Preference", "PreferenceTally", "pair_losses", "reference_free"]
 
 def reference_free(loss: str) -> bool:
     return loss in REFERENCE_FREE
@@ -183,8 +182,13 @@ class Preference:
 
     def probe_loss(self, engine: OdbEngine, samples: Sequence[dict[str, Any]], shared: Shared | None
                    ) -> torch.Tensor:
-        """The preflight's backward: next-token loss over ``samples``, the same model call as a pair
-        micro-batch of as many tokens trains (a reference's, without gradients, holds less)."""
+        """The preflight's step: the reference's forward over ``samples`` without gradients (as a
+        pair micro-batch of as many tokens runs it first: its time counts), then next-token loss
+        over them, the policy's model call of a pair micro-batch of as many tokens."""
+        if self.reference == "adapter" or self.reference_model is not None:
+            reference, switched = self._reference(engine)
+            with torch.no_grad(), switched:
+                reference.forward_loss(samples, padded=False, truncate=False)
         return NEXT_TOKEN.probe_loss(engine, samples, shared)
 
     def _reference(self, engine: OdbEngine) -> tuple[OdbEngine, contextlib.AbstractContextManager[None]]:
@@ -313,18 +317,3 @@ def _adapter_disabled(engine: OdbEngine) -> Iterator[None]:
         for param, flag in flags:
             if param.requires_grad != flag:
                 param.requires_grad_(flag)
-
-
-def objective_of(config: RunConfig, reference_model: OdbEngine | None = None) -> Objective:
-    """The run's objective (``--objective``): next-token loss, or its :class:`Preference`
-    (``reference_model``: the engine of reference ``model``, a host's separate reference model)."""
-    settings = config.objective
-    if not settings.is_preference:
-        return NEXT_TOKEN
-    if settings.scores:
-        from odb.training.step.reward import Reward
-
-        return Reward(center=settings.center_rewards_coefficient)
-    return Preference(settings.objective, beta=settings.beta, gamma=settings.simpo_gamma,
-                      reference=settings.reference_for(lora=config.model.lora is not None),
-                      reference_model=reference_model)
