@@ -14,7 +14,8 @@ tokens counted here from the samples' own labels. Checked:
 * the step's gradient: both backends average over the W ranks, so the mean over ranks of what each
   rank's micro-batches back (``OdbEngine.train_step`` on a :class:`LocalBackend`: the gradients
   add up in ``.grad``) equals ``grad(sum of token losses / N_step)``, to 1e-5 of each tensor's
-  largest entry (fp32).
+  largest entry, or of 5% of the step's largest entry where that is more (fp32 round-off, measured
+  beside the check).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from odb.training.model.build import hf_model
 from odb.training.step.engine import OdbEngine
 
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-5
+STEP_FLOOR = 0.05  # a small tensor's gradient is checked to GRAD_RTOL of 5% of the step's largest entry
 FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 SOFTCAP = 30.0
@@ -182,8 +184,17 @@ def test_a_fuzzed_step_equals_its_samples_alone_over_the_steps_label_tokens(case
     if n_step:
         (expected_total / n_step).backward()
     mine, theirs = grads(model), grads(oracle)
+    step_max = max(float(g.abs().max()) for g in theirs.values())
     for name, grad in mine.items():
         want = theirs[name]
-        scale = max(float(want.abs().max()), 1e-2)  # (abs 1e-7: rounding, where a gradient is 0 in exact maths)
+        # fp32 round-off is set by the step's gradients, not by one small tensor's: the floor is
+        # STEP_FLOOR of the step's largest entry (and 1e-2, for a gradient 0 in exact maths). Measured
+        # on gemma2 (LoRA, chunked head loss, the one scored token of a 48-token row): layer 1's
+        # q_proj lora_A gradient peaks at 6.2e-3 (the step's largest: 4.2), and odb and the oracle
+        # differ by 3.7e-7 in fp32 but 1.0e-16 in fp64 (both sides; softmax, CE and RMSNorm kept
+        # in fp64); against fp64 the oracle alone is off by 4.5e-7, odb by 8.2e-7 (a 1e-7 bound
+        # failed the oracle itself). Over the 60 examples the fp32 gap stays under 1.7e-6 of the
+        # step's largest entry, and the fp64 gap under 3e-14 of a tensor's own.
+        scale = max(float(want.abs().max()), STEP_FLOOR * step_max, 1e-2)
         diff = float((grad / world - want).abs().max())
         assert diff <= GRAD_RTOL * scale, f"{case['family']}: gradient of {name} off by {diff:.2e} (scale {scale:.2e})"
