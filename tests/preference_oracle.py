@@ -81,8 +81,9 @@ def trl_reward_loss(model, sample: dict, pad_token_id: int = 0, center: float | 
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """TRL's RewardTrainer loss of one pair (``model``: a sequence classifier, one label) and the
     two rewards: its ``compute_loss`` on the chosen and the rejected rows padded on the right to the
-    longer (the model's own class pools each row's last token that is not padding); ``center``: its
-    ``center_rewards_coefficient``."""
+    longer (the model's own class pools each row's last token that is not its config's
+    ``pad_token_id``); ``center``: its ``center_rewards_coefficient``; a sample's ``margin``, its
+    margin column."""
     chosen = sample["pair"][0]
     rows = [sample["input_ids"][:chosen], sample["input_ids"][chosen:]]
     longest = max(map(len, rows))
@@ -94,6 +95,8 @@ def trl_reward_loss(model, sample: dict, pad_token_id: int = 0, center: float | 
     trainer = SimpleNamespace(model=model, args=SimpleNamespace(center_rewards_coefficient=center), _tp_size=1,
                               accelerator=SimpleNamespace(gather=same, gather_for_metrics=same),
                               _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, _total_train_tokens=0)
-    loss, outputs = RewardTrainer.compute_loss(trainer, model, {"input_ids": input_ids, "attention_mask": mask},
-                                               return_outputs=True)
+    inputs = {"input_ids": input_ids, "attention_mask": mask}
+    if "margin" in sample:  # (TRL's margin column, one per pair)
+        inputs["margin"] = torch.tensor([sample["margin"]])
+    loss, outputs = RewardTrainer.compute_loss(trainer, model, inputs, return_outputs=True)
     return loss, outputs.logits[:, 0].detach()

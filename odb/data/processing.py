@@ -289,6 +289,11 @@ class SampleDataset(MediaSamples, Dataset):
                 raise SkipSample("bad_content", f"ref_chosen_logps / ref_rejected_logps must both be log-probabilities "
                                  f"(finite numbers <= 0), got {reference}")
             sample["ref_logps"] = (float(reference[0]), float(reference[1]))
+        margin = value.get("margin")  # (TRL's reward margin: a reward model's loss subtracts it)
+        if margin is not None:
+            if not (isinstance(margin, int | float) and not isinstance(margin, bool) and math.isfinite(margin)):
+                raise SkipSample("bad_content", f"'margin' must be a finite number, got {margin!r:.40}")
+            sample["margin"] = float(margin)
         return sample
 
     def _refuse_preference(self, value: dict[str, Any]) -> None:

@@ -239,10 +239,12 @@ def _export_config(model_path: str | Path):
 
 
 def _is_score_model(model) -> bool:
-    """Whether ``model`` (no PEFT wrapper) is a sequence classifier: a reward model."""
+    """Whether ``model`` (no PEFT wrapper) is its family's sequence classifier: a reward model (an
+    instance, not the class itself: FSDP2's ``fully_shard`` gives the root a subclass of its own)."""
     from transformers import AutoModelForSequenceClassification
 
-    return type(model) in AutoModelForSequenceClassification._model_mapping.values()
+    mapping = AutoModelForSequenceClassification._model_mapping
+    return type(model.config) in mapping and isinstance(model, mapping[type(model.config)])
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -11,6 +11,7 @@ forward on each sequence and each side alone as an SFT sample of its final turn.
 
 import dataclasses
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -333,3 +334,17 @@ def test_both_sequences_carry_the_prompts_videos_and_each_is_what_the_model_take
         with torch.no_grad():
             out = model(labels=sequence["labels"][None], **model_inputs(sequence))
         assert torch.isfinite(out.loss)
+
+
+def test_a_run_whose_first_pairs_mostly_have_no_reference_stops_naming_the_fix(tmp_path):
+    """--reference data over records without ref log-probs: each is skipped (no_reference); the
+    first round's figures stop the run instead of training nothing and ending as if it had."""
+    from odb.training.run.first_round import check_first_round
+
+    records = [{"prompt": QUESTION, "chosen": words(3), "rejected": words(4)}] * 3
+    samples = [dataset(tmp_path, records, reference=True)[i] for i in range(3)]
+    skipped = dict(Counter(s["skip"] for s in samples))
+    assert skipped == {"no_reference": 3}
+    with pytest.raises(ValueError, match="3 of the first 3 pairs have no ref_chosen_logps.*--reference precompute"):
+        check_first_round(skipped, 3)
+    check_first_round({"no_reference": 1}, 3)  # a few: skipped and counted, the run goes on

@@ -154,3 +154,41 @@ def test_a_beta_given_to_a_reward_model_is_refused_and_its_reference_is_none(tmp
     config = parse_config(["--output_dir", str(tmp_path / "o"), "--objective", "reward", "--center_rewards_coefficient",
                            "0.01"], defaults=train_defaults())
     assert objective_of(config) == Reward(center=0.01)
+
+
+def test_where_the_pad_token_is_the_end_of_sequence_the_token_before_it_is_scored_as_the_class_does():
+    """A tokenizer without a pad token pads with its eos (odb's default: Llama 3, Mistral), and a
+    chat sequence ends in it: the family's class (the export, TRL) pools the last token that is not
+    the pad token, so training must score that one too. With records' margins (TRL's column)."""
+    eos = 2
+    rng = random.Random(13)
+    samples = []
+    for uid in range(4):
+        sample = pair(rng, uid, ref=False)
+        chosen = sample["pair"][0]
+        parts = [sample["input_ids"][:chosen], sample["input_ids"][chosen:]]
+        labels = [sample["labels"][:chosen], sample["labels"][chosen:]]
+        ids = [torch.cat([p, torch.tensor([eos])]) for p in parts]
+        sample.update(input_ids=torch.cat(ids), labels=torch.cat([torch.cat([lab, torch.tensor([eos])])
+                                                                  for lab in labels]),
+                      pair=(len(ids[0]), len(ids[1])), margin=rng.uniform(-1, 1))
+        samples.append(sample)
+    model = reward_model()
+    engine = OdbEngine(LocalBackend(copy.deepcopy(model)), world_size=1, max_tokens=512, pad_token_id=eos,
+                       loss_chunk_tokens=None, objective=Reward())
+    plan = plan_of([samples[:3], samples[3:]], padded=1)
+    tally = engine.tally(plan)
+    for micro, micro_samples in zip(plan.micro_batches, [samples[:3], samples[3:], []], strict=True):
+        tally.loss(micro, micro_samples).backward()
+    result = tally.result(lr=0.0)
+    oracle = copy.deepcopy(model)
+    oracle.config.pad_token_id = eos
+    hf_model(oracle).set_attn_implementation("eager")
+    losses, rewards = zip(*(trl_reward_loss(oracle, s, pad_token_id=eos) for s in samples))
+    mean = torch.stack(losses).mean()
+    mean.backward()
+    rewards = torch.stack(rewards)
+    assert result.loss_sum / 4 == pytest.approx(float(mean.detach()), rel=1e-5)
+    assert result.rewards[0] == pytest.approx(float(rewards[:, 0].sum()), rel=1e-5, abs=1e-5)
+    got = {n: p.grad for n, p in engine.backend.module.named_parameters() if p.grad is not None}
+    check_equal(got, {n: p.grad for n, p in oracle.named_parameters() if p.grad is not None})

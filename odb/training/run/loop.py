@@ -33,6 +33,7 @@ from odb.training.run.checkpoint import (
     save_checkpoint,
     saved_budgets,
 )
+from odb.training.run.first_round import check_first_round
 from odb.training.run.progress import Progress
 from odb.training.run.schedule import planned_to_train
 from odb.training.run.stop import EXIT_PREEMPTED, GracefulStop, Preempted
@@ -211,7 +212,7 @@ class Trainer:
         telemetry = self._built().telemetry
         telemetry.on_reports(reports)
         if telemetry.rounds == 1 and not self.config.checkpoints.resume:
-            _check_labels(telemetry.skipped, telemetry.fetched)  # every rank has the same figures
+            check_first_round(telemetry.skipped, telemetry.fetched)  # every rank has the same figures
 
     def _progress(self) -> Progress | None:
         """Rank 0's progress display (:mod:`odb.training.run.progress`), None on the other ranks."""
@@ -387,14 +388,3 @@ class Trainer:
     def log(self, message: str) -> None:
         if self.rank == 0:
             print(message, flush=True)
-
-
-def _check_labels(skipped: dict[str, int], fetched: int) -> None:
-    """Stops the run at its first round when most samples have nothing to learn from."""
-    unlabelled = skipped.get("no_labels", 0) + skipped.get("template_mismatch", 0)
-    if fetched and 2 * unlabelled > fetched:
-        raise ValueError(
-            f"{unlabelled} of the first {fetched} samples have no label tokens ({skipped}): the chat template "
-            "marks no assistant tokens that odb can find, or truncation cut them all. Fix: use the model's own "
-            "tokenizer and template (--tokenizer), set train_on to 'last' (the final assistant turn) or 'all' in "
-            "--data_config, or raise max_tokens in the odb config")
