@@ -19,14 +19,16 @@ labels, is refused naming the fix (:func:`check_classifier`). The data is odb's,
 rendered with the chat template (a plain string prompt one user turn, a plain answer one assistant
 turn), both in the same micro-batch. TRL's RewardTrainer concatenates a plain row's text and an EOS
 without the template: odb trains the conversation the chat template makes of it. A
-``train_dataset`` is refused; so is a ``margin`` in the records (TRL's ``margin`` column, which it
-subtracts from each pair's reward difference: odb's loss has none), checked on each source's first
+``train_dataset`` is refused; so is, for now, a ``margin`` in the records (TRL's ``margin`` column,
+which it subtracts from each pair's reward difference: odb's own loop trains it, ``launch/train.py
+--objective reward``, but the adapter's path is not tested with it), checked on each source's first
 record at start (a TRL dataset's column is on every row), and a ``margin`` column in the host's
 ``eval_dataset`` (its evaluation would score another loss than training's).
 
 The loss is odb's reward objective (:class:`odb.training.step.reward.Reward`): each sequence's
-reward is the score head's output at its last token, read per packed segment; pair p's loss
-``-log sigmoid(r_c - r_r) + c (r_c + r_r)^2``; each micro-batch backs ``sum_p loss_p * W / P_s``,
+reward is the score head's output where the model's class pools it (its last token that is not the
+model's ``pad_token_id``), read per packed segment; pair p's loss ``-log sigmoid(r_c - r_r) + c
+(r_c + r_r)^2``; each micro-batch backs ``sum_p loss_p * W / P_s``,
 ``P_s`` the step's pairs over every rank, so a step trains the mean over its pairs on all ranks
 (TRL: the mean over each device's batch). The host's evaluation is TRL's own, on its padded
 batches (the model's class pools each row's last token that is not padding, by the
@@ -129,11 +131,12 @@ def check_classifier(model: Any) -> None:
 def refuse_margins(data: DataSettings, eval_dataset: Any, *, cache_dir: str | None) -> None:
     """Raises ``ValueError`` where the records carry TRL's ``margin`` (each source's first record:
     a TRL dataset's column is on every row), or the host's ``eval_dataset`` has a ``margin``
-    column: odb's reward loss has no margin, so training would drop it."""
+    column: not tested under the adapter yet (odb's own loop trains it)."""
     from odb.data.sources import Source
 
-    fix = ("RewardTrainer subtracts a 'margin' from each pair's reward difference, and odb's reward loss has "
-           "none, so it would be dropped; remove the margin (or train the margin loss with TRL alone)")
+    fix = ("RewardTrainer subtracts a 'margin' from each pair's reward difference, which with_odb(RewardTrainer) "
+           "does not take yet; remove the margin, or train with odb's own loop (launch/train.py --objective reward "
+           "subtracts each record's margin)")
     if not data.streaming:  # (a streaming source is refused at the run's start, host_config)
         for source in data.sources or (SourceSpec("data", data.path),):
             record = Source(source.path, cache_dir=cache_dir).get(0)

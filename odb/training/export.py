@@ -22,7 +22,8 @@ Two doors, one writer:
 
   A reward model (``--objective reward``) saves as the family's ``...ForSequenceClassification``
   (``AutoModelForSequenceClassification.from_pretrained(out)`` loads it: ``num_labels`` 1, the
-  tokenizer's ``pad_token_id``, by which it finds each padded row's last token), its LoRA with
+  ``pad_token_id`` training pooled by, the model's own or else the tokenizer's, by which it finds
+  each padded row's last token), its LoRA with
   PEFT's ``SEQ_CLS`` task (the score head trained whole, merged or in the adapter);
 
   plus the tokenizer, and for a vision-language model (its config has ``vision_config``) the image
@@ -135,8 +136,10 @@ def write_hf(state_dict: dict[str, torch.Tensor], *, model_path: str | Path, lor
     if isinstance(tokenizer, (str, Path)):
         tokenizer = load_tokenizer(tokenizer)
     config = _export_config(model_path)
-    if score_head:
-        config.num_labels, config.pad_token_id = 1, tokenizer.pad_token_id
+    if score_head:  # (the pad token it pooled by in training: the model's own, else the tokenizer's)
+        config.num_labels = 1
+        if config.pad_token_id is None:
+            config.pad_token_id = tokenizer.pad_token_id
     model = _empty_model(config, lora, model_path, score_head=score_head)
     untie = lora is not None and not adapter_only and _adapts_tied_embeddings(model)
     if untie:  # the head gets its own tensor: merging its delta must leave the input embeddings alone

@@ -122,7 +122,7 @@ def test_the_export_is_a_sequence_classifier_that_scores_as_trained(tmp_path):
     write_hf({k: v.clone() for k, v in model.state_dict().items()}, model_path=ROOT / "configs" / "tiny_model.json",
              lora=LORA, tokenizer=bundled_tokenizer(), out=out, score_head=True)
     loaded = AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
-    assert loaded.config.num_labels == 1 and loaded.config.pad_token_id == bundled_tokenizer().pad_token_id
+    assert loaded.config.num_labels == 1 and loaded.config.pad_token_id == model.config.pad_token_id == 0
     samples = [pair(random.Random(9), uid, ref=False) for uid in range(2)]
     with torch.no_grad():
         _, trained = Reward().pairs(engine, plan_of([samples]).micro_batches[0], samples)
@@ -174,6 +174,7 @@ def test_where_the_pad_token_is_the_end_of_sequence_the_token_before_it_is_score
                       pair=(len(ids[0]), len(ids[1])), margin=rng.uniform(-1, 1))
         samples.append(sample)
     model = reward_model()
+    model.config.pad_token_id = None  # (as Llama 3's: the tokenizer's, eos, becomes it)
     engine = OdbEngine(LocalBackend(copy.deepcopy(model)), world_size=1, max_tokens=512, pad_token_id=eos,
                        loss_chunk_tokens=None, objective=Reward())
     plan = plan_of([samples[:3], samples[3:]], padded=1)
@@ -192,3 +193,18 @@ def test_where_the_pad_token_is_the_end_of_sequence_the_token_before_it_is_score
     assert result.rewards[0] == pytest.approx(float(rewards[:, 0].sum()), rel=1e-5, abs=1e-5)
     got = {n: p.grad for n, p in engine.backend.module.named_parameters() if p.grad is not None}
     check_equal(got, {n: p.grad for n, p in oracle.named_parameters() if p.grad is not None})
+
+
+def test_a_models_own_pad_token_is_kept_and_pooled_by():
+    """A host's model (with_odb) pads and pools by its own pad_token_id; odb's differs: the model's
+    stays, and a sequence ending in odb's pad id is scored at its last token, as the class scores it."""
+    model = reward_model()
+    engine = OdbEngine(LocalBackend(model), world_size=1, max_tokens=512, pad_token_id=5, loss_chunk_tokens=None,
+                       objective=Reward())
+    sample = pair(random.Random(4), 0, ref=False)
+    sample["input_ids"][sample["pair"][0] - 1] = 5  # the chosen sequence ends in odb's pad id
+    with torch.no_grad():
+        _, rewards = Reward().pairs(engine, plan_of([[sample]]).micro_batches[0], [sample])
+        want = trl_reward_loss(model.eval(), sample, pad_token_id=0)[1]
+    assert model.config.pad_token_id == 0
+    torch.testing.assert_close(rewards[0], want, rtol=1e-5, atol=1e-5)

@@ -87,18 +87,20 @@ def sequence_scores(engine: OdbEngine, seqs: Sequence[dict[str, Any]], padded: b
     """Each sequence's reward ``[n]`` (fp32, with its gradient where they are on) in one model
     call, packed or, with ``padded`` (or a model odb trains padded), in padded rows: the score
     head's output where the family's own class pools the sequence alone (cut to ``max_tokens``
-    unless ``truncate`` is False): its last token that is not the pad token (:func:`pooled_at`).
-    The model's ``pad_token_id`` is the tokenizer's (``engine.pad_token_id``), as TRL sets it and
-    as the export saves it."""
+    unless ``truncate`` is False): its last token that is not the model's ``pad_token_id``
+    (:func:`pooled_at`); where the model has none, the tokenizer's (``engine.pad_token_id``) becomes
+    it, as TRL sets it and as the export saves it (a host's model keeps its own)."""
     cap = engine.max_tokens if truncate else None
     if padded or not engine.packed:
         batch = collate_padded(seqs, pad_token_id=engine.pad_token_id, max_tokens=cap)
     else:
         batch = collate_packed(seqs, max_tokens=cap)
-    at = pooled_at(batch, engine.pad_token_id)
+    config = engine.model.config
+    if config.pad_token_id is None:  # (the class pools a padded row by it; TRL sets it so)
+        config.pad_token_id = engine.pad_token_id
+    at = pooled_at(batch, config.pad_token_id)
     batch = to_device(batch, engine.device)
     del batch["labels"]
-    engine.model.config.pad_token_id = engine.pad_token_id  # (the class pools a padded row by it)
     with _head_output(engine.model.score) as output:
         engine.call(batch)
     per_token = output[0][..., 0].float()  # [B, T]
@@ -121,7 +123,7 @@ def pooled_at(batch: dict[str, Any], pad_token_id: int) -> tuple[torch.Tensor, t
     for row, start, end in spans:
         real = (ids[row, start:end] != pad_token_id).nonzero()
         rows.append(row)
-        positions.append(start + int(real[-1]) if len(real) else end - 1)
+        positions.append(start + int(real[-1]) if len(real) else start)  # (all pad: the class's argmax, 0)
     return torch.tensor(rows), torch.tensor(positions)
 
 
