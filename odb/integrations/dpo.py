@@ -68,7 +68,6 @@ DPOConfig's own fields (TRL 1.16), each kept, mapped or refused by :func:`prefer
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from odb.integrations.core import HostModel, OdbSettings
@@ -160,10 +159,7 @@ class OdbDPOMixin(OdbTrainerMixin):
     odb_next_token = False  # (its loss fields are DPOConfig's: preference_objective)
 
     def __init__(self, *args: Any, odb: OdbSettings, **kwargs: Any) -> None:
-        mro = type(self).__mro__
-        host = mro[mro.index(OdbTrainerMixin) + 1]  # (DPOTrainer, or a subclass of one's own)
-        bound = inspect.signature(host.__init__).bind(self, *args, **kwargs).arguments
-        bound.pop(next(iter(bound)))  # (self)
+        bound = self._host_arguments(args, kwargs)
         given = bound.get("args")
         if given is not None:  # before TRL's own start (which would load a reference, or precompute)
             preference_objective(given)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,16 @@ class OdbTrainerMixin:
 
     loss_is_scaled_for_ga = True  # odb's micro-batch loss is scaled for the whole step already
     odb_next_token = True  # the host trains next-token loss (a preference trainer: odb.integrations.dpo)
+
+    def _host_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The host trainer's ``__init__`` arguments by name (the class this mixin is mixed into,
+        or a user's subclass of it), ``self`` left out: what a preference mixin checks before the
+        host's own start."""
+        mro = type(self).__mro__
+        host = mro[mro.index(OdbTrainerMixin) + 1]
+        bound = inspect.signature(host.__init__).bind(self, *args, **kwargs).arguments
+        bound.pop(next(iter(bound)))  # (self)
+        return bound
 
     def __init__(self, *args: Any, odb: OdbSettings, **kwargs: Any) -> None:
         if kwargs.get("train_dataset") is not None:

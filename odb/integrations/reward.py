@@ -61,7 +61,6 @@ RewardConfig's own fields (TRL 1.16), each kept, mapped or refused by :func:`rew
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -154,10 +153,7 @@ class OdbRewardMixin(OdbTrainerMixin):
     odb_next_token = False  # (its loss field is RewardConfig's: reward_objective)
 
     def __init__(self, *args: Any, odb: OdbSettings, **kwargs: Any) -> None:
-        mro = type(self).__mro__
-        host = mro[mro.index(OdbTrainerMixin) + 1]  # (RewardTrainer, or a subclass of one's own)
-        bound = inspect.signature(host.__init__).bind(self, *args, **kwargs).arguments
-        bound.pop(next(iter(bound)))  # (self)
+        bound = self._host_arguments(args, kwargs)
         given = bound.get("args")
         if given is not None:  # before TRL's own start (which loads and tokenizes)
             reward_objective(given)
