@@ -67,13 +67,16 @@ def moved(model, seed: int):
     return model
 
 
+HOST_ARGS = {"use_cpu": True, "report_to": [], "bf16": False, "per_device_train_batch_size": 1, "learning_rate": 1e-3,
+             "max_grad_norm": 0.0, "gradient_checkpointing": False, "save_strategy": "no", "logging_steps": 1,
+             "disable_tqdm": True, "num_train_epochs": 1}
+"""A one-process CPU host's TrainingArguments (DPOConfig's, RewardConfig's), each test's beside."""
+
+
 def dpo_config(out: Path, **values):
     from trl import DPOConfig
 
-    return DPOConfig(**{"output_dir": str(out), "use_cpu": True, "report_to": [], "bf16": False,
-                        "per_device_train_batch_size": 1, "learning_rate": 1e-3, "max_grad_norm": 0.0,
-                        "gradient_checkpointing": False, "save_strategy": "no", "logging_steps": 1,
-                        "disable_tqdm": True, "num_train_epochs": 1, **values})
+    return DPOConfig(**{"output_dir": str(out), **HOST_ARGS, **values})
 
 
 def odb_settings(tmp_path: Path, rows: list[dict]):

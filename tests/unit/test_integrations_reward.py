@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_integrations_dpo import SHAPES, Gradients, check_step, odb_settings, records
+from test_integrations_dpo import HOST_ARGS, SHAPES, Gradients, check_step, odb_settings, records
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -45,10 +45,7 @@ def tiny_classifier(tokenizer, *, attn: str = "sdpa", num_labels: int = 1):
 def reward_config(out: Path, **values):
     from trl import RewardConfig
 
-    return RewardConfig(**{"output_dir": str(out), "use_cpu": True, "report_to": [], "bf16": False,
-                           "per_device_train_batch_size": 1, "learning_rate": 1e-3, "max_grad_norm": 0.0,
-                           "gradient_checkpointing": False, "save_strategy": "no", "logging_steps": 1,
-                           "disable_tqdm": True, "num_train_epochs": 1, **values})
+    return RewardConfig(**{"output_dir": str(out), **HOST_ARGS, **values})
 
 
 def oracle(trainer, count: int) -> tuple[float, dict[str, torch.Tensor]]:
