@@ -22,11 +22,12 @@ computes attention per sample instead, and does for each sample what the model a
 
 Paths:
 
-* CUDA, fp16/bf16: the flash-attn package's varlen kernel when installed (all of the above but
-  sinks: flash-attn 2.x's ``flash_attn_varlen_func`` has none); else PyTorch's
-  ``torch.nn.attention.varlen.varlen_attn`` (causal, windows, bidirectional; no dropout, softcap
-  or sinks), called with what the installed release's signature has (:mod:`odb.training.attention.kernels`).
-  What a kernel cannot compute falls to the grouped path below, with a one-time warning.
+* CUDA, fp16/bf16: FlashAttention-3 (Hopper; no dropout) or the flash-attn package's varlen kernel
+  when installed (all of the above but sinks: no released Flash Attention kernel has them); else
+  PyTorch's ``torch.nn.attention.varlen.varlen_attn`` (causal, windows, bidirectional; no dropout,
+  softcap or sinks), each called with what the installed release's signature has
+  (:mod:`odb.training.attention.kernels`); a value head dim other than q's (MLA) is padded to it.
+  What no kernel computes falls to the grouped path below, with a one-time warning.
 * Everywhere else: ``scaled_dot_product_attention`` over groups of samples of similar length, each
   group right-padded *inside attention only* (the MLPs and projections see no padding). Causal
   rows pass ``is_causal=True`` and no mask (real queries never see the padded keys, which all lie

@@ -1,6 +1,7 @@
-"""The CUDA path of a packed row (fp16/bf16): flash-attn's varlen kernel where installed, else
-torch's ``varlen_attn`` (:mod:`odb.training.attention.kernels`); None where no installed kernel
-computes what the call asks for (the caller runs the grouped path, with a one-time warning).
+"""The CUDA path of a packed row (fp16/bf16): FlashAttention-3's or flash-attn's varlen kernel where
+installed, else torch's ``varlen_attn`` (:mod:`odb.training.attention.kernels`), q, k and v padded
+to one head dim where they differ (MLA); None where no installed kernel computes what the call asks
+for (the caller runs the grouped path, with a one-time warning).
 
 :func:`attention_path` names the path a device takes, for the start banner, after one tiny packed
 call through it checked against SDPA on each sample alone; it raises naming the fix where the
@@ -20,46 +21,61 @@ from odb.training.attention.semantics import Pattern, calls, warn_slow
 __all__ = ["attention_path", "has_flash_attn"]
 
 
-def _flash_window(pattern: Pattern) -> tuple[int, int]:
-    """Flash Attention's ``(left, right)`` for ``pattern`` (:func:`odb.training.attention.kernels.flash_window`)."""
-    return kernels.flash_window(pattern.is_causal, pattern.window)
-
-
 def has_flash_attn() -> bool:
-    """Whether the optional flash-attn package serves odb_varlen on GPU."""
-    return kernels.flash_attn_varlen() is not None
+    """Whether an installed flash kernel (FlashAttention-3 or flash-attn 2) serves odb_varlen on GPU."""
+    return bool(kernels.flash_kernels())
+
+
+_MAX_HEAD_DIM = 256  # every Flash Attention varlen kernel's limit
+
+
+def _kernel_heads(q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """q, k, v with one head dim, a multiple of 8 (zeros appended: FA2 and torch's kernel need v's
+    head dim equal to q's, which MLA's is not, e.g. DeepSeek-V3's 192 and 128; FA3 and torch's do not
+    pad to a multiple of 8 themselves); None above 256 (no kernel)."""
+    dim = -(-max(q.shape[-1], v.shape[-1]) // 8) * 8
+    if dim > _MAX_HEAD_DIM:
+        return None
+    return tuple(t if t.shape[-1] == dim else F.pad(t, (0, dim - t.shape[-1])) for t in (q, k, v))
 
 
 def cuda_varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scaling, pattern: Pattern) -> torch.Tensor | None:
     """``q, k, v [T, H(kv), D]`` through a Flash Attention varlen kernel; None where no installed
     kernel computes what ``pattern`` asks for (the caller runs the grouped path)."""
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     if pattern.sinks:
-        warn_slow("no installed Flash Attention varlen kernel has attention sinks (s_aux)")
+        warn_slow("no Flash Attention varlen kernel has attention sinks (s_aux)")
         return None
-    flash_attn_varlen_func = kernels.flash_attn_varlen()
-    if flash_attn_varlen_func is not None:
-        calls["flash-attn varlen"] += 1
-        return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=pattern.dropout,
-                                      softmax_scale=scaling, causal=pattern.is_causal,
-                                      window_size=_flash_window(pattern), softcap=pattern.softcap or 0.0)
+    value_dim = v.shape[-1]
+    padded = _kernel_heads(q, k, v)
+    if padded is None:
+        warn_slow(f"head dim {max(q.shape[-1], value_dim)} is over the Flash Attention kernels' {_MAX_HEAD_DIM}")
+        return None
+    if padded[0].shape[-1] != q.shape[-1] and scaling is None:  # the kernels' default would read the padded dim
+        scaling = q.shape[-1] ** -0.5
+    q, k, v = padded
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
+    for api in kernels.flash_kernels():
+        if api.computes(pattern.is_causal, pattern.window, pattern.softcap, pattern.dropout):
+            calls[api.counter] += 1
+            return api.call(q, k, v, cu, max_seqlen, scale=scaling, is_causal=pattern.is_causal,
+                            window=pattern.window, softcap=pattern.softcap, dropout=pattern.dropout)[..., :value_dim]
     if pattern.dropout or pattern.softcap is not None:
-        warn_slow("torch's varlen_attn has no dropout and no softcap, and flash-attn is not installed "
-                   "(`pip install flash-attn` for the fused kernel)")
+        warn_slow("torch's varlen_attn has no dropout and no softcap, and no installed flash-attn computes them "
+                  "(`pip install flash-attn` >= 2.6 for the fused kernel)")
         return None
     api = kernels.torch_varlen_api()
     if api is None:
         warn_slow(f"torch {torch.__version__} has no torch.nn.attention.varlen and flash-attn is not installed "
-                   "(torch >= 2.12 or flash-attn for a fused varlen kernel)")
+                  "(torch >= 2.12 or flash-attn for a fused varlen kernel)")
         return None
     out = kernels.call_torch_varlen(api, q, k, v, cu, max_seqlen, scale=scaling, is_causal=pattern.is_causal,
-                                        window=pattern.window)
+                                    window=pattern.window)
     if out is None:
-        warn_slow(f"torch {torch.__version__}'s varlen_attn has no window_size (sliding windows), and flash-attn "
-                   "is not installed")
-    else:
-        calls["torch varlen_attn"] += 1
-    return out
+        warn_slow(f"torch {torch.__version__}'s varlen_attn has no window_size (sliding windows: torch >= 2.11), "
+                  "and flash-attn is not installed")
+        return None
+    calls["torch varlen_attn"] += 1
+    return out[..., :value_dim]
 
 
 _GROUPED = "SDPA per group of similar-length samples"
@@ -86,22 +102,26 @@ def attention_path(device: torch.device, dtype: torch.dtype) -> str:
 def _kernel_path(device: torch.device, dtype: torch.dtype) -> str:
     """:func:`attention_path` for a device whose fp16/bf16 packed rows go to :func:`cuda_varlen_attention`."""
     install = f"torch {torch.__version__} (CUDA {torch.version.cuda})"
-    error = kernels.flash_attn_error()
-    if error is not None:
-        raise RuntimeError(f"flash-attn {kernels.flash_attn_version()} is installed but fails to import ({error}): "
-                           f"install the flash-attn build for {install}, or `pip uninstall flash-attn` (odb then "
-                           "uses torch's varlen_attn)")
-    api = kernels.torch_varlen_api()
-    if has_flash_attn():
-        name = f"flash-attn {kernels.flash_attn_version()} varlen"
-        fix = f"install the flash-attn build for {install}, or `pip uninstall flash-attn` (odb then uses torch's)"
+    errors = kernels.flash_attn_errors()
+    if errors:
+        package, error = next(iter(errors.items()))
+        distribution = "flash_attn_3" if package == "FlashAttention-3" else "flash-attn"
+        raise RuntimeError(f"{package} is installed but fails to import ({error}): install its build for "
+                           f"{install}, or `pip uninstall {distribution}` (odb then uses the next kernel)")
+    flash, api = kernels.flash_kernels(), kernels.torch_varlen_api()
+    unused = "".join(f"; {why}" for why in kernels.flash_unused())
+    if flash:
+        name = flash[0].describe()
+        distribution = "flash_attn_3" if flash[0].package == "FlashAttention-3" else "flash-attn"
+        fix = (f"install the {flash[0].package} build for {install} (FlashAttention-3 needs a Hopper GPU), or "
+               f"`pip uninstall {distribution}` (odb then uses the next kernel)")
     elif api is not None:
         name = api.describe()
         fix = ("install torch >= 2.12 (varlen_attn with scale, window_size and enable_gqa) or flash-attn; on a GPU "
                "older than Ampere (no Flash Attention kernels) train in fp32, which takes the per-group SDPA path")
     else:
         return (f"{_GROUPED} (torch {torch.__version__} has no torch.nn.attention.varlen and flash-attn is not "
-                "installed: torch >= 2.12 or flash-attn for a fused kernel)")
+                f"installed: torch >= 2.12 or flash-attn for a fused kernel{unused})")
     try:
         diffs = {f"window {w}" if w else "causal": _check_kernel(device, dtype, w) for w in (None, 4)}
     except Exception as error:  # a kernel not built for this GPU, a signature odb does not know, ...
@@ -112,7 +132,7 @@ def _kernel_path(device: torch.device, dtype: torch.dtype) -> str:
     if wrong:
         raise RuntimeError(f"odb_varlen's CUDA path ({name}) differs from SDPA on each sample alone on {device} in "
                            f"{dtype}: max abs diff {wrong} > {tolerance}; {fix}")
-    return name
+    return name + unused
 
 
 def _check_kernel(device: torch.device, dtype: torch.dtype, window: int | None) -> float | None:
