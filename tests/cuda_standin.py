@@ -125,6 +125,8 @@ class CudaTensor(torch.Tensor):
         _check_devices(func, args, kwargs)
         if func is torch.ops.aten._flash_attention_forward.default:
             return _wrap(_aten_flash_forward(*args, **kwargs))
+        if func is torch.ops.aten.histc.default and not args[0].is_floating_point():  # CUDA has integer histc
+            return _wrap(func(_unwrap(args[0]).float(), *_unwrap(args[1:]), **_unwrap(kwargs)).to(args[0].dtype))
         custom = _maybe_get_opdef(func)
         if custom is not None:  # a Python custom op (torch's varlen_attn): its own body, on these tensors
             with _DeviceArguments():  # (function modes are off inside dispatch: its factories need one)
@@ -258,12 +260,17 @@ class _DeviceArguments(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def on_cuda() -> Iterator[torch.device]:
-    """Within: tensors made or moved to ``cuda`` are :class:`CudaTensor`; forward only (no autograd)."""
+def on_cuda(capability: tuple[int, int] = (9, 0)) -> Iterator[torch.device]:
+    """Within: tensors made or moved to ``cuda`` are :class:`CudaTensor`; forward only (no autograd);
+    ``torch.cuda.get_device_capability`` answers ``capability`` (a Hopper GPU's by default: what
+    transformers' grouped experts ask)."""
     previous = torch.__future__.get_overwrite_module_params_on_conversion()
     torch.__future__.set_overwrite_module_params_on_conversion(True)  # module.to("cuda") swaps in new parameters
+    asked = torch.cuda.get_device_capability
+    torch.cuda.get_device_capability = lambda device=None: capability
     try:
         with torch.no_grad(), _DeviceArguments(), _Factories():
             yield CUDA
     finally:
+        torch.cuda.get_device_capability = asked
         torch.__future__.set_overwrite_module_params_on_conversion(previous)

@@ -1,0 +1,100 @@
+"""odb's packed forward and loss on the CUDA branch, traced on the CPU (tests/cuda_standin.py):
+tiny Qwen2 (a sliding-window layer), Gemma-2 (windows, soft-capping), gpt-oss (sinks, windows,
+experts), Qwen2-VL (its vision tower's bidirectional calls, M-RoPE) and DeepSeek-V3 (MLA: value
+heads narrower than q's) in bf16 on "cuda", through odb's engine (collate, device moves, the
+chunked loss's CUDA branch), with each kernel odb can meet: torch 2.13's own ``varlen_attn`` (its
+Python layers run; the aten flash forward stands in), and stand-ins with the headers of flash-attn
+2.8.3, FlashAttention-3 2.8.3 and torch 2.11 (the GPU image's). Every kernel call is checked as the
+kernel checks it (bf16, int32 contiguous ``cu_seqlens``, one head dim, Python int lengths, GQA)
+and recorded: the windows each layer asked for, the vision tower's bidirectional calls, MLA's
+padded heads. The oracle: the model's own eager attention and loss on each sample alone (fp32,
+CPU): each sample's summed loss within bf16's error. What this cannot prove (no autograd, no
+streams or NCCL): docs/contributing.md, "The CUDA path without a GPU"."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cuda_standin import kernel_calls, on_cuda, standin
+from fixtures.kernel_signatures import RELEASES
+from test_attention import MOE_FAMILIES, TEXT_FAMILIES, WINDOW, labelled, own_loss_sum, pair, text_samples, vl_samples
+
+from odb.training.attention import kernels
+from odb.training.attention.semantics import calls
+from odb.training.backends import LocalBackend
+from odb.training.step.engine import OdbEngine
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MLA = {"model_type": "deepseek_v3", "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+       "n_group": 1, "topk_group": 1, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+       "qk_nope_head_dim": 16, "v_head_dim": 16, "rope_interleave": False, "first_k_dense_replace": 1,
+       "num_key_value_heads": 4, "head_dim": 8}
+FAMILIES = {"qwen2": TEXT_FAMILIES["qwen2"], "gemma2": TEXT_FAMILIES["gemma2"], "gpt_oss": MOE_FAMILIES["gpt_oss"],
+            "qwen2_vl": None, "deepseek_v3": MLA}
+KERNELS = ("torch 2.13", "flash-attn 2.8.3", "FlashAttention-3 (2.8.3)", "torch 2.11")
+# each sample's summed loss, relative to the oracle's (bf16 weights and activations against fp32)
+BF16_RTOL = 2e-2
+
+
+@pytest.fixture
+def kernel(monkeypatch, request):
+    """Installs one kernel: torch's own (as installed) or a release's stand-in."""
+    name = request.param
+    flash = ()
+    if name != "torch 2.13":
+        release = RELEASES[name]
+        if release.kernel == "torch":
+            monkeypatch.setattr(kernels, "torch_varlen_api", lambda: kernels.TorchVarlenApi.of(standin(release)))
+        else:
+            flash = (kernels.FlashApi.of(standin(release), release.kernel, release.version),)
+    monkeypatch.setattr(kernels, "_flash_imports", lambda: (flash, {}))
+    return name
+
+
+def build_pair(family: str):
+    if family == "deepseek_v3":
+        TEXT_FAMILIES.setdefault("deepseek_v3", MLA)  # (test_attention's builder reads its families)
+    return pair(family)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_cuda_branch_of_a_packed_forward_and_loss(family, kernel):
+    packed, oracle = build_pair(family)
+    samples = labelled(vl_samples() if family == "qwen2_vl" else text_samples())
+    with torch.no_grad():
+        alone = torch.stack([own_loss_sum(oracle, sample) for sample in samples])
+    calls.clear()
+    kernel_calls.clear()
+    with on_cuda() as cuda:
+        model = packed.to(device=cuda, dtype=torch.bfloat16)
+        engine = OdbEngine(LocalBackend(model, device=cuda), world_size=1, max_tokens=4096, pad_token_id=0)
+        engine.router_loss = None
+        per_sample, _ = engine.forward_loss(samples, False, per_sample=True)
+        assert per_sample.is_cuda and next(model.parameters()).is_cuda
+        per_sample = per_sample.inner.float()
+    worst = float(((per_sample - alone).abs() / alone.abs().clamp(min=1.0)).max())
+    windows = sorted({call["window"] for call in kernel_calls})
+    print(f"{family} via {kernel}: paths {dict(calls)}, kernel windows {windows}, "
+          f"heads {sorted({(c['q'][-1], c['v'][-1]) for c in kernel_calls})}, worst relative loss diff {worst:.1e}")
+    assert worst <= BF16_RTOL, f"{family} via {kernel}: a sample's loss off its own by {worst:.1e}"
+    assert all(call["dtype"] == torch.bfloat16 for call in kernel_calls)
+
+    flash = not kernel.startswith("torch")
+    sinks_or_softcap = family == "gpt_oss" or (family == "gemma2" and not flash)
+    if sinks_or_softcap:  # no kernel has sinks; torch's has no softcap: every layer per group
+        assert not kernel_calls and set(calls) == {"grouped SDPA"}
+        return
+    assert "grouped SDPA" not in calls and kernel_calls, dict(calls)
+    expected = {(WINDOW - 1, 0), (-1, 0)} if family in ("qwen2", "gemma2") else {(-1, 0)}
+    if family == "qwen2_vl":
+        expected.add((-1, -1))  # the vision tower: bidirectional over each image
+    if kernel == "torch 2.13":  # torch's own layer passes aten the right bound as given (-1 unbounded)
+        assert {c["window"] for c in kernel_calls} == expected
+    else:
+        assert set(windows) == expected
+    if family == "gemma2":
+        assert {c["softcap"] for c in kernel_calls} == {1.0}
+    if family == "deepseek_v3":  # q/k 24, v 16: v padded to q's 24, the output cut back
+        assert {(c["q"][-1], c["v"][-1]) for c in kernel_calls} == {(24, 24)}
