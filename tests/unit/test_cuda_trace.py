@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cuda_standin import kernel_calls, on_cuda, standin
-from fixtures.kernel_signatures import RELEASES
 from test_attention import MOE_FAMILIES, TEXT_FAMILIES, WINDOW, labelled, own_loss_sum, pair, text_samples, vl_samples
 
+from cuda_standin import kernel_calls, on_cuda, standin
+from fixtures.kernel_signatures import RELEASES
 from odb.training.attention import kernels
 from odb.training.attention.semantics import calls
 from odb.training.backends import LocalBackend
