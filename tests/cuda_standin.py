@@ -10,7 +10,8 @@ CPU. An op that mixes a CUDA tensor with a CPU tensor of one or more dimensions 
 ("Expected all tensors to be on the same device"), except where torch allows it (indices of
 ``index`` / ``index_put``, the source of a copy).
 
-What it cannot do (a CPU build of torch has no CUDA device guard): autograd through these tensors
+It needs the CPU build of torch (a CUDA build initializes the CUDA driver for a "cuda" tensor). What
+it cannot do (a CPU build of torch has no CUDA device guard): autograd through these tensors
 (backward aborts the process), so traces run forward under ``torch.no_grad()``; CUDA streams,
 events, memory statistics and NCCL stay out of reach (``torch.cuda.is_available()`` stays False).
 """

@@ -97,7 +97,7 @@ def test_the_probe_names_each_release_and_the_upgrade_it_lacks(monkeypatch):
         "flash-attn 2.6.3": "flash-attn 2.6.3 varlen",
         "flash-attn 2.7.4.post1": "flash-attn 2.7.4.post1 varlen",
         "flash-attn 2.8.3": "flash-attn 2.8.3 varlen",
-        "FlashAttention-3 beta (2.6.3)": "SDPA per group of similar-length samples (torch 2.13.0+cpu has no "
+        "FlashAttention-3 beta (2.6.3)": f"SDPA per group of similar-length samples (torch {torch.__version__} has no "
         "torch.nn.attention.varlen and flash-attn is not installed: torch >= 2.12 or flash-attn for a fused kernel; "
         "FlashAttention-3 beta (2.6.3) is the first beta (no varlen backward, no window_size): build flash_attn_3 "
         "from flash-attention >= 2.8 (hopper/), or uninstall it)",
@@ -107,7 +107,8 @@ def test_the_probe_names_each_release_and_the_upgrade_it_lacks(monkeypatch):
                       "torch >= 2.12 takes windows, scale, GQA in the kernel)",
         "torch 2.11": "torch varlen_attn (window_size; K/V heads expanded; torch >= 2.12 takes GQA in the kernel)",
         "torch 2.12": "torch varlen_attn (window_size)"}
-    assert INSTALLED is not None and INSTALLED.describe() == named["torch 2.12"]  # the real one here (2.13)
+    if torch.__version__ >= "2.12":  # the real one here (CI: 2.13)
+        assert INSTALLED is not None and INSTALLED.describe() == named["torch 2.12"]
     assert attention.attention_path(torch.device("cpu"), torch.bfloat16) == "SDPA per group of similar-length samples"
     assert "fp16/bf16" in attention.attention_path(torch.device("cuda"), torch.float32)
 

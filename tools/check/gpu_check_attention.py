@@ -5,9 +5,10 @@ tools/check/gpu_check.sh; also runs on CPU, where it checks odb's grouped SDPA p
 First, before any model: :func:`odb.training.attention.cuda.attention_path` names the path this
 device takes (flash-attn, or torch's ``varlen_attn`` called by its installed signature, or SDPA
 per group) after one checked packed call; a path that cannot run is reported (``refused``, the
-fix in its message) instead of failing later. Then, for tiny random-init models of four families
+fix in its message) instead of failing later. Then, for tiny random-init models of five families
 (Llama; Qwen2 with a sliding window; Gemma-2 with soft-capping and windows; gpt-oss with attention
-sinks, alternating window layers and mixture-of-experts layers), in the given dtype: one packed
+sinks, alternating window layers and mixture-of-experts layers; DeepSeek-V3's MLA, value heads
+narrower than q's), in the given dtype: one packed
 row of samples through ``attn_implementation="odb_varlen"`` against each sample alone through the
 model's own ``sdpa`` (``eager`` for Gemma-2 and gpt-oss, whose soft-capping and sinks SDPA lacks),
 in train mode without dropout: the largest logit difference, the largest relative gradient
@@ -17,8 +18,11 @@ and sinks take the per-group path wherever no installed kernel has them).
 
     python tools/check/gpu_check_attention.py --device cuda --dtype bfloat16
 
-The last line of stdout is one JSON object: the path, the torch ``varlen_attn`` signature found,
-and per family the figures and whether they are within the tolerances of the dtype.
+On CUDA each installed kernel is checked in turn (``paths``): the first flash kernel
+(FlashAttention-3 or flash-attn) where one is installed, and torch's ``varlen_attn`` with the flash
+kernels hidden. The last line of stdout is one JSON object: the torch ``varlen_attn`` signature
+found, and per path the words the probe names it by and per family the figures and whether they
+are within the tolerances of the dtype.
 """
 
 from __future__ import annotations
@@ -50,6 +54,11 @@ FAMILIES = {
                 "final_logit_softcapping": None, "query_pre_attn_scalar": 64}, "eager"),
     "gpt_oss": ({"model_type": "gpt_oss", "sliding_window": WINDOW, "num_local_experts": 4, "num_experts_per_tok": 2},
                 "eager"),
+    # MLA: q/k heads of 96, value heads of 64 (odb pads them to 96 for the kernels and cuts the output back)
+    "deepseek_v3": ({"model_type": "deepseek_v3", "num_key_value_heads": 4, "n_routed_experts": 4,
+                     "num_experts_per_tok": 2, "moe_intermediate_size": 128, "n_group": 1, "topk_group": 1,
+                     "q_lora_rank": 64, "kv_lora_rank": 64, "qk_rope_head_dim": 32, "qk_nope_head_dim": 64,
+                     "v_head_dim": 64, "head_dim": 32, "rope_interleave": False, "first_k_dense_replace": 1}, "eager"),
 }
 LENGTHS = (300, 17, 1024, 1, 511, 129)
 # max |logit diff| and max relative gradient diff allowed, by dtype (bf16: 8 bits of mantissa)
@@ -100,6 +109,30 @@ def check(family: str, dtype, device) -> dict:
             "ok": logit_diff <= max_logit and grad_diff <= max_grad and leak <= max_logit / 10}
 
 
+def kernel_paths() -> dict[str, object]:
+    """The CUDA kernels installed, each to check on its own: the first flash kernel (FlashAttention-3
+    or flash-attn) where one is, and torch's varlen_attn (flash kernels hidden) where it exists."""
+    paths = {}
+    if cuda_varlen.flash_kernels():
+        paths["flash"] = cuda_varlen._flash_imports
+    if cuda_varlen.torch_varlen_api() is not None:
+        paths["torch"] = lambda: ((), cuda_varlen.flash_attn_errors())
+    return paths or {"none": cuda_varlen._flash_imports}
+
+
+def check_path(device, dtype) -> dict:
+    """The path the probe names and every family through it (``ok``: all within the tolerances)."""
+    try:
+        result = {"path": attention.attention_path(device, dtype)}
+    except RuntimeError as error:  # the path cannot run here: say why (its message names the fix), check nothing
+        return {"path": None, "refused": str(error), "ok": False}
+    print(f"odb_varlen on {device} in {str(dtype).removeprefix('torch.')}: {result['path']}", file=sys.stderr,
+          flush=True)
+    result["families"] = {family: check(family, dtype, device) for family in FAMILIES}
+    result["ok"] = all(r["ok"] for r in result["families"].values())
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -111,17 +144,16 @@ def main() -> None:
     api = cuda_varlen.torch_varlen_api()
     result = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
               "varlen_attn_signature": str(inspect.signature(api.function)) if api else None,
-              "flash_attn": cuda_varlen.flash_attn_version() if attention.has_flash_attn() else None,
-              "lengths": list(LENGTHS)}
-    try:
-        result["path"] = attention.attention_path(device, dtype)
-    except RuntimeError as error:  # the path cannot run here: say why (its message names the fix), check nothing
-        result.update(path=None, refused=str(error), ok=False)
-        print(json.dumps(result))
-        return
-    print(f"odb_varlen on {device} in {result['dtype']}: {result['path']}", file=sys.stderr, flush=True)
-    result["families"] = {family: check(family, dtype, device) for family in FAMILIES}
-    result["ok"] = all(r["ok"] for r in result["families"].values())
+              "flash_kernels": [api.describe() for api in cuda_varlen.flash_kernels()],
+              "flash_unused": cuda_varlen.flash_unused(), "lengths": list(LENGTHS), "paths": {}}
+    installed = cuda_varlen._flash_imports
+    for name, imports in (kernel_paths() if device.type == "cuda" else {"cpu": installed}).items():
+        cuda_varlen._flash_imports = imports  # (torch's path: the flash kernels hidden for its turn)
+        try:
+            result["paths"][name] = check_path(device, dtype)
+        finally:
+            cuda_varlen._flash_imports = installed
+    result["ok"] = all(r["ok"] for r in result["paths"].values())
     print(json.dumps(result))
 
 
