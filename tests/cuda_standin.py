@@ -206,6 +206,33 @@ def _run_release(release, bound: dict):
     return (out, torch.zeros(q.shape[1], q.shape[0])) if release.returns == "(out, lse)" else out
 
 
+liger_calls: list[dict] = []
+"""Every call of :func:`liger_standin`'s loss: its settings and the hidden states' shape."""
+
+
+def liger_standin(init_header: str) -> type:
+    """``LigerFusedLinearCrossEntropyLoss`` with one release's ``__init__`` header: binds odb's
+    settings as the release would, records each call in :data:`liger_calls` and computes the fused
+    loss's documented result, ``cross_entropy(softcap(_input @ lin_weight.T + bias))`` (fp32 logits)."""
+    namespace = {"_keep": lambda bound: bound}
+    exec("class LigerFusedLinearCrossEntropyLoss(torch.nn.Module):\n    " + init_header.replace("\n", "\n    ")
+         + "\n        super().__init__()\n        self.settings = _keep(dict(locals()))", {**namespace, "torch": torch},
+         namespace)
+    cls = namespace["LigerFusedLinearCrossEntropyLoss"]
+
+    def forward(self, lin_weight, _input, target, bias=None):
+        settings = {k: v for k, v in self.settings.items() if k not in ("self", "__class__")}
+        liger_calls.append({"settings": settings, "hidden": tuple(_input.shape), "on_cuda": _input.is_cuda})
+        logits = torch.nn.functional.linear(_input, lin_weight, bias).float()
+        if settings["softcap"] is not None:
+            logits = settings["softcap"] * torch.tanh(logits / settings["softcap"])
+        return torch.nn.functional.cross_entropy(logits, target, ignore_index=settings["ignore_index"],
+                                                 reduction=settings["reduction"])
+
+    cls.forward = forward
+    return cls
+
+
 def _unwrap(tree):
     return tree_map(lambda t: t.inner if isinstance(t, CudaTensor) else t, tree)
 

@@ -13,12 +13,16 @@ streams or NCCL): docs/contributing.md, "The CUDA path without a GPU"."""
 
 from __future__ import annotations
 
+import importlib.machinery
+import sys
+import types
+
 import pytest
 import torch
 from test_attention import MOE_FAMILIES, TEXT_FAMILIES, WINDOW, labelled, own_loss_sum, pair, text_samples, vl_samples
 
-from cuda_standin import kernel_calls, on_cuda, standin
-from fixtures.kernel_signatures import RELEASES
+from cuda_standin import kernel_calls, liger_calls, liger_standin, on_cuda, standin
+from fixtures.kernel_signatures import LIGER_INIT, RELEASES
 from odb.training.attention import kernels
 from odb.training.attention.semantics import calls
 from odb.training.backends import LocalBackend
@@ -101,3 +105,35 @@ def test_the_cuda_branch_of_a_packed_forward_and_loss(family, kernel):
         assert {c["softcap"] for c in kernel_calls} == {1.0}
     if family == "deepseek_v3":  # q/k 24, v 16: v padded to q's 24, the output cut back
         assert {(c["q"][-1], c["v"][-1]) for c in kernel_calls} == {(24, 24)}
+
+
+@pytest.mark.parametrize("release", list(LIGER_INIT))
+def test_the_fused_loss_on_cuda_through_each_liger_release(monkeypatch, release):
+    """Where liger-kernel is installed, odb's loss on CUDA is its fused linear cross entropy: odb's
+    settings bind to each release's header (0.5.10, 0.6.0, 0.8.5), its call passes the scored tokens
+    only, and the loss is the model's own on each sample alone (Gemma-2: the final logit soft-cap
+    passed as Liger's ``softcap``)."""
+    transformers_module = types.ModuleType("liger_kernel.transformers")
+    transformers_module.LigerFusedLinearCrossEntropyLoss = liger_standin(LIGER_INIT[release])
+    package = types.ModuleType("liger_kernel")
+    package.__spec__ = importlib.machinery.ModuleSpec("liger_kernel", None)
+    package.transformers = transformers_module
+    monkeypatch.setitem(sys.modules, "liger_kernel", package)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", transformers_module)
+    packed, oracle = pair("gemma2", final_logit_softcapping=30.0)
+    samples = labelled(text_samples())
+    with torch.no_grad():
+        alone = sum(float(own_loss_sum(oracle, sample)) for sample in samples)
+    liger_calls.clear()
+    with on_cuda() as cuda:
+        model = packed.to(device=cuda, dtype=torch.bfloat16)
+        engine = OdbEngine(LocalBackend(model, device=cuda), world_size=1, max_tokens=4096, pad_token_id=0)
+        loss, _ = engine.forward_loss(samples, False)
+        loss = float(loss)
+    print(f"liger {release}: calls {[(c['hidden'], c['settings']['softcap']) for c in liger_calls]}, "
+          f"loss {loss:.4f} vs alone {alone:.4f}")
+    scored = sum(len(s["input_ids"]) - 1 for s in samples)
+    assert liger_calls and sum(c["hidden"][0] for c in liger_calls) == scored and all(c["on_cuda"] for c in liger_calls)
+    assert {(c["settings"]["reduction"], c["settings"]["ignore_index"], c["settings"]["softcap"])
+            for c in liger_calls} == {("sum", -100, 30.0)}
+    assert abs(loss - alone) <= BF16_RTOL * alone
