@@ -34,7 +34,6 @@ from conftest import ROOT, bundled_tokenizer, one_step_plan
 from odb.data.collate import VISION_KEYS, collate_packed, collate_padded
 from odb.training import attention
 from odb.training.attention import kernels
-from odb.training.attention.semantics import Pattern
 from odb.training.backends import LocalBackend
 from odb.training.model.build import build_model, hf_model
 from odb.training.model.mrope import packed_position_ids
