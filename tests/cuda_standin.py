@@ -35,7 +35,8 @@ _MIXED_OK = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torc
              torch.ops.aten.lift_fresh.default}
 
 
-def flash_checks(q, k, v, cu_q, cu_k, where: str, max_q=0, max_k=0) -> None:
+def flash_checks(q, k, v, cu_q, cu_k, where: str, max_q: int, max_k: int, softcap: float = 0.0,
+                 dropout: float = 0.0) -> None:
     """What a Flash Attention varlen forward checks of its inputs before it runs (flash-attn's and
     torch's copy of ``csrc/flash_attn/flash_api.cpp``, ``mha_varlen_fwd``), raising as it does."""
 
@@ -52,6 +53,10 @@ def flash_checks(q, k, v, cu_q, cu_k, where: str, max_q=0, max_k=0) -> None:
     for tensor in (q, k, v, cu_q, cu_k):  # (CUDA itself where the call runs on CudaTensor: kernel tests run on CPU)
         need(tensor.device == q.device, "Input tensor must be on CUDA device")
     need(all(type(m) is int for m in (max_q, max_k)), f"max_seqlen must be a Python int, got {max_q!r}, {max_k!r}")
+    longest = max((b - a for a, b in zip(_unwrap(cu_q).tolist(), _unwrap(cu_q).tolist()[1:])), default=0)
+    need(max_q >= longest and max_k >= longest,  # the kernel's grid covers max_seqlen rows: the rest left unwritten
+         f"max_seqlen {max_q}, {max_k} below the longest sample's {longest} tokens")
+    need(not (softcap > 0 and dropout > 0), "Softcapping does not support dropout for now")
     for tensor in (q, k, v):
         need(tensor.dim() == 3 and tensor.stride(-1) == 1, "Input tensor must have contiguous last dimension")
     total, heads, dim = q.shape
@@ -109,8 +114,11 @@ class CudaTensor(torch.Tensor):
         if func is torch.Tensor.__setitem__:
             args[0].inner[_unwrap(args[1])] = _unwrap(args[2])
             return None
-        if func in (torch.Tensor.tolist, torch.Tensor.numpy):
+        if func is torch.Tensor.tolist:
             return func(args[0].inner)
+        if func is torch.Tensor.numpy:
+            raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor "
+                            "to host memory first.")
         with torch._C.DisableTorchFunctionSubclass():
             try:
                 return func(*args, **kwargs)
@@ -196,7 +204,7 @@ def _run_release(release, bound: dict):
         softcap, dropout = bound.get("softcap", 0.0), bound.get("dropout_p", 0.0)
         if "seqused_q" in bound and not (bound["seqused_q"] is None and bound["seqused_k"] is None):
             raise NotImplementedError("the stand-in computes no seqused_q / seqused_k")
-    flash_checks(q, k, v, cu_q, cu_k, release.kernel + " " + release.version, max_q, max_k)
+    flash_checks(q, k, v, cu_q, cu_k, release.kernel + " " + release.version, max_q, max_k, softcap or 0.0, dropout)
     kernel_calls.append({"kernel": f"{release.kernel} {release.version}", "q": tuple(q.shape), "v": tuple(v.shape),
                          "dtype": q.dtype, "window": (left, right), "causal": causal, "scale": scale,
                          "softcap": softcap, "dropout": dropout})

@@ -40,8 +40,9 @@ MLA = {"model_type": "deepseek_v3", "n_routed_experts": 4, "num_experts_per_tok"
 FAMILIES = {"qwen2": TEXT_FAMILIES["qwen2"], "gemma2": TEXT_FAMILIES["gemma2"], "gpt_oss": MOE_FAMILIES["gpt_oss"],
             "qwen2_vl": None, "deepseek_v3": MLA}
 KERNELS = ("installed torch", "flash-attn 2.8.3", "FlashAttention-3 (2.8.3)", "torch 2.11")
-# each sample's summed loss, relative to the oracle's (bf16 weights and activations against fp32)
-BF16_RTOL = 2e-2
+# each sample's summed loss, relative to the oracle's (bf16 weights and activations against fp32: measured
+# 3.6e-4 to 1.2e-3; a scale off by 2x, or a causal model run bidirectional, moves it past 1e-2)
+BF16_RTOL = 4e-3
 
 
 @pytest.fixture
@@ -62,7 +63,8 @@ def kernel(monkeypatch, request):
 def build_pair(family: str):
     if family == "deepseek_v3":
         TEXT_FAMILIES.setdefault("deepseek_v3", MLA)  # (test_attention's builder reads its families)
-    return pair(family)
+    # Gemma-2's scale from query_pre_attn_scalar 32, not its head dim's 16: a kernel left at its default is seen
+    return pair(family, **({"query_pre_attn_scalar": 32} if family == "gemma2" else {}))
 
 
 @pytest.mark.parametrize("kernel", KERNELS, indirect=True)
@@ -101,8 +103,10 @@ def test_the_cuda_branch_of_a_packed_forward_and_loss(family, kernel):
         assert {c["window"] for c in kernel_calls} == expected
     else:
         assert set(windows) == expected
+    scales = {module.scaling for module in packed.modules() if hasattr(module, "scaling")}  # the layers' own
+    assert {c["scale"] for c in kernel_calls} == scales, f"kernel scales {[c['scale'] for c in kernel_calls]}"
     if family == "gemma2":
-        assert {c["softcap"] for c in kernel_calls} == {1.0}
+        assert {c["softcap"] for c in kernel_calls} == {1.0} and scales == {32 ** -0.5}
     if family == "deepseek_v3":  # q/k 24, v 16: v padded to q's 24, the output cut back
         assert {(c["q"][-1], c["v"][-1]) for c in kernel_calls} == {(24, 24)}
 

@@ -13,6 +13,8 @@ release lacks something, the upgrade; a path that cannot run must stop naming th
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -24,12 +26,13 @@ from odb.training.attention import kernels as varlen_kernels
 from odb.training.attention.semantics import Pattern, calls
 
 BOUNDS = [0, 9, 10, 31, 38, 64]
+MAX_SEQLEN = 26  # the longest sample's (a kernel given less leaves rows unwritten: the stand-ins refuse it)
 SCALE = 0.1  # not 1/sqrt(D): a kernel called without it must be pre-scaled
 PATTERNS = {"causal": Pattern(True, None, None, 0.0), "window 5": Pattern(True, 5, None, 0.0),
             "bidirectional": Pattern(False, None, None, 0.0), "softcap": Pattern(True, 5, 2.0, 0.0)}
-# q/k head dim, v head dim: a plain one, MLA's (v narrower), one that is not a multiple of 8
 INSTALLED = varlen_kernels.torch_varlen_api()  # (before any test patches it)
-HEAD_DIMS = {"D 16": (16, 16), "MLA 24/16": (24, 16), "D 20": (20, 20)}
+# q/k head dim, v head dim: a plain one, MLA's (v narrower), v wider, one that is not a multiple of 8
+HEAD_DIMS = {"D 16": (16, 16), "MLA 24/16": (24, 16), "v wider 16/24": (16, 24), "D 20": (20, 20)}
 
 
 def installed(monkeypatch, *names: str, flash_errors: dict | None = None) -> None:
@@ -66,21 +69,22 @@ def test_each_release_computes_what_the_per_group_path_does(monkeypatch, release
     the release cannot compute the pattern. Every call binds to the release's header and passes
     its kernel's input checks (the stand-in raises otherwise)."""
     installed(monkeypatch, release)
-    for dims_name, dims in HEAD_DIMS.items():
+    for (dims_name, dims), scale in itertools.product(HEAD_DIMS.items(), (SCALE, None)):  # None: the model's 1/sqrt(D)
         q, k, v, cu = qkv(dims)
         for name, pattern in PATTERNS.items():
             kernel_calls.clear()
-            out = cuda.cuda_varlen_attention(q, k, v, cu, 21, SCALE, pattern)
+            out = cuda.cuda_varlen_attention(q, k, v, cu, MAX_SEQLEN, scale, pattern)
             expected_kernel = computes(RELEASES[release], pattern) and (
                 pattern.softcap is None or RELEASES[release].kernel != "torch")
             if not expected_kernel:
                 assert out is None and not kernel_calls, f"{release} {name}: called a kernel that cannot compute it"
                 continue
             assert out is not None, f"{release} {name} {dims_name}: no kernel call"
-            expected = grouped.grouped_varlen(q, k, v, cu, SCALE, pattern, None)
+            expected = grouped.grouped_varlen(q, k, v, cu, scale, pattern, None)
             diff = float((out - expected).abs().max())
             call, = kernel_calls
-            print(f"{release}, {name}, {dims_name}: max abs diff {diff:.1e}; kernel saw q {call['q']} v {call['v']}")
+            print(f"{release}, {name}, {dims_name}, scale {scale}: max abs diff {diff:.1e}; kernel saw q {call['q']} "
+                  f"v {call['v']}")
             assert out.shape == expected.shape and diff <= 1e-5, f"{release}, {name}, {dims_name}: off by {diff:.1e}"
             assert call["q"][-1] == call["v"][-1] and call["q"][-1] % 8 == 0, call
 
@@ -121,8 +125,9 @@ def test_with_several_kernels_each_call_takes_the_first_that_computes_it(monkeyp
     calls.clear()
     kernel_calls.clear()
     for pattern in (*PATTERNS.values(), Pattern(True, None, None, 0.1)):
-        assert cuda.cuda_varlen_attention(q, k, v, cu, 21, SCALE, pattern) is not None
-    assert cuda.cuda_varlen_attention(q, k, v, cu, 21, SCALE, Pattern(True, None, None, 0.0, sinks=True)) is None
+        assert cuda.cuda_varlen_attention(q, k, v, cu, MAX_SEQLEN, SCALE, pattern) is not None
+    sinks = Pattern(True, None, None, 0.0, sinks=True)
+    assert cuda.cuda_varlen_attention(q, k, v, cu, MAX_SEQLEN, SCALE, sinks) is None
     print([(c["kernel"], c["dropout"]) for c in kernel_calls])
     assert [c["kernel"] for c in kernel_calls] == ["FlashAttention-3 2.8.3"] * 4 + ["flash-attn 2.8.3"]
     assert kernel_calls[-1]["dropout"] == 0.1
@@ -130,21 +135,27 @@ def test_with_several_kernels_each_call_takes_the_first_that_computes_it(monkeyp
 
 
 def test_what_no_kernel_computes_falls_to_the_per_group_path(monkeypatch):
-    """Dropout, softcap and sinks with torch's kernel alone; sinks with flash-attn too; head dims
-    over 256; no varlen module at all (torch 2.9)."""
+    """Dropout, softcap and sinks with torch's kernel alone; sinks with flash-attn too, and softcap
+    with dropout (flash-attn 2 refuses both at once; FA3 has no dropout); head dims over 256; no
+    varlen module at all (torch 2.9)."""
     q, k, v, cu = qkv()
+    installed(monkeypatch, "FlashAttention-3 (2.8.3)", "flash-attn 2.8.3", "torch 2.12")
+    kernel_calls.clear()
+    assert cuda.cuda_varlen_attention(q, k, v, cu, MAX_SEQLEN, SCALE, Pattern(True, None, 1.0, 0.1)) is None
+    assert not kernel_calls
     installed(monkeypatch, "torch 2.12")
     for pattern in (Pattern(True, None, None, 0.1), Pattern(True, None, 1.0, 0.0), Pattern(True, None, None, 0.0,
                                                                                                sinks=True)):
-        assert cuda.cuda_varlen_attention(q, k, v, cu, 26, SCALE, pattern) is None
+        assert cuda.cuda_varlen_attention(q, k, v, cu, MAX_SEQLEN, SCALE, pattern) is None
     installed(monkeypatch, "flash-attn 2.8.3", "torch 2.12")
     kernel_calls.clear()
-    assert cuda.cuda_varlen_attention(q, k, v, cu, 26, SCALE, Pattern(True, None, None, 0.0, sinks=True)) is None
+    sinks = Pattern(True, None, None, 0.0, sinks=True)
+    assert cuda.cuda_varlen_attention(q, k, v, cu, MAX_SEQLEN, SCALE, sinks) is None
     wide = torch.zeros(BOUNDS[-1], 2, 264)
-    assert cuda.cuda_varlen_attention(wide, wide, wide, cu, 26, SCALE, PATTERNS["causal"]) is None
+    assert cuda.cuda_varlen_attention(wide, wide, wide, cu, MAX_SEQLEN, SCALE, PATTERNS["causal"]) is None
     assert not kernel_calls
     installed(monkeypatch)
-    assert cuda.cuda_varlen_attention(q, k, v, cu, 26, SCALE, PATTERNS["causal"]) is None
+    assert cuda.cuda_varlen_attention(q, k, v, cu, MAX_SEQLEN, SCALE, PATTERNS["causal"]) is None
 
 
 def test_attention_path_refuses_a_path_that_cannot_run(monkeypatch):

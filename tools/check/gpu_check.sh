@@ -3,7 +3,8 @@
 # seconds (before any wheel is installed: torch alone) name the attention path odb takes there, with
 # torch's varlen_attn signature, after one checked packed call; a path that cannot run stops the
 # check with the fix. Then, each phase under its own time limit and the whole under a deadline
-# (DEADLINE_S, default 470 s: a phase that would end past it is skipped, and says so), in order:
+# (DEADLINE_S, default 470 s: a phase that could end past it, its kill's grace counted, is skipped, and
+# says so), in order:
 #   attention  odb's CUDA varlen attention on packed rows against each sample alone, in bf16, through
 #              each installed kernel in turn (flash-attn / FlashAttention-3 where installed, torch's
 #              varlen_attn): logits, gradients, leaks, the paths taken; five families incl. MLA
@@ -88,24 +89,30 @@ JSON
     SCALE=1
 fi
 mkdir -p "$WORK/phases"
-rm -f "$WORK"/phases/*
+# nothing of an earlier check may pass for this one's (the wheels and the data stay)
+rm -rf "$WORK"/phases/* "$WORK"/{odb,auto,fixed,fsdp2} "$WORK"/*.log "$WORK/result.json"
 
 phase() {  # name, limit in seconds, then the command; its output in $WORK/<name>.log, its status in phases/
     local name=$1 limit=$(( $2 * SCALE )) now
     shift 2
     now=$(( $(date +%s) - BEGAN ))
-    if [ $(( now + limit )) -gt "$DEADLINE_S" ]; then
-        echo "odb: gpu_check: $name skipped (at ${now} s, its ${limit} s would pass the ${DEADLINE_S} s deadline)"
+    if [ $(( now + limit + 45 )) -gt "$DEADLINE_S" ]; then  # (its limit and the kill's 45 s grace)
+        echo "odb: gpu_check: $name skipped (at ${now} s, its ${limit} s + 45 s would pass the ${DEADLINE_S} s deadline)"
         echo "{\"rc\": null, \"skipped\": \"deadline\", \"at_s\": $now}" > "$WORK/phases/$name.json"
         return
     fi
     echo "odb: gpu_check: $name (limit ${limit} s, at ${now} s)"
     local began rc
     began=$(date +%s)
-    timeout --kill-after=10 "$limit" "$@" > "$WORK/$name.log" 2>&1
+    # SIGTERM at the limit (odb stops within two steps), SIGKILL 45 s later (torchrun's agent waits 30 s)
+    timeout --kill-after=45 "$limit" "$@" > "$WORK/$name.log" 2>&1
     rc=$?
-    echo "{\"rc\": $rc, \"seconds\": $(( $(date +%s) - began )), \"timed_out\": $([ $rc = 124 ] && echo true || echo false)}" \
-        > "$WORK/phases/$name.json"
+    local timed_out=false
+    if [ $rc = 124 ] || [ $rc = 137 ]; then
+        timed_out=true
+        pkill -KILL -f -- "--output_dir $WORK/$name" || true  # a rank in a session of its own, left behind
+    fi
+    echo "{\"rc\": $rc, \"seconds\": $(( $(date +%s) - began )), \"timed_out\": $timed_out}" > "$WORK/phases/$name.json"
     [ $rc = 0 ] || { echo "odb: gpu_check: $name failed (rc $rc):"; tail -n 20 "$WORK/$name.log"; }
 }
 

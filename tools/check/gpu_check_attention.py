@@ -112,11 +112,11 @@ def check(family: str, dtype, device) -> dict:
 def kernel_paths() -> dict[str, object]:
     """The CUDA kernels installed, each to check on its own: the first flash kernel (FlashAttention-3
     or flash-attn) where one is, and torch's varlen_attn (flash kernels hidden) where it exists."""
-    paths = {}
+    paths, errors = {}, dict(cuda_varlen.flash_attn_errors())  # (read before the torch path's patch)
     if cuda_varlen.flash_kernels():
         paths["flash"] = cuda_varlen._flash_imports
     if cuda_varlen.torch_varlen_api() is not None:
-        paths["torch"] = lambda: ((), cuda_varlen.flash_attn_errors())
+        paths["torch"] = lambda: ((), errors)
     return paths or {"none": cuda_varlen._flash_imports}
 
 

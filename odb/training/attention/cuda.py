@@ -78,6 +78,9 @@ def cuda_varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scaling, pattern
     return out[..., :value_dim]
 
 
+# how to uninstall each kernel (FA3's betas installed flash_attn_interface as flashattn-hopper, or as flash_attn)
+_UNINSTALL = {"FlashAttention-3": "`pip uninstall flash_attn_3` (a beta: the package that installed "
+                                  "flash_attn_interface)", "flash-attn": "`pip uninstall flash-attn`"}
 _GROUPED = "SDPA per group of similar-length samples"
 
 
@@ -105,16 +108,14 @@ def _kernel_path(device: torch.device, dtype: torch.dtype) -> str:
     errors = kernels.flash_attn_errors()
     if errors:
         package, error = next(iter(errors.items()))
-        distribution = "flash_attn_3" if package == "FlashAttention-3" else "flash-attn"
         raise RuntimeError(f"{package} is installed but fails to import ({error}): install its build for "
-                           f"{install}, or `pip uninstall {distribution}` (odb then uses the next kernel)")
+                           f"{install}, or {_UNINSTALL[package]} (odb then uses the next kernel)")
     flash, api = kernels.flash_kernels(), kernels.torch_varlen_api()
     unused = "".join(f"; {why}" for why in kernels.flash_unused())
     if flash:
         name = flash[0].describe()
-        distribution = "flash_attn_3" if flash[0].package == "FlashAttention-3" else "flash-attn"
         fix = (f"install the {flash[0].package} build for {install} (FlashAttention-3 needs a Hopper GPU), or "
-               f"`pip uninstall {distribution}` (odb then uses the next kernel)")
+               f"{_UNINSTALL[flash[0].package]} (odb then uses the next kernel)")
     elif api is not None:
         name = api.describe()
         fix = ("install torch >= 2.12 (varlen_attn with scale, window_size and enable_gqa) or flash-attn; on a GPU "

@@ -101,8 +101,10 @@ class FlashApi:
         return None
 
     def computes(self, is_causal: bool, window: int | None, softcap: float | None, dropout: float) -> bool:
+        """Whether it computes the call (flash-attn 2 refuses softcap with dropout: "Softcapping does
+        not support dropout for now")."""
         return ((not dropout or self.has_dropout) and (softcap is None or self.has_softcap)
-                and (window is None or self.has_window))
+                and (window is None or self.has_window) and not (softcap is not None and dropout))
 
     def describe(self) -> str:
         """E.g. 'flash-attn 2.8.3 varlen', 'FlashAttention-3 3.0.0 varlen (no dropout: flash-attn 2 or per group)'."""
