@@ -108,7 +108,7 @@ phase() {  # name, limit in seconds, then the command; its output in $WORK/<name
     timeout --kill-after=45 "$limit" "$@" > "$WORK/$name.log" 2>&1
     rc=$?
     local timed_out=false
-    if [ $rc = 124 ] || [ $rc = 137 ]; then
+    if [ $rc = 124 ] || { [ $rc = 137 ] && [ $(( $(date +%s) - began )) -ge "$limit" ]; }; then  # (137 early: a crash)
         timed_out=true
         pkill -KILL -f -- "--output_dir $WORK/$name" || true  # a rank in a session of its own, left behind
     fi

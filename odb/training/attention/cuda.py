@@ -60,8 +60,9 @@ def cuda_varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scaling, pattern
             return api.call(q, k, v, cu, max_seqlen, scale=scaling, is_causal=pattern.is_causal,
                             window=pattern.window, softcap=pattern.softcap, dropout=pattern.dropout)[..., :value_dim]
     if pattern.dropout or pattern.softcap is not None:
-        warn_slow("torch's varlen_attn has no dropout and no softcap, and no installed flash-attn computes them "
-                  "(`pip install flash-attn` >= 2.6 for the fused kernel)")
+        warn_slow("torch's varlen_attn has no dropout and no softcap, and no installed flash kernel computes this call "
+                  "(flash-attn >= 2.6 computes either, not softcap with dropout: set attention_dropout 0 for the fused "
+                  "kernel)")
         return None
     api = kernels.torch_varlen_api()
     if api is None:
