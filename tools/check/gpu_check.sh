@@ -33,7 +33,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 MODE=${1:-run}
 PY=${PYTHON:-python3}
-WORK=runs/gpu_check
+WORK=$PWD/runs/gpu_check
 TRACE=${TRACE:-../shared/traces/sharegpt4o_like.txt}
 BEGAN=$(date +%s)
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.torch_extensions}
@@ -68,7 +68,7 @@ print(f"odb: attention path on {device} in bf16: {attention_path(device, torch.b
 EOF_PY
 
 if [ "$MODE" = "--dry-run" ]; then
-    WORK=runs/gpu_check_dry
+    WORK=$PWD/runs/gpu_check_dry
     mkdir -p "$WORK"
     MODEL=configs/tiny_model.json
     head -n 64 data/chat.jsonl > "$WORK/data.jsonl"
@@ -110,7 +110,7 @@ phase() {  # name, limit in seconds, then the command; its output in $WORK/<name
     local timed_out=false
     if [ $rc = 124 ] || { [ $rc = 137 ] && [ $(( $(date +%s) - began )) -ge "$limit" ]; }; then  # (137 early: a crash)
         timed_out=true
-        pkill -KILL -f -- "--output_dir $WORK/$name" || true  # a rank in a session of its own, left behind
+        pkill -KILL -f -- "--output_dir $WORK/$name( |$)" || true  # a rank left behind (WORK is absolute: no other checkout)
     fi
     echo "{\"rc\": $rc, \"seconds\": $(( $(date +%s) - began )), \"timed_out\": $timed_out}" > "$WORK/phases/$name.json"
     [ $rc = 0 ] || { echo "odb: gpu_check: $name failed (rc $rc):"; tail -n 20 "$WORK/$name.log"; }
