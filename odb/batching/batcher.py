@@ -268,13 +268,13 @@ class OnlineBatcher:
             is_first_pass_open=self.stream.is_first_pass_open(), num_skipped=self.counts["skipped"],
             num_dropped=self.counts["dropped"],
             bin_costs=[b.cost for b in bins], bin_samples=[len(b.samples) for b in bins],
-            bin_tokens=[b.tokens for b in bins],
-            sample_labels=[s.label_tokens for b in bins for s in b.samples],
+            bin_tokens=[b.tokens for b in bins], bin_labels=[sum(s.label_tokens for s in b.samples) for b in bins],
+            sample_labels=[s.label_tokens for b in bins for s in b.samples] if is_quota else None,
             sample_tokens=[s.tokens for b in bins for s in b.samples] if is_quota else None,
             sample_costs=[c for b in bins for c in b.cost_steps(self.cost_model)] if is_quota else None)
 
     def _apply(self, decision: Decision) -> None:
-        mine, gas = decision.slots[self.rank], self.config.gas
+        mine, gas = decision.slots[self.rank].tolist(), self.config.gas
         taken = self.packer.take(b for b in mine if b >= 0)
         if decision.cut is not None and decision.cut[0] == self.rank:
             _, b, keep = decision.cut

@@ -14,37 +14,39 @@ import numpy as np
 __all__ = ["Dealer", "deal_budget", "waterfill"]
 
 
-def waterfill(loads: list[int], unit: int, total: int, caps: list[int]) -> list[int]:
+def waterfill(loads, unit: int, total: int, caps) -> list[int]:
     """Deal up to ``total`` items of weight ``unit``, at most ``caps[r]`` to rank r, so that the
     largest final load is smallest.
 
     Same result as giving each item in turn to the least-loaded rank that has room (ties to the
-    lower rank), computed in O(world * log) with integers so every rank gets the same answer.
+    lower rank), computed with integers (so every rank gets the same answer) in O(world) numpy
+    work per bisection step: O(world * log(unit * max(caps))) in all.
     """
-    world = len(loads)
-    caps = [max(0, int(c)) for c in caps]
-    loads = [int(x) for x in loads]
-    total = min(int(total), sum(caps))
+    loads = np.asarray(loads, dtype=np.int64).reshape(-1)
+    caps = np.maximum(0, np.asarray(caps, dtype=np.int64).reshape(-1))
+    total = min(int(total), int(caps.sum()))
     if total <= 0:
-        return [0] * world
+        return [0] * len(loads)
 
-    def fill(level: int) -> list[int]:
-        return [min(cap, max(0, (level - load) // unit)) for load, cap in zip(loads, caps)]
+    def fill(level: int) -> np.ndarray:
+        return np.minimum(caps, np.maximum(0, (level - loads) // unit))
 
-    low, high = min(loads), max(loads) + unit * total
-    while low < high:  # the largest level whose whole-unit fill stays within total
+    # the largest level whose whole-unit fill stays within total; past max(loads) + unit * max(caps)
+    # every rank is full, so the search stops there (the same counts as any higher level)
+    low, high = int(loads.min()), int(loads.max()) + unit * int(caps.max())
+    while low < high:
         mid = (low + high + 1) // 2
-        if sum(fill(mid)) <= total:
+        if int(fill(mid).sum()) <= total:
             low = mid
         else:
             high = mid - 1
     counts = fill(low)
-    rest = total - sum(counts)
-    order = sorted((r for r in range(world) if counts[r] < caps[r]),
-                   key=lambda r: (loads[r] + counts[r] * unit, r))
-    for r in order[:rest]:
-        counts[r] += 1
-    return counts
+    rest = total - int(counts.sum())
+    if rest:
+        room = np.flatnonzero(counts < caps)
+        order = room[np.argsort(loads[room] + counts[room] * unit, kind="stable")]  # (ties: the lower rank)
+        counts[order[:rest]] += 1
+    return counts.tolist()
 
 
 def deal_budget(left: int, world: int, inflight_target: int, spread: float) -> int:
@@ -104,4 +106,4 @@ class Dealer:
         budget = deal_budget(left, world, self.inflight_target, self.spread)
         if self.stream_ready is not None:
             budget = min(budget, self.stream_ready)
-        return waterfill(loads.tolist(), self.unit, budget, room.tolist())
+        return waterfill(loads, self.unit, budget, room)

@@ -114,7 +114,7 @@ def decide(fields: Mapping[str, np.ndarray], *, gas: int, seed: int, epoch: int,
     shuffle = None if is_quota_done else np.random.default_rng([seed, epoch, round_index])
     slots, shared = assign_slots(figures.costs, taken, target, shuffle, long)
     totals = _totals(figures, slots, taken, gas, shared)  # 5
-    return Decision(slots=slots.tolist(), cut=cut, step_label_tokens=totals.step_label_tokens,
+    return Decision(slots=slots, cut=cut, step_label_tokens=totals.step_label_tokens,
                     step_samples=totals.step_samples, slot_costs=totals.slot_costs,
                     slot_tokens=totals.slot_tokens, samples_taken=totals.samples_taken,
                     new_indices=new_indices, is_epoch_done=is_drain or is_quota_done,

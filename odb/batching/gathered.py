@@ -21,7 +21,8 @@ class Gathered(NamedTuple):
     costs: np.ndarray  # [world, B] per ranked bin
     samples: np.ndarray  # [world, B]
     tokens: np.ndarray  # [world, B]
-    labels: np.ndarray  # [world, S] per sample, bin after bin
+    labels: np.ndarray  # [world, B]
+    sample_labels: np.ndarray | None  # [world, S] per sample, bin after bin: quota mode only
     sample_tokens: np.ndarray | None  # [world, S], quota mode only
     sample_costs: np.ndarray | None  # [world, S], quota mode only
 
@@ -33,11 +34,12 @@ class Gathered(NamedTuple):
 def unpack(fields: Mapping[str, np.ndarray]) -> Gathered:
     """The decoded proposals of every rank (``fields``), cut to the bins and samples some rank holds."""
     used_bins = int(fields["num_bins"].max())
-    costs, samples, tokens = (fields[name][:, :used_bins] for name in ("bin_costs", "bin_samples", "bin_tokens"))
-    used = int(samples.sum(axis=1).max()) if used_bins else 0
+    per_bin = (fields[name][:, :used_bins] for name in ("bin_costs", "bin_samples", "bin_tokens", "bin_labels"))
+    costs, samples, tokens, labels = per_bin
+    used = int(samples.sum(axis=1).max()) if used_bins and "sample_labels" in fields else 0
     per_sample = [fields[name][:, :used] if name in fields else None
                   for name in ("sample_labels", "sample_tokens", "sample_costs")]
-    return Gathered({name: fields[name] for name in PROPOSAL_SCALARS}, costs, samples, tokens, *per_sample)
+    return Gathered({name: fields[name] for name in PROPOSAL_SCALARS}, costs, samples, tokens, labels, *per_sample)
 
 
 def round_up(value: int, multiple: int) -> int:

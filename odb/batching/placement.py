@@ -32,22 +32,17 @@ class BinFigures(NamedTuple):
 def bin_figures(g: Gathered, cut: tuple[int, int, int] | None) -> BinFigures:
     """Costs, tokens, label tokens and samples of each ranked bin; a cut bin's from the samples it
     keeps (its first ``keep``: per-sample figures, exact, never pro-rated)."""
-    # Label tokens of each ranked bin: differences of the per-sample cumulative sums.
-    world = g.samples.shape[0]
-    csum = np.zeros((world, g.labels.shape[1] + 1), dtype=np.int64)
-    np.cumsum(g.labels, axis=1, out=csum[:, 1:])
-    ends = np.cumsum(g.samples, axis=1)
-    labels = np.take_along_axis(csum, ends, 1) - np.take_along_axis(csum, ends - g.samples, 1)
-    figures = BinFigures(g.costs.copy(), g.tokens.copy(), labels, g.samples.copy())
-    if cut is not None:
-        assert g.sample_tokens is not None, "quota mode proposals carry per-sample tokens and costs"
-        r, b, keep = cut
-        start = int(ends[r, b] - g.samples[r, b])
-        kept = slice(start, start + keep)
-        figures.costs[r, b] = g.sample_costs[r, kept].sum()
-        figures.tokens[r, b] = g.sample_tokens[r, kept].sum()
-        figures.labels[r, b] = g.labels[r, kept].sum()
-        figures.samples[r, b] = keep
+    if cut is None:
+        return BinFigures(g.costs, g.tokens, g.labels, g.samples)  # (read only)
+    assert g.sample_tokens is not None, "quota mode proposals carry per-sample labels, tokens and costs"
+    figures = BinFigures(g.costs.copy(), g.tokens.copy(), g.labels.copy(), g.samples.copy())
+    r, b, keep = cut
+    start = int(g.samples[r, :b].sum())  # (the samples lie bin after bin)
+    kept = slice(start, start + keep)
+    figures.costs[r, b] = g.sample_costs[r, kept].sum()
+    figures.tokens[r, b] = g.sample_tokens[r, kept].sum()
+    figures.labels[r, b] = g.sample_labels[r, kept].sum()
+    figures.samples[r, b] = keep
     return figures
 
 

@@ -96,7 +96,7 @@ class Decision:
     dummy; ``cut`` = (rank, bin index, samples kept) when quota closure cuts one bin.
     """
 
-    slots: list[list[int]]
+    slots: np.ndarray  # [world, T]
     cut: tuple[int, int, int] | None
     step_label_tokens: list[int]
     step_samples: list[int]

@@ -115,24 +115,28 @@ PROPOSAL_SCALARS = ("is_fatal", "is_exhausted", "num_bins", "num_ready", "window
                     "num_skipped", "num_dropped")
 
 
+PER_SAMPLE = ("sample_labels", "sample_tokens", "sample_costs")  # quota mode only
+
+
 def proposal_layout(max_bins: int, max_samples: int, *, per_sample_costs: bool) -> Layout:
-    """The proposal vector: :data:`PROPOSAL_SCALARS`, then per ranked bin its cost, samples and
-    tokens (``max_bins`` slots each), then per sample, bin after bin, its label tokens and, in quota
-    mode (``per_sample_costs``), its tokens and cost step (``max_samples`` slots each)."""
-    arrays = {"bin_costs": max_bins, "bin_samples": max_bins, "bin_tokens": max_bins, "sample_labels": max_samples}
+    """The proposal vector: :data:`PROPOSAL_SCALARS`, then per ranked bin its cost, samples, tokens
+    and label tokens (``max_bins`` slots each), then in quota mode (``per_sample_costs``: the round
+    that reaches the quota may cut a bin) per sample, bin after bin, its label tokens, tokens and
+    cost step (``max_samples`` slots each)."""
+    arrays = dict.fromkeys(("bin_costs", "bin_samples", "bin_tokens", "bin_labels"), max_bins)
     if per_sample_costs:
-        arrays.update(sample_tokens=max_samples, sample_costs=max_samples)
+        arrays.update(dict.fromkeys(PER_SAMPLE, max_samples))
     return Layout(scalars=PROPOSAL_SCALARS, arrays=arrays)
 
 
 @dataclass
 class Proposal:
-    """What one rank sends: its figures, its ranked bins, their samples' label tokens.
+    """What one rank sends: its figures and its ranked bins.
 
     The fields are the names of :func:`proposal_layout` (``num_bins`` is ``len(bin_costs)``).
-    ``sample_tokens`` and ``sample_costs`` (quota mode only, ``None`` otherwise) let every rank
-    price a cut bin exactly: the first k cost steps of a bin sum to the cost of its first k
-    samples as one bin.
+    ``sample_labels``, ``sample_tokens`` and ``sample_costs`` (quota mode only, ``None`` otherwise)
+    let every rank price a cut bin exactly: the first k cost steps of a bin sum to the cost of its
+    first k samples as one bin.
     """
 
     is_fatal: bool  # this rank must stop (a bad sample under strict, an over-cap error): all stop
@@ -150,18 +154,20 @@ class Proposal:
     bin_costs: list[int]
     bin_samples: list[int]
     bin_tokens: list[int]
-    sample_labels: list[int]
+    bin_labels: list[int]
+    sample_labels: list[int] | None = None
     sample_tokens: list[int] | None = None
     sample_costs: list[int] | None = None
 
     def layout(self, max_bins: int, max_samples: int) -> Layout:
         """This proposal's :func:`proposal_layout` (the same on every rank: the mode is checked)."""
-        return proposal_layout(max_bins, max_samples, per_sample_costs=self.sample_tokens is not None)
+        return proposal_layout(max_bins, max_samples, per_sample_costs=self.sample_labels is not None)
 
     def values(self) -> dict[str, int | list[int]]:
         """The layout's fields by name, for :meth:`odb.batching.wire.Layout.encode`."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         values = {name: value for name, value in values.items() if value is not None}
-        for name in ("sample_tokens", "sample_costs"):
-            assert len(values.get(name, self.sample_labels)) == len(self.sample_labels), "one value per sample"
+        per_sample = [values[name] for name in PER_SAMPLE if name in values]
+        assert len(per_sample) in (0, len(PER_SAMPLE)) and len({len(v) for v in per_sample}) <= 1, \
+            "quota mode sends every per-sample field, one value per sample; join mode none"
         return {**values, "num_bins": len(self.bin_costs)}

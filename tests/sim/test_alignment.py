@@ -173,7 +173,7 @@ def test_one_collective_per_round():
 
 
 @SETTINGS
-@given(st.lists(st.integers(0, 10_000), min_size=1, max_size=8), st.integers(1, 500), st.integers(0, 200),
+@given(st.lists(st.integers(0, 10_000), min_size=1, max_size=40), st.integers(1, 500), st.integers(0, 400),
        st.data())
 def test_waterfill_equals_dealing_one_by_one_to_the_least_loaded(loads, unit, total, data):
     caps = data.draw(st.lists(st.integers(0, 60), min_size=len(loads), max_size=len(loads)))
@@ -187,13 +187,13 @@ def test_waterfill_equals_dealing_one_by_one_to_the_least_loaded(loads, unit, to
 
 @pytest.mark.parametrize("quota", [False, True])
 def test_a_proposal_decodes_to_what_it_encoded(quota):
-    per_sample = {"sample_tokens": [9, 8, 7], "sample_costs": [10, 9, 8]} if quota else {}
+    per_sample = {"sample_labels": [8, 7, 6], "sample_tokens": [9, 8, 7], "sample_costs": [10, 9, 8]} if quota else {}
     proposal = Proposal(is_fatal=False, is_exhausted=True, num_ready=1, window_samples=3, window_cost=27,
                         num_pending=4, observed_cost=100, observed_cost_sq=4000, observed_samples=6,
                         is_first_pass_open=True, num_skipped=2, num_dropped=1, bin_costs=[19, 8],
-                        bin_samples=[2, 1], bin_tokens=[17, 7], sample_labels=[8, 7, 6], **per_sample)
+                        bin_samples=[2, 1], bin_tokens=[17, 7], bin_labels=[15, 6], **per_sample)
     layout = proposal.layout(max_bins=4, max_samples=5)
-    assert layout.size == len(PROPOSAL_SCALARS) + 3 * 4 + (3 if quota else 1) * 5
+    assert layout.size == len(PROPOSAL_SCALARS) + 4 * 4 + (3 if quota else 0) * 5
     fields = layout.decode(np.stack([layout.encode(**proposal.values())] * 2))  # two ranks
     for name, value in proposal.values().items():
         width = len(value) if isinstance(value, list) else None

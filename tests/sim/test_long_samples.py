@@ -215,13 +215,13 @@ def test_a_rank_whose_long_sample_must_wait_trains_its_other_bins_meanwhile():
                         window_cost=sum(tokens), num_pending=0, observed_cost=sum(tokens), observed_cost_sq=0,
                         observed_samples=1, is_first_pass_open=False, num_skipped=0, num_dropped=0,
                         bin_costs=tokens, bin_samples=[1] * len(tokens), bin_tokens=tokens,
-                        sample_labels=[t - 1 for t in tokens])
+                        bin_labels=[t - 1 for t in tokens])
 
     ranks = [proposal([150, 90]), proposal([90]), proposal([300, 90, 90]), proposal([90, 90])]
     layout = ranks[0].layout(4, 4)
     fields = layout.decode(np.stack([layout.encode(**p.values()) for p in ranks]))
     decision = decide(fields, gas=1, seed=0, epoch=0, round_index=0, quota_left=None, stream_left=0,
                       inflight_target=8, max_tokens=100, degrees=(2, 4))
-    assert decision.shared.tolist() == [[0], [0], [-1], [-1]] and decision.slots[:2] == [[0], [-1]]
-    assert decision.slots[2] == [1] and decision.slots[3] == [0], "a free rank ran a dummy"
+    assert decision.shared.tolist() == [[0], [0], [-1], [-1]] and decision.slots[:2].tolist() == [[0], [-1]]
+    assert decision.slots[2].tolist() == [1] and decision.slots[3].tolist() == [0], "a free rank ran a dummy"
     assert decision.step_label_tokens == [149 + 89 + 89]  # (the long one once, at its owner)
