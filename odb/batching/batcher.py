@@ -85,7 +85,7 @@ class OnlineBatcher:
             raise ValueError(f"policy {config.policy!r} sorts a rank's whole shard before it forms a micro-batch, and "
                              "a streaming source has no shard to hold whole: use policy 'odb' (or 'fixed')")
         self.fit = (CostFit(rank=self.rank, attn_coef=config.attn_coef, patch_coef=config.patch_coef,
-                            a2a_coef=config.a2a_coef)
+                            a2a_coef=config.a2a_coef, world_size=self.world_size)
                     if config.cost_model == "fit" else None)
         self.is_warm = False  # this process has trained a step: the first's times are not the run's pace
         # the observed cost figures as sent: held under what every rank's together fit in an int64

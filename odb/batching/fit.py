@@ -34,7 +34,7 @@ sample absurdly.
 
 Agreement, with no collective of its own: a rank's new observations ride on its next round's
 vector (:func:`fit_layout`); after the gather every rank adds every rank's, in rank order, to the
-same window of the last :data:`WINDOW` (each rank's newest, at most ``WINDOW // world`` a
+same window of the last :data:`WINDOW` (each rank sends its newest, at most ``WINDOW // world`` a
 round, so that many ranks do not push each other out), and rank 0 solves. Its coefficients ride
 on the round after as the bits of three float64s, and every rank takes rank 0's: the same floats
 everywhere, whatever another machine's LAPACK would have computed from the same window. The
@@ -112,7 +112,14 @@ def fit_layout(send: int = SEND) -> Layout:
     number of micro-batches; ``fit_ready`` 0: none yet)."""
     return Layout(scalars=("fit_count", "fit_ready", "fit_attn_bits", "fit_patch_bits", "fit_a2a_bits",
                            "fit_r2_micro", "fit_n"),
-                  arrays={f"fit_{name}": send for name in FIELDS})
+                  arrays={f"fit_{name}": send for name in FIELDS},
+                  lengths={f"fit_{name}": "fit_count" for name in FIELDS})
+
+
+def send_for(world_size: int) -> int:
+    """The observations a rank sends per round: what the window takes of each rank's (its newest
+    ``WINDOW // world``, at least one; never more than :data:`SEND`)."""
+    return min(SEND, max(1, WINDOW // max(1, world_size)))
 
 
 def _bits(value: float) -> int:
@@ -182,21 +189,24 @@ class CostFit:
         attn_coef, patch_coef, a2a_coef: the coefficients until the first fit (the config's).
     """
 
-    def __init__(self, *, rank: int, attn_coef: float, patch_coef: float, a2a_coef: float = 0.0) -> None:
+    def __init__(self, *, rank: int, attn_coef: float, patch_coef: float, a2a_coef: float = 0.0,
+                 world_size: int = 1) -> None:
         self.rank = rank
         self.unsent: deque[Observation] = deque(maxlen=SEND)
         self.window: deque[Observation] = deque(maxlen=WINDOW)
         self.coefficients = (attn_coef, patch_coef, a2a_coef)  # in effect: the cost model's
         self.fitted: Fitted | None = None  # the fit in effect (None: the config's coefficients)
         self.solved: Fitted | None = None  # rank 0: its latest fit, sent at the next round
-        self.layout = fit_layout()
+        self.send = send_for(world_size)  # (the window would keep no more of a rank's)
+        self.layout = fit_layout(self.send)
 
     def observe(self, observation: Observation) -> None:
         self.unsent.append(observation)
 
     def fields(self) -> dict[str, Any]:
-        """This rank's part of the next round's vector; what it sends counts as sent."""
-        sent = list(self.unsent)
+        """This rank's part of the next round's vector: its newest observations, as many as the
+        window takes of a rank's (:func:`send_for`); the older ones are dropped with them."""
+        sent = list(self.unsent)[-self.send:]
         self.unsent.clear()
         columns = {f"fit_{name}": [getattr(o, name) for o in sent] for name in FIELDS}
         solved = self.solved if self.rank == 0 else None

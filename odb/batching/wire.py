@@ -11,6 +11,16 @@ position is written by hand in two places::
 
 Layouts may also be laid end to end (:meth:`Layout.then`): the round vector is the proposal
 (:func:`proposal_layout`, filled from a :class:`Proposal`) followed by the telemetry report.
+
+On the wire a vector travels as a *row* (:meth:`Layout.pack`): an array whose used length a scalar
+of the same vector gives (``lengths``: ``bin_costs`` holds ``num_bins`` values) sends only those,
+so a rank sends what it holds rather than the room a layout keeps for the worst case. Rows differ
+in length across ranks; :meth:`Layout.unpack` reads every rank's (all of them end to end) back into
+fields, each array as wide as the widest rank's, zeros after a rank's own values, as
+:meth:`Layout.decode` gives them but for the room no rank used::
+
+    layout = Layout(scalars=("num_bins",), arrays={"bin_costs": 4}, lengths={"bin_costs": "num_bins"})
+    layout.pack(layout.encode(num_bins=2, bin_costs=[7, 5]))    # [2 7 5]
 """
 
 from __future__ import annotations
@@ -30,16 +40,22 @@ class Layout:
     Args:
         scalars: names of the single values, first in the vector.
         arrays: name -> number of slots, after the scalars; a rank's shorter array is zero-padded.
+        lengths: array name -> the scalar that holds how many of its slots are used (on the wire,
+            :meth:`pack`, only those travel; the values after them must be zeros).
     """
 
-    def __init__(self, scalars: Iterable[str] = (), arrays: Mapping[str, int] | None = None) -> None:
+    def __init__(self, scalars: Iterable[str] = (), arrays: Mapping[str, int] | None = None,
+                 lengths: Mapping[str, str] | None = None) -> None:
         self.scalars = tuple(scalars)
         self.arrays = dict(arrays or {})
+        self.lengths = dict(lengths or {})
         names = self.scalars + tuple(self.arrays)
         if len(set(names)) != len(names):
             raise ValueError(f"a wire layout names a field twice: {names}")
         if any(size < 0 for size in self.arrays.values()):
             raise ValueError(f"array sizes must be >= 0, got {self.arrays}")
+        if not all(a in self.arrays and s in self.scalars for a, s in self.lengths.items()):
+            raise ValueError(f"lengths must map arrays to scalars of the layout, got {self.lengths}")
         self._slices: dict[str, slice] = {}
         at = 0
         for name in self.scalars:
@@ -91,6 +107,67 @@ class Layout:
             fields[name] = column if name in self.arrays else column[..., 0]
         return fields
 
+    def pack(self, vector: np.ndarray) -> np.ndarray:
+        """One rank's vector (:meth:`encode`) as it travels: the scalars, then each array, an array
+        of ``lengths`` cut to its used slots (raises ``ValueError`` if a value after them is not 0)."""
+        scalars = np.array([vector[self._slices[name].start] for name in self.scalars], dtype=np.int64)
+        parts = [scalars]
+        for name, size in self.arrays.items():
+            start, used = self._slices[name].start, self._used(name, vector)
+            if vector[start + used:start + size].any():
+                raise ValueError(f"wire field {name!r}: values after its {used} used slots "
+                                 f"({self.lengths[name]}) would not travel")
+            parts.append(vector[start:start + used])
+        return np.concatenate(parts)
+
+    def _used(self, name: str, vector: np.ndarray) -> int:
+        size = self.arrays[name]
+        if name not in self.lengths:
+            return size
+        return min(size, max(0, int(vector[self._slices[self.lengths[name]].start])))
+
+    def unpack(self, rows: np.ndarray, row_lengths: np.ndarray) -> dict[str, np.ndarray]:
+        """Every rank's :meth:`pack` row, end to end in rank order (``rows``, ``row_lengths[r]``
+        values of rank r) -> the fields of :meth:`decode` (scalars ``[world]``, arrays
+        ``[world, width]``), each array as wide as the most slots any rank used. Raises
+        ``ValueError`` where a row's length is not what its own scalars say (another layout)."""
+        row_lengths = np.asarray(row_lengths, dtype=np.int64)
+        starts = np.zeros(len(row_lengths), dtype=np.int64)
+        np.cumsum(row_lengths[:-1], out=starts[1:])
+        return self._unpack(rows, starts, row_lengths, exact=True)
+
+    def unpack_matrix(self, matrix: np.ndarray) -> dict[str, np.ndarray]:
+        """:meth:`unpack` of rows each zero-padded to one length (``[world, width]``)."""
+        world, width = matrix.shape
+        return self._unpack(matrix.reshape(-1), np.arange(world, dtype=np.int64) * width,
+                            np.full(world, width, dtype=np.int64), exact=False)
+
+    def _unpack(self, rows: np.ndarray, starts: np.ndarray, row_lengths: np.ndarray, *, exact: bool):
+        world, count = len(row_lengths), len(self.scalars)
+        if world and (row_lengths < count).any():
+            raise ValueError(f"a wire row of {int(row_lengths.min())} values holds fewer than this layout's "
+                             f"{count} scalars: the ranks run different odb versions or settings")
+        scalars = rows[starts[:, None] + np.arange(count)[None, :]] if world else np.zeros((0, count), np.int64)
+        fields = {name: scalars[:, i] for i, name in enumerate(self.scalars)}
+        at = starts + count  # where each rank's next array begins
+        for name, size in self.arrays.items():
+            if name in self.lengths:
+                used = np.clip(fields[self.lengths[name]], 0, size)
+            else:
+                used = np.full(world, size, dtype=np.int64)
+            width = int(used.max()) if world else 0
+            columns = np.arange(width)[None, :]
+            inside = columns < used[:, None]
+            index = np.where(inside, at[:, None] + columns, 0)
+            fields[name] = np.where(inside, rows[index], 0) if rows.size else np.zeros((world, width), np.int64)
+            at = at + used
+        wrong = (at != starts + row_lengths) if exact else (at > starts + row_lengths)
+        if world and wrong.any():
+            bad = np.flatnonzero(wrong).tolist()
+            raise ValueError(f"the wire rows of rank(s) {bad} do not fit this layout: "
+                             "the ranks run different odb versions or settings")
+        return {name: fields[name] for name in self.names}
+
 
 class _Concat(Layout):
     """Two layouts end to end, each keeping its own order (scalars of the second after the
@@ -102,6 +179,7 @@ class _Concat(Layout):
             raise ValueError(f"wire layouts laid end to end share names {sorted(names)}")
         self.scalars = first.scalars + second.scalars
         self.arrays = {**first.arrays, **second.arrays}
+        self.lengths = {**first.lengths, **second.lengths}
         self._slices = {name: first.slice(name) for name in first.names}
         for name in second.names:
             where = second.slice(name)
@@ -123,10 +201,13 @@ def proposal_layout(max_bins: int, max_samples: int, *, per_sample_costs: bool) 
     and label tokens (``max_bins`` slots each), then in quota mode (``per_sample_costs``: the round
     that reaches the quota may cut a bin) per sample, bin after bin, its label tokens, tokens and
     cost step (``max_samples`` slots each)."""
-    arrays = dict.fromkeys(("bin_costs", "bin_samples", "bin_tokens", "bin_labels"), max_bins)
+    per_bin = ("bin_costs", "bin_samples", "bin_tokens", "bin_labels")
+    arrays, lengths, scalars = dict.fromkeys(per_bin, max_bins), dict.fromkeys(per_bin, "num_bins"), PROPOSAL_SCALARS
     if per_sample_costs:
+        scalars += ("num_binned",)  # samples in the bins
         arrays.update(dict.fromkeys(PER_SAMPLE, max_samples))
-    return Layout(scalars=PROPOSAL_SCALARS, arrays=arrays)
+        lengths.update(dict.fromkeys(PER_SAMPLE, "num_binned"))
+    return Layout(scalars=scalars, arrays=arrays, lengths=lengths)
 
 
 @dataclass
@@ -170,4 +251,5 @@ class Proposal:
         per_sample = [values[name] for name in PER_SAMPLE if name in values]
         assert len(per_sample) in (0, len(PER_SAMPLE)) and len({len(v) for v in per_sample}) <= 1, \
             "quota mode sends every per-sample field, one value per sample; join mode none"
-        return {**values, "num_bins": len(self.bin_costs)}
+        binned = {"num_binned": len(self.sample_labels)} if self.sample_labels is not None else {}
+        return {**values, "num_bins": len(self.bin_costs), **binned}

@@ -197,7 +197,7 @@ class Telemetry:
         """This rank's vector for the next round: the steps trained since the last one, and its
         whole-run record counts (``skipped``: this process's, by reason; ``records``: ``fetched``,
         ``lost``, ``truncated_samples``, ``truncated_tokens``, whole-run)."""
-        return self.layout.encode(**self._fields(skipped, records))
+        return self.layout.pack(self.layout.encode(**self._fields(skipped, records)))  # (as it travels)
 
     def _fields(self, skipped: Mapping[str, int], records: Mapping[str, int]) -> dict[str, Any]:
         return {**self.steps.fields(self.totals.skipped_before + Counter(skipped), records), **self.sources.fields()}
@@ -208,14 +208,17 @@ class Telemetry:
         if reports.shape[1] == 0:
             return []
         self.totals.this_process["rounds"] += 1
-        return self._complete(self.layout.decode(reports))
+        return self._complete(self.layout.unpack_matrix(reports))
 
     def complete_gathered(self, reports: np.ndarray) -> list[dict[str, Any]]:
         """After a failed round: completes the steps of its gathered ``reports`` if they are this
         rank's reported steps (else nothing); local, no collective."""
-        if not self.steps.reported or reports.shape[1] != self.layout.size:
+        if not self.steps.reported:
             return []
-        fields = self.layout.decode(reports)
+        try:
+            fields = self.layout.unpack_matrix(reports)
+        except ValueError:  # (not this layout's reports)
+            return []
         return self._complete(fields) if self.steps.covers(fields) else []
 
     def _complete(self, fields: dict[str, np.ndarray]) -> list[dict[str, Any]]:
@@ -272,13 +275,14 @@ class Telemetry:
     def final_report(self, skipped: Mapping[str, int], *, dropped: int, **records: int) -> np.ndarray:
         """This rank's vector for the final gather: its last report, then its run totals (and its
         per-source counts, several sources)."""
-        return self._final_layout().encode(**self._fields(skipped, records), **self.totals.counts,
-                                           dropped=dropped, **self.totals.sources.fields())
+        layout = self._final_layout()
+        return layout.pack(layout.encode(**self._fields(skipped, records), **self.totals.counts, dropped=dropped,
+                                         **self.totals.sources.fields()))
 
     def on_final_reports(self, gathered: np.ndarray) -> dict[str, int]:
         """Every rank's final vector: completes the last round's steps; returns the run totals
         summed over ranks (the per-source ones kept for :meth:`summary`)."""
-        fields = self._final_layout().decode(gathered)
+        fields = self._final_layout().unpack_matrix(gathered)
         self._complete(fields)
         if self.writer is not None:
             self.writer.write_evals()  # the evaluations after the last round's steps

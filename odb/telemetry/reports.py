@@ -40,7 +40,8 @@ RECORDS = ("fetched", "lost", "truncated_samples", "truncated_tokens")
 def report_layout(max_steps: int) -> Layout:
     """A rank's report for one round, room for ``max_steps`` steps (the module's docstring)."""
     return Layout(scalars=("num_steps", "first_step", *RECORDS),
-                  arrays={"skipped": len(SKIP_REASONS), **dict.fromkeys(STEP_FIELDS, max_steps)})
+                  arrays={"skipped": len(SKIP_REASONS), **dict.fromkeys(STEP_FIELDS, max_steps)},
+                  lengths=dict.fromkeys(STEP_FIELDS, "num_steps"))  # (on the wire: the steps it has)
 
 
 @dataclass

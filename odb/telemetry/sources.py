@@ -108,7 +108,9 @@ class SourceIntervals:
         if not self.active:
             return Layout()
         size = self.slots * len(self.names)
-        return Layout(scalars=("source_intervals",), arrays={"source_loss_bits": size, "source_label_tokens": size})
+        return Layout(scalars=("source_intervals", "source_values"),
+                      arrays={"source_loss_bits": size, "source_label_tokens": size},
+                      lengths={"source_loss_bits": "source_values", "source_label_tokens": "source_values"})
 
     def record(self, step: int, loss: Sequence[float], label_tokens: Sequence[int], *, pairs: bool = False) -> None:
         """This rank trained ``step`` (in order): its summed token loss and label tokens per source id
@@ -182,7 +184,8 @@ class SourceIntervals:
         assert len(self.pending) <= self.slots, "more log intervals between rounds than a report holds"
         self.reported, self.pending = self.pending, []
         loss = np.array([i.loss for i in self.reported], dtype=np.float64).ravel()
-        return {"source_intervals": len(self.reported), "source_loss_bits": loss.view(np.int64),
+        return {"source_intervals": len(self.reported), "source_values": len(loss),
+                "source_loss_bits": loss.view(np.int64),
                 "source_label_tokens": [t for i in self.reported for t in i.label_tokens]}
 
     def complete(self, fields: Mapping[str, np.ndarray]) -> dict[int, dict[str, Any]]:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import numpy as np  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from odb.batching.align import TorchCommunicator  # noqa: E402
@@ -24,9 +25,18 @@ def main() -> None:
     out_dir, scenario = Path(sys.argv[1]), json.loads(sys.argv[2])
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
+    result: dict = {"rank": rank, "world": world}
+    if "gather" in scenario:  # the collective alone: rank r sends lengths[r] values r * 1000 + i
+        comm = TorchCommunicator(timeout_s=60)
+        mine = [rank * 1000 + i for i in range(scenario["gather"][rank])]
+        rows, lengths = comm.all_gather_v(np.array(mine, dtype=np.int64))
+        result.update(rows=rows.tolist(), lengths=lengths.tolist(),
+                      matrix=comm.all_gather(np.array([rank, -rank], dtype=np.int64)).tolist())
+        (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+        dist.destroy_process_group()
+        return
     config = OdbConfig(**{**scenario["config"], **scenario.get("per_rank", {}).get(str(rank), {})})
     lengths = [(t, 0) for t in scenario["lengths"]]
-    result: dict = {"rank": rank, "world": world}
     try:
         comm = TorchCommunicator(timeout_s=60)
         batcher = OnlineBatcher(config, comm, dataset_size=len(lengths), feed=SimulatedFeed(lengths),

@@ -7,6 +7,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from conftest import check_aligned, check_exact_once, check_label_tokens, simulated_labels
 from launch import free_port
 from odb.batching.state import decode_steps
@@ -25,6 +27,18 @@ def launch(tmp_path, world: int, scenario: dict) -> list[dict]:
 
 def steps_of(results):
     return [decode_steps(r["steps"]) for r in results]
+
+
+@pytest.mark.parametrize("world", [1, 5, 8])
+def test_the_gather_hands_every_rank_every_rows_values_in_rank_order(tmp_path, world):
+    """TorchCommunicator's Bruck all_gather over real gloo processes, rows of different lengths (some
+    empty), against what each rank sent; and the fixed-length gather as a matrix."""
+    sizes = [(3 * r + 2) % 5 for r in range(world)]
+    results = launch(tmp_path, world, {"gather": sizes})
+    expected = [r * 1000 + i for r in range(world) for i in range(sizes[r])]
+    for result in results:
+        assert result["rows"] == expected and result["lengths"] == sizes
+        assert result["matrix"] == [[r, -r] for r in range(world)]
 
 
 def test_two_ranks_with_shards_of_5_and_45_samples(tmp_path):

@@ -14,7 +14,7 @@ from odb.batching.config import OdbConfig
 from odb.batching.cost import OverCapError
 from odb.batching.deal import waterfill
 from odb.batching.simulate import SimulatedFeed, run_ranks, simulate
-from odb.batching.wire import PROPOSAL_SCALARS, Proposal
+from odb.batching.wire import PER_SAMPLE, PROPOSAL_SCALARS, Proposal, proposal_layout
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -185,6 +185,36 @@ def test_waterfill_equals_dealing_one_by_one_to_the_least_loaded(loads, unit, to
     assert waterfill(np.array(loads), unit, total, np.array(caps)) == expected
 
 
+@SETTINGS
+@given(st.lists(st.lists(st.integers(1, 50), max_size=6), min_size=1, max_size=5), st.booleans())
+def test_packed_rows_of_different_lengths_unpack_to_what_the_full_vectors_decode_to(bins, quota):
+    """Each rank's bins (their sample counts) -> its proposal; the rows that travel (each array cut
+    to what the rank uses, lengths differing by rank) read back as the whole vectors decode,
+    each array cut to the widest rank's use."""
+    proposals = []
+    for counts in bins:
+        per_sample = sum(counts)
+        proposals.append(Proposal(
+            is_fatal=False, is_exhausted=False, num_ready=len(counts), window_samples=per_sample, window_cost=7,
+            num_pending=1, observed_cost=3, observed_cost_sq=9, observed_samples=1, is_first_pass_open=False,
+            num_skipped=0, num_dropped=0, bin_costs=[c * 3 for c in counts], bin_samples=counts,
+            bin_tokens=[c * 2 for c in counts], bin_labels=[c * 2 - 1 for c in counts],
+            **({name: list(range(1, per_sample + 1)) for name in PER_SAMPLE} if quota else {})))
+    layout = proposal_layout(6, 300, per_sample_costs=quota)
+    full = layout.decode(np.stack([layout.encode(**p.values()) for p in proposals]))
+    rows = [layout.pack(layout.encode(**p.values())) for p in proposals]
+    assert len({len(r) for r in rows}) == len({len(c) for c in bins}) or quota
+    fields = layout.unpack(np.concatenate(rows), np.array([len(r) for r in rows]))
+    for name, value in full.items():
+        width = fields[name].shape[-1] if value.ndim > 1 else None
+        assert np.array_equal(fields[name], value[:, :width] if width is not None else value), name
+        if width is not None:
+            assert not value[:, width:].any(), name  # (nothing but room was left behind)
+    with pytest.raises(ValueError, match="do not fit this layout"):
+        layout.unpack(np.concatenate(rows + [np.zeros(1, dtype=np.int64)]),
+                      np.array([len(r) for r in rows[:-1]] + [len(rows[-1]) + 1]))
+
+
 @pytest.mark.parametrize("quota", [False, True])
 def test_a_proposal_decodes_to_what_it_encoded(quota):
     per_sample = {"sample_labels": [8, 7, 6], "sample_tokens": [9, 8, 7], "sample_costs": [10, 9, 8]} if quota else {}
@@ -193,7 +223,7 @@ def test_a_proposal_decodes_to_what_it_encoded(quota):
                         is_first_pass_open=True, num_skipped=2, num_dropped=1, bin_costs=[19, 8],
                         bin_samples=[2, 1], bin_tokens=[17, 7], bin_labels=[15, 6], **per_sample)
     layout = proposal.layout(max_bins=4, max_samples=5)
-    assert layout.size == len(PROPOSAL_SCALARS) + 4 * 4 + (3 if quota else 0) * 5
+    assert layout.size == len(PROPOSAL_SCALARS) + 4 * 4 + (1 + 3 * 5 if quota else 0)  # (num_binned, per sample)
     fields = layout.decode(np.stack([layout.encode(**proposal.values())] * 2))  # two ranks
     for name, value in proposal.values().items():
         width = len(value) if isinstance(value, list) else None
