@@ -16,7 +16,7 @@ TRACE = ROOT.parent / "shared" / "traces" / "sharegpt4o_like.txt"  # has vision 
 ROW_KEYS = {"trace", "nodes", "gpus", "samples", "fixed_auto_batch", "policies", "speedup"}
 POLICY_KEYS = {"steps", "micro_batch_positions", "micro_batches", "dummy_micro_batches", "samples", "padding_ratio",
                "largest_micro_batch_tokens", "seconds", "compute_s", "straggler_s", "comm_s", "optimizer_s",
-               "samples_per_s", "tokens_per_s"}
+               "round_s", "samples_per_s", "tokens_per_s"}
 
 
 def tool():
@@ -100,10 +100,31 @@ def test_speedups_are_positive_and_are_the_samples_per_s_ratios(report):
             assert value == pytest.approx(odb / row["policies"][key.split("/")[1]]["samples_per_s"], rel=1e-3)
         for p in row["policies"].values():
             assert p["straggler_s"] >= 0 and p["compute_s"] > 0
-            assert p["seconds"] == pytest.approx(p["compute_s"] + p["straggler_s"] + p["comm_s"] + p["optimizer_s"],
-                                                 abs=1e-3)
+            assert p["seconds"] == pytest.approx(p["compute_s"] + p["straggler_s"] + p["comm_s"] + p["optimizer_s"]
+                                                 + p["round_s"], abs=1e-3)
+            assert p["round_s"] > 0
         assert row["policies"]["odb"]["padding_ratio"] == 0
         assert row["policies"]["odb"]["largest_micro_batch_tokens"] <= 8192
+
+
+def test_the_round_term_counts_every_round_of_the_plan_at_its_latency_and_bytes(trace_slice):
+    """The plan's rounds are odb's own (simulate() counts them); at zero latency and infinite
+    bandwidth the term is the measured decisions alone, and each microsecond of latency adds
+    2 ceil(log2 W) per round."""
+    sim = tool()
+    lengths, world = sim.read_trace(trace_slice), 16
+    config = OdbConfig(max_tokens=8192, window=64)
+    arrays = sim.plan(config, lengths, world)
+    rounds = simulate(config, lengths, world).batchers[0].round_index
+    assert len(arrays["round_decision_s"]) == len(arrays["round_received"]) == rounds
+    free = sim.Cluster(nodes=2, round_alpha_us=0.0, round_beta_gbs=1e30).round_s(
+        arrays["round_decision_s"], arrays["round_received"])
+    assert free == pytest.approx(arrays["round_decision_s"].sum())
+    slow = sim.Cluster(nodes=2, round_alpha_us=10.0, round_beta_gbs=1e30).round_s(
+        arrays["round_decision_s"], arrays["round_received"])
+    assert slow - free == pytest.approx(rounds * 2 * 4 * 10e-6)
+    # every rank's row: at least the proposal's scalars each, from every one of the 16 ranks
+    assert (arrays["round_received"] >= 8 * 16 * 13).all()
 
 
 def test_one_gpu_has_no_communication(trace_slice):

@@ -5,29 +5,34 @@
         --world_sizes 8 64 512 4096 16384 --json
 
 Weak scaling: every rank holds the same work (``--samples_per_rank``). An 8-rank run of the real
-batcher over the trace (``--max_tokens``, ``--window``, ``--gas``) records every round as one rank
-received it (the gathered matrix and the decision's arguments); a round at ``W`` ranks is that
-round's matrix with each row repeated ``W / 8`` times (row ``r`` is real rank ``r % 8``'s state) and
-the stream's undealt indices scaled by ``W / 8``. For each ``W`` the tool reports:
+batcher over the trace (``--max_tokens``, ``--window``, ``--gas``) records every round as the
+ranks received it (the gathered proposals and the decision's arguments); a round at ``W`` ranks is
+that round with each rank's proposal repeated ``W / 8`` times (rank ``r`` holds real rank
+``r % 8``'s state) and the stream's undealt indices scaled by ``W / 8``. For each ``W``:
 
-* ``vector_int64`` / ``sent_bytes``: one rank's round vector as a training run lays it out (the
-  proposal, the cost fit's part, the telemetry report; :func:`round_layout`), and
-  ``received_bytes``: what one rank receives in the round's collectives (``W x`` vector for an
-  all_gather).
-* ``decision_ms``: one rank's CPU time in the round's decision on the W-row matrix (the median of
-  ``--repeat`` runs of each recorded round, averaged over the rounds).
-* ``gather_ms``: a first-order model of gloo's all_gather: a ring (``gloo/allgather.cc``: each
-  rank's vector goes round in two halves, ``W - 1`` hops, two transfers in flight), so
-  ``(W - 1) x (alpha + vector_bytes / beta)``; ``--alpha_us`` (one hop's latency over TCP) and
-  ``--beta_gbs`` (one TCP stream's bandwidth) are stated in the output.
-* ``round_ms`` and its share of a ``--step_s`` step (each, per optimizer step: ``rounds_per_step
-  x round_ms``; rounds per step measured in the 8-rank run).
+* ``row_int64``: one rank's round row as a training run sends it, the mean over ranks and rounds:
+  the proposal, the cost fit's part (``cost_model`` 'fit', a rank with observations to send), the
+  telemetry report of the steps the round before planned, each array cut to what it uses
+  (:meth:`odb.batching.wire.Layout.pack`); ``--wire fixed``: the whole vector, as odb sent it up to
+  the commit that cut it (run this file from a checkout of that commit to time its decision).
+* ``received_bytes``: what one rank receives in the round (every rank's row), the mean over rounds.
+* ``decision_ms``: one rank's CPU time in the round's decision on the W-rank proposals (the median
+  of ``--repeat`` runs of each recorded round, the mean over rounds).
+* ``gather_ms``: a first-order model of the collective. ``rows``: Bruck's all_gather over gloo's
+  point-to-point sends (:class:`odb.batching.comm.TorchCommunicator`), ``ceil(log2 W)`` exchanges
+  of two messages (the rows' lengths, then the rows), ``2 ceil(log2 W) alpha + received / beta``.
+  ``fixed``: gloo's own all_gather, a ring (``gloo/allgather.cc``: each rank's vector goes round in
+  two halves, two transfers in flight), ``(W - 1) (alpha + vector / beta)``. ``--alpha_us`` (one
+  message's latency over TCP) and ``--beta_gbs`` (one TCP stream's bandwidth) are in the output.
+* ``round_ms`` and ``share_of_<s>s_step``: the round against one ``--step_s`` step (a round plans
+  ``1 / rounds_per_step`` steps, measured in the 8-rank run: per step the round costs less).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -41,6 +46,11 @@ from odb.batching import align  # noqa: E402
 from odb.batching.config import OdbConfig  # noqa: E402
 from odb.batching.fit import fit_layout  # noqa: E402
 from odb.batching.simulate import simulate  # noqa: E402
+
+try:
+    from odb.batching.fit import send_for  # noqa: E402
+except ImportError:  # a checkout from before rows were cut: --wire fixed only
+    send_for = None
 from odb.batching.wire import Layout, proposal_layout  # noqa: E402
 from odb.telemetry.reports import report_layout  # noqa: E402
 from tools.traces import read_lengths  # noqa: E402
@@ -48,27 +58,40 @@ from tools.traces import read_lengths  # noqa: E402
 BASE_WORLD = 8
 
 
-def round_layout(config: OdbConfig) -> Layout:
+def round_layout(config: OdbConfig, world: int, steps: int, *, fixed: bool) -> Layout:
     """One rank's round vector in a training run: the proposal, the fit's part (``cost_model``
-    'fit'), the telemetry report (room for every step a round can plan), as ``launch/train.py``
-    lays them out."""
+    'fit'), the telemetry report of ``steps`` steps (``fixed``: room for every step a round can
+    plan, and for the fit's 32 observations, as odb laid them out before rows were cut)."""
     capacity = config.window + config.lookahead
     layout = proposal_layout(capacity, capacity, per_sample_costs=config.mode == "quota")
     if config.cost_model == "fit":
-        layout = layout.then(fit_layout())
-    return layout.then(report_layout(capacity // config.gas + 1))
+        layout = layout.then(fit_layout() if fixed else fit_layout(send_for(world)))
+    return layout.then(report_layout(capacity // config.gas + 1 if fixed else steps))
+
+
+def row_int64(config: OdbConfig, fields: dict, world: int, steps: int) -> float:
+    """The mean row over the recorded ranks: the proposal's used arrays, a full fit part, the
+    report of ``steps`` steps (each cut to what it uses, plus the row's report length)."""
+    layout = round_layout(config, world, steps, fixed=False)
+    scalars = len(layout.scalars) + 1  # (+ the report's length)
+    bins = fields["num_bins"].astype(np.int64)
+    per_bin = sum(1 for name in layout.arrays if name.startswith("bin_"))
+    per_sample = sum(1 for name in layout.arrays if name.startswith("sample_"))
+    binned = fields["bin_samples"].sum(axis=1) if per_sample else 0
+    fit = sum(size for name, size in layout.arrays.items() if name.startswith("fit_"))
+    report = sum(size for name, size in layout.arrays.items() if name in report_layout(steps).arrays)
+    return float(np.mean(scalars + per_bin * bins + per_sample * binned + fit + report))
 
 
 def record_rounds(config: OdbConfig, lengths: list[tuple[int, int]]) -> tuple[list[tuple[dict, dict]], dict]:
-    """Every round of an 8-rank run, once (every rank decides it from the same gathered matrix):
+    """Every round of an 8-rank run, once (every rank decides it from the same proposals):
     ``(fields, arguments)``; and the run's rounds and steps."""
     rounds: list[tuple[dict, dict]] = []
-    decide, last = align.decide, [None]
+    decide, seen = align.decide, set()
 
     def recording(fields, **kwargs):
-        gathered = next(iter(fields.values())).base  # (decode's fields are views of the gathered matrix)
-        if gathered is None or gathered is not last[0]:
-            last[0] = gathered
+        if (kwargs["epoch"], kwargs["round_index"]) not in seen:
+            seen.add((kwargs["epoch"], kwargs["round_index"]))
             rounds.append(({name: np.array(value) for name, value in fields.items()}, dict(kwargs)))
         return decide(fields, **kwargs)
 
@@ -105,9 +128,13 @@ def decision_ms(rounds: list[tuple[dict, dict]], world: int, repeat: int) -> flo
     return 1e3 * statistics.fmean(per_round)
 
 
-def gather_ms(world: int, vector_bytes: int, alpha_us: float, beta_gbs: float) -> float:
-    """gloo's ring all_gather, first order: ``W - 1`` hops of one vector each."""
-    return 1e3 * (world - 1) * (alpha_us * 1e-6 + vector_bytes / (beta_gbs * 1e9))
+def gather_ms(world: int, received_bytes: float, vector_bytes: float, alpha_us: float, beta_gbs: float,
+              *, fixed: bool) -> float:
+    """The collective's time, first order (the module docstring): a ring of fixed vectors, or Bruck's rows."""
+    alpha, beta = alpha_us * 1e-6, beta_gbs * 1e9
+    if fixed:
+        return 1e3 * (world - 1) * (alpha + vector_bytes / beta)
+    return 1e3 * (2 * math.ceil(math.log2(world)) * alpha + received_bytes / beta) if world > 1 else 0.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -122,6 +149,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--beta_gbs", type=float, default=5.0, help="one TCP stream's bandwidth, GB/s")
     parser.add_argument("--step_s", type=float, nargs="+", default=[1.0, 5.0])
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--wire", choices=("rows", "fixed"), default="rows",
+                        help="rows: each array cut to its use, Bruck's gather; fixed: the whole vector, gloo's ring")
     parser.add_argument("--json", action="store_true", help="one JSON object as the last line")
     return parser.parse_args(argv)
 
@@ -136,23 +165,27 @@ def main(argv: list[str] | None = None) -> dict:
     lengths = [trace[i % len(trace)] for i in range(count)]
     config = OdbConfig(max_tokens=args.max_tokens, window=args.window, gas=args.gas)
     rounds, run = record_rounds(config, lengths)
-    vector = round_layout(config).size
+    fixed = args.wire == "fixed"
     rounds_per_step = run["rounds"] / max(1, run["steps"])
+    steps = [0] + [len(align.decide(f, **k).step_label_tokens) for f, k in rounds[:-1]]  # (reported a round later)
     rows = []
     for world in args.world_sizes:
+        if fixed:
+            row = float(round_layout(config, world, 0, fixed=True).size)
+        else:
+            row = float(np.mean([row_int64(config, f, world, n) for (f, _), n in zip(rounds, steps)]))
+        received = 8 * row * world
         decide_ms = decision_ms(rounds, world, args.repeat)
-        gather = gather_ms(world, 8 * vector, args.alpha_us, args.beta_gbs)
+        gather = gather_ms(world, received, 8 * row, args.alpha_us, args.beta_gbs, fixed=fixed)
         round_ms = decide_ms + gather
-        rows.append({"world": world, "vector_int64": vector, "sent_bytes": 8 * vector,
-                     "received_bytes": 8 * vector * world, "decision_ms": round(decide_ms, 3),
-                     "gather_ms": round(gather, 3), "round_ms": round(round_ms, 3),
-                     **{f"share_of_{s:g}s_step": round(rounds_per_step * round_ms / (1e3 * s), 5)
-                        for s in args.step_s}})
-        print(f"W={world:>6}  vector {vector} int64  received {8 * vector * world / 2**20:9.2f} MiB  "
-              f"decision {decide_ms:8.3f} ms  gather {gather:9.3f} ms", file=sys.stderr)
+        rows.append({"world": world, "row_int64": round(row, 1), "received_bytes": round(received),
+                     "decision_ms": round(decide_ms, 3), "gather_ms": round(gather, 3), "round_ms": round(round_ms, 3),
+                     **{f"share_of_{s:g}s_step": round(round_ms / (1e3 * s), 5) for s in args.step_s}})
+        print(f"W={world:>6}  row {row:9.1f} int64  received {received / 2**20:9.2f} MiB  "
+              f"decision {decide_ms:8.3f} ms  gather {gather:9.3f} ms  round {round_ms:9.3f} ms", file=sys.stderr)
     report = {"trace": Path(args.trace).name, "samples_per_rank": args.samples_per_rank,
               "max_tokens": args.max_tokens, "window": args.window, "gas": args.gas,
-              "alpha_us": args.alpha_us, "beta_gbs": args.beta_gbs, "rounds_recorded": len(rounds),
+              "wire": args.wire, "alpha_us": args.alpha_us, "beta_gbs": args.beta_gbs, "rounds_recorded": len(rounds),
               "rounds_per_step": round(rounds_per_step, 5), **run, "rows": rows}
     if args.json:
         print(json.dumps(report))

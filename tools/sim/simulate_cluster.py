@@ -50,6 +50,11 @@ as long as the slowest rank's micro-batch there, and the step as long as its pos
 * ``optimizer_s``: Adam on this rank's optimizer shard (all parameters at ZeRO-0, 1/n above),
   memory-bound: 30 bytes per parameter (fp32 master, m, v read and written, fp32 gradient read,
   bf16 parameter written) / HBM bandwidth.
+* ``round_s``: odb's own rounds, serial with training: each round's decision as this CPU computed
+  it for the whole world (measured in the plan), plus its gather, Bruck's over gloo's
+  point-to-point (:class:`odb.batching.comm.TorchCommunicator`): ``2 ceil(log2 W)`` messages of
+  ``--round-alpha-us`` each and every rank's row at ``--round-beta-gbs`` (the proposals' rows as
+  planned; a training run's also carry telemetry, ``tools/bench/bench_round.py``).
 
 ``--cpu-fit RUN... --cpu-predict RUN...`` turns the model on this CPU (one process, no
 communication). Each group holds repeats of one ``launch/train.py`` run (one configuration; its
@@ -161,6 +166,17 @@ class Cluster:
     hbm_gbs: float = 3350.0
     micro_overhead_s: float = 0.0
     overlap_comm: bool = False
+    round_alpha_us: float = 30.0  # odb's round: one message's latency over TCP (gloo)
+    round_beta_gbs: float = 5.0  # ... and one TCP stream's bandwidth
+
+    def round_s(self, decision_s: np.ndarray, received: np.ndarray) -> float:
+        """odb's rounds: each rank's decision (measured) and the gather (Bruck over gloo's
+        point-to-point: ``2 ceil(log2 W)`` messages, then the bytes received)."""
+        if not len(decision_s):
+            return 0.0
+        hops = 2 * math.ceil(math.log2(self.world)) if self.world > 1 else 0
+        gather = hops * self.round_alpha_us * 1e-6 + received / (self.round_beta_gbs * 1e9)
+        return float((decision_s + gather).sum())
 
     @property
     def world(self) -> int:
@@ -260,21 +276,23 @@ def _shared_across_ranks() -> Iterator[None]:
 
     * ``decide``: every rank decides the round from the same gathered matrix, a pure function of
       it (docs/design.md, I3); 1024 ranks would compute one decision 1024 times, O(world^2) per round.
-      The first rank's :class:`~odb.batching.plan.Decision` is handed to the others (keyed by the
-      gathered matrix itself and every argument).
+      The first rank's :class:`~odb.batching.plan.Decision` is handed to the others (keyed by every
+      argument, the round's index among them, and the ranks' bin counts and window costs).
     * ``epoch_order``: each rank caches the epoch's permutation of the whole dataset (16 MB at 2M
       samples, times 1024 ranks); here they share one read-only array.
 
     The unit test checks the resulting plans against odb's own :func:`~odb.batching.simulate.simulate`.
     """
     decide, epoch_order = align.decide, stream.epoch_order
-    last: list = [None, None, None]  # gathered matrix, arguments, decision
+    last: list = [None, None]  # key, decision
 
     def shared_decide(fields, **kwargs):
-        gathered = next(iter(fields.values())).base  # decode() returns views of the gathered matrix
-        if gathered is None or gathered is not last[0] or kwargs != last[1]:
-            last[:] = [gathered, kwargs, decide(fields, **kwargs)]
-        return last[2]
+        key = (sorted(kwargs.items()), fields["num_bins"].tobytes(), fields["window_cost"].tobytes())
+        if key != last[0]:
+            start = time.process_time()
+            last[:] = [key, decide(fields, **kwargs)]
+            DECISIONS_S.append(time.process_time() - start)  # (one rank's decision at this world size)
+        return last[1]
 
     @functools.cache
     def shared_order(seed: int, epoch: int, dataset_size: int) -> np.ndarray:
@@ -295,7 +313,11 @@ def plan(config: OdbConfig, lengths: list[tuple[int, int]], world: int) -> dict[
     the micro-batches rather than with every step's ``world x GAS`` cost table on every rank."""
     per_rank: list = [None] * world
 
+    received: list[int] = []  # per round, what one rank receives (every rank's row)
+
     def rank_main(comm) -> None:
+        if comm.rank == 0:
+            comm = _Receiving(comm, received)
         batcher = OnlineBatcher(config, comm, dataset_size=len(lengths), feed=SimulatedFeed(lengths))
         if batcher.packer.is_offline:
             # gmt sizes its round vector for the whole dataset (world x 4 x N int64 gathered: 17 GB
@@ -306,11 +328,38 @@ def plan(config: OdbConfig, lengths: list[tuple[int, int]], world: int) -> dict[
         for step in batcher:
             gas.append(len(step.micro_batches))
             rows += [_micro_figures(m) for m in step.micro_batches]
-        per_rank[comm.rank] = (gas, rows)
+        per_rank[comm.rank] = (gas, rows, batcher.round_index)
 
+    DECISIONS_S.clear()
     with _shared_across_ranks():
         run_ranks(world, rank_main, timeout_s=3600.0)
-    return _arrays(per_rank)
+    rounds = per_rank[0][2]
+    return {**_arrays([p[:2] for p in per_rank]), "round_decision_s": np.array(DECISIONS_S[-rounds:] if rounds else []),
+            "round_received": 8.0 * np.array(received[-rounds:] if rounds else [])}
+
+
+DECISIONS_S: list[float] = []
+"""The CPU seconds of each round's decision in :func:`plan` (computed once for all ranks)."""
+
+
+class _Receiving:
+    """Rank 0's communicator, counting the values every round gathers (what each rank receives)."""
+
+    def __init__(self, comm, received: list[int]) -> None:
+        self.comm, self.received = comm, received
+        self.rank, self.world_size = comm.rank, comm.world_size
+
+    @property
+    def num_collectives(self) -> int:
+        return self.comm.num_collectives
+
+    def all_gather_v(self, values):
+        rows, lengths = self.comm.all_gather_v(values)
+        self.received.append(int(lengths.sum()))
+        return rows, lengths
+
+    def all_gather(self, values):
+        return self.comm.all_gather(values)
 
 
 def micro_seconds(arrays: dict, model: Model, cluster: Cluster) -> np.ndarray:
@@ -332,7 +381,9 @@ def step_times(arrays: dict, model: Model, cluster: Cluster) -> dict[str, float]
         exposed = positions * comm_micro
     parts = {"compute_s": float(mean.sum()), "straggler_s": float((slowest - mean).sum()),
              "comm_s": exposed + num_steps * comm_step,
-             "optimizer_s": num_steps * cluster.optimizer_s(model)}
+             "optimizer_s": num_steps * cluster.optimizer_s(model),
+             "round_s": cluster.round_s(arrays.get("round_decision_s", np.zeros(0)),
+                                        arrays.get("round_received", np.zeros(0)))}
     return {"seconds": sum(parts.values()), **parts}
 
 
@@ -571,6 +622,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--micro-overhead-ms", type=float, default=0.0,
                    help="fixed time of every micro-batch (kernel launches, Python), dummies included")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=2)
+    p.add_argument("--round-alpha-us", type=float, default=30.0,
+                   help="odb's round: one message's latency on its gloo group (TCP)")
+    p.add_argument("--round-beta-gbs", type=float, default=5.0, help="odb's round: one TCP stream's GB/s")
     p.add_argument("--overlap-comm", action="store_true",
                    help="per-micro-batch collectives overlap the backward (DeepSpeed overlap_comm)")
     p.add_argument("--model", default="7b", help="'7b' (Llama-2-7B) or a Llama-style config.json")
@@ -609,6 +663,7 @@ def main(argv: list[str] | None = None) -> dict:
         rate = args.tflops * 1e12 * args.mfu
         cluster = Cluster(gpus_per_node=args.gpus_per_node, flops_per_s=rate, attn_flops_per_s=rate,
                           intra_gbs=args.intra_gbs, inter_gbs=args.inter_gbs, zero=args.zero, hbm_gbs=args.hbm_gbs,
+                          round_alpha_us=args.round_alpha_us, round_beta_gbs=args.round_beta_gbs,
                           micro_overhead_s=args.micro_overhead_ms / 1e3, overlap_comm=args.overlap_comm)
         model = load_model(args.model, args.vision_params)
         rows = []
