@@ -1,8 +1,8 @@
 """The round decision: a pure function of what every rank gathered (the plans it makes: :mod:`odb.batching.plan`).
 
 One round (see :mod:`odb.batching.align` for the protocol): every rank packs its window, orders
-its bins (the ones to train first first) and sends one fixed-size int64 vector, its *proposal*
-(:func:`odb.batching.wire.proposal_layout`). After the one ``all_gather`` every rank runs
+its bins (the ones to train first first) and sends one int64 vector, its *proposal*
+(:func:`odb.batching.wire.proposal_layout`, cut to the bins it holds). After the one gather every rank runs
 :func:`decide` on the same decoded vectors, and so reaches the same decision, in five phases
 (one function each, in this order):
 

@@ -1,4 +1,4 @@
-"""Wire formats: the fixed-size int64 vectors ranks exchange, declared once by name.
+"""Wire formats: the int64 vectors ranks exchange, declared once by name.
 
 A collective needs the same vector length on every rank, so each vector is a :class:`Layout`:
 named scalars and named arrays of a fixed size (a rank fills what it has, zeros after). One

@@ -3,13 +3,13 @@ the next round.
 
 Every step's structure is known to every rank from its plan (tokens and costs of every rank's
 micro-batches, samples, N_step). What only a rank knows (its loss, padding, time waiting for data,
-in odb's planning and in the collective; its skipped records) goes into a fixed-size int64 report
-(:mod:`odb.telemetry.reports`) that :class:`odb.batching.batcher.OnlineBatcher` appends to its next
-round's vector; when that round's gather arrives, rank 0 completes the steps reported in it
-(:mod:`odb.telemetry.rows`) and writes them to ``metrics.jsonl`` and W&B
-(:mod:`odb.telemetry.writer`). The steps of the last round are completed by the run's one final
-collective (:meth:`odb.batching.batcher.OnlineBatcher.gather_reports`), whose vector is the report
-followed by the rank's run totals (:mod:`odb.telemetry.totals`).
+in odb's planning and in the collective; its skipped records) goes into an int64 report
+(:mod:`odb.telemetry.reports`, sent cut to the steps it holds) that
+:class:`odb.batching.batcher.OnlineBatcher` appends to its next round's vector; when that round's
+gather arrives, rank 0 completes the steps reported in it (:mod:`odb.telemetry.rows`) and writes
+them to ``metrics.jsonl`` and W&B (:mod:`odb.telemetry.writer`). The steps of the last round are
+completed by the run's one final collective (:meth:`odb.batching.batcher.OnlineBatcher.gather_reports`),
+whose vector is the report followed by the rank's run totals (:mod:`odb.telemetry.totals`).
 
 ``fetched`` counts the records the ranks have processed over the whole run, ``lost`` those of them
 that will never train (skipped, or dropped over the cap), ``truncated`` the samples cut to fit

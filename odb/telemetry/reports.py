@@ -1,6 +1,7 @@
 """The report wire: what a rank tells the others about its steps, riding on the next round.
 
-A rank's report (:func:`report_layout`) is a fixed-size int64 vector: the steps it trained since
+A rank's report (:func:`report_layout`) is an int64 vector (sent cut to the steps it holds,
+:meth:`odb.batching.wire.Layout.pack`): the steps it trained since
 the last round (``num_steps`` from ``first_step``, each a slot of every per-step array) and its
 whole-run record counts (``skipped`` by reason, in :data:`odb.data.formats.SKIP_REASONS` order,
 ``fetched``, ``lost``, ``truncated_samples``, ``truncated_tokens``). Loss sums are in millionths,
