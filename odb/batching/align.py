@@ -101,7 +101,11 @@ class Aligner:
         keys = sorted(settings)
         mine = np.array([_fingerprint([len(keys)] + keys)] + [_fingerprint([k, settings[k]]) for k in keys],
                         dtype=np.int64)
-        gathered = self.comm.all_gather(mine)
+        rows, lengths = self.comm.all_gather_v(mine)
+        if len(set(lengths.tolist())) > 1:
+            raise SettingsMismatch("ranks run different odb versions or builds (they check different numbers of "
+                                   "settings); install the same odb on every node")
+        gathered = as_matrix(rows, lengths)
         if len(set(gathered[:, 0].tolist())) > 1:
             raise SettingsMismatch("ranks run different odb versions or builds (they check different settings); "
                                    "install the same odb on every node")
@@ -120,11 +124,13 @@ class Aligner:
         round): a bound that every rank then holds alike."""
         return int(self.comm.all_gather(np.asarray([value], dtype=np.int64)).max())
 
-    def gather_reports(self, values: np.ndarray) -> np.ndarray:
-        """Every rank's run report ``[world, len]`` (shorter ones zero-padded): the one collective after
-        the last round (a sequence-parallel group's: its first process's, which holds the group's figures)."""
+    def gather_reports(self, values: np.ndarray, *, ragged: bool = False) -> np.ndarray:
+        """Every rank's run report ``[world, len]``: the one collective after the last round (a
+        sequence-parallel group's: its first process's, which holds the group's figures). Rows of
+        different lengths raise, unless ``ragged`` (packed rows, :meth:`odb.batching.wire.Layout.pack`:
+        the shorter zero-padded)."""
         rows, lengths = self.comm.all_gather_v(np.asarray(values, dtype=np.int64))
-        return padded(rows, lengths)[::self.group_size]
+        return (padded(rows, lengths) if ragged else as_matrix(rows, lengths))[::self.group_size]
 
     def round(self, proposal: Proposal, *, max_bins: int, max_samples: int, report: np.ndarray | None = None,
               extra: tuple[Layout, dict[str, Any]] | None = None, **decide_args: Any) -> Decision:

@@ -150,8 +150,8 @@ class OnlineBatcher:
 
     def gather_reports(self, values) -> np.ndarray:
         """The run's final collective (:meth:`odb.batching.align.Aligner.gather_reports`): every
-        rank's ``values`` (telemetry riding on no round)."""
-        return self.aligner.gather_reports(values)
+        rank's ``values`` (telemetry riding on no round, a packed row: :meth:`odb.batching.wire.Layout.pack`)."""
+        return self.aligner.gather_reports(values, ragged=True)
 
     @property
     def last_reports(self) -> np.ndarray:

@@ -149,19 +149,22 @@ class Layout:
                              f"{count} scalars: the ranks run different odb versions or settings")
         scalars = rows[starts[:, None] + np.arange(count)[None, :]] if world else np.zeros((0, count), np.int64)
         fields = {name: scalars[:, i] for i, name in enumerate(self.scalars)}
-        at = starts + count  # where each rank's next array begins
+        at, ends = starts + count, starts + row_lengths  # where each rank's next array begins, its row ends
+        overrun = np.zeros(world, dtype=bool)  # a row shorter than its own scalars say
         for name, size in self.arrays.items():
             if name in self.lengths:
                 used = np.clip(fields[self.lengths[name]], 0, size)
             else:
                 used = np.full(world, size, dtype=np.int64)
+            overrun |= used > ends - at
+            used = np.minimum(used, np.maximum(ends - at, 0))
             width = int(used.max()) if world else 0
             columns = np.arange(width)[None, :]
             inside = columns < used[:, None]
             index = np.where(inside, at[:, None] + columns, 0)
             fields[name] = np.where(inside, rows[index], 0) if rows.size else np.zeros((world, width), np.int64)
             at = at + used
-        wrong = (at != starts + row_lengths) if exact else (at > starts + row_lengths)
+        wrong = overrun | (at != ends) if exact else overrun
         if world and wrong.any():
             bad = np.flatnonzero(wrong).tolist()
             raise ValueError(f"the wire rows of rank(s) {bad} do not fit this layout: "

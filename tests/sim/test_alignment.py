@@ -14,7 +14,7 @@ from odb.batching.config import OdbConfig
 from odb.batching.cost import OverCapError
 from odb.batching.deal import waterfill
 from odb.batching.simulate import SimulatedFeed, run_ranks, simulate
-from odb.batching.wire import PER_SAMPLE, PROPOSAL_SCALARS, Proposal, proposal_layout
+from odb.batching.wire import PER_SAMPLE, PROPOSAL_SCALARS, Layout, Proposal, proposal_layout
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -213,6 +213,18 @@ def test_packed_rows_of_different_lengths_unpack_to_what_the_full_vectors_decode
     with pytest.raises(ValueError, match="do not fit this layout"):
         layout.unpack(np.concatenate(rows + [np.zeros(1, dtype=np.int64)]),
                       np.array([len(r) for r in rows[:-1]] + [len(rows[-1]) + 1]))
+
+
+def test_a_row_shorter_than_its_own_lengths_say_is_refused_naming_the_ranks():
+    layout = Layout(scalars=("n",), arrays={"a": 4}, lengths={"a": "n"})
+    first = layout.pack(layout.encode(n=2, a=[1, 2]))
+    assert first.tolist() == [2, 1, 2]
+    for rows, lengths in (([*first, 3, 7], [3, 2]), ([3, 7, *first], [2, 3])):
+        with pytest.raises(ValueError, match="do not fit this layout"):
+            layout.unpack(np.array(rows), np.array(lengths))
+    with pytest.raises(ValueError, match=r"rank\(s\) \[1\]"):
+        layout.unpack_matrix(np.array([[1, 5], [4, 1]]))
+    assert layout.unpack_matrix(np.array([[2, 1, 2], [1, 9, 0]]))["a"].tolist() == [[1, 2], [9, 0]]
 
 
 @pytest.mark.parametrize("quota", [False, True])

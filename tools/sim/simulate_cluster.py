@@ -358,7 +358,7 @@ class _Receiving:
         self.received.append(int(lengths.sum()))
         return rows, lengths
 
-    def all_gather(self, values):
+    def all_gather(self, values):  # (the settings check: not a round)
         return self.comm.all_gather(values)
 
 

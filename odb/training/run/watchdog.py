@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from odb.batching.comm import as_matrix
 from odb.training.backends.process_group import intervals
 from odb.training.run.stop import Preempted
 
@@ -257,9 +258,12 @@ class WatchedCommunicator:
     def num_collectives(self) -> int:
         return self.comm.num_collectives
 
-    def all_gather(self, values):
+    def all_gather_v(self, values):
         self.watchdog.progress("waiting on the other ranks in odb's all_gather", waiting=True)
         try:
-            return self.comm.all_gather(values)
+            return self.comm.all_gather_v(values)
         finally:
             self.watchdog.progress("planning the round's steps")
+
+    def all_gather(self, values):
+        return as_matrix(*self.all_gather_v(values))
