@@ -24,8 +24,9 @@ that round with each rank's proposal repeated ``W / 8`` times (rank ``r`` holds 
   ``fixed``: gloo's own all_gather, a ring (``gloo/allgather.cc``: each rank's vector goes round in
   two halves, two transfers in flight), ``(W - 1) (alpha + vector / beta)``. ``--alpha_us`` (one
   message's latency over TCP) and ``--beta_gbs`` (one TCP stream's bandwidth) are in the output.
-* ``round_ms`` and ``share_of_<s>s_step``: the round against one ``--step_s`` step (a round plans
-  ``1 / rounds_per_step`` steps, measured in the 8-rank run: per step the round costs less).
+* ``round_ms`` and ``share_of_<s>s_step``: one round against one ``--step_s`` step;
+  ``per_step_share_of_<s>s``: per optimizer step (a round plans ``1 / rounds_per_step`` steps,
+  measured in the 8-rank run).
 """
 
 from __future__ import annotations
@@ -180,7 +181,9 @@ def main(argv: list[str] | None = None) -> dict:
         round_ms = decide_ms + gather
         rows.append({"world": world, "row_int64": round(row, 1), "received_bytes": round(received),
                      "decision_ms": round(decide_ms, 3), "gather_ms": round(gather, 3), "round_ms": round(round_ms, 3),
-                     **{f"share_of_{s:g}s_step": round(round_ms / (1e3 * s), 5) for s in args.step_s}})
+                     **{f"share_of_{s:g}s_step": round(round_ms / (1e3 * s), 5) for s in args.step_s},
+                     **{f"per_step_share_of_{s:g}s": round(rounds_per_step * round_ms / (1e3 * s), 6)
+                        for s in args.step_s}})
         print(f"W={world:>6}  row {row:9.1f} int64  received {received / 2**20:9.2f} MiB  "
               f"decision {decide_ms:8.3f} ms  gather {gather:9.3f} ms  round {round_ms:9.3f} ms", file=sys.stderr)
     report = {"trace": Path(args.trace).name, "samples_per_rank": args.samples_per_rank,
