@@ -24,7 +24,7 @@ process, for tests and benchmarks) and :class:`TorchCommunicator` (torch.distrib
 dedicated gloo CPU group, so that it never touches the NCCL stream of the model). The torch one
 gathers by Bruck's algorithm (:func:`odb.batching.comm.bruck_steps`): ``ceil(log2 W)`` exchanges, each with one
 peer, where gloo's own all_gather is a ring of ``W - 1`` hops (at 4,096 ranks, 12 latencies
-instead of 4,095).
+instead of 4,095: two messages each, 24 latencies).
 
 Sequence parallelism (:class:`SequenceGroups`): ``group_size`` consecutive processes hold one
 packed row together, so to the protocol they are one rank. Each of them runs the same batcher on
@@ -138,8 +138,9 @@ class Aligner:
 
         The vector is the proposal (:func:`odb.batching.wire.proposal_layout` with ``max_bins`` and
         ``max_samples`` slots), then ``extra`` (a layout and this rank's values: the cost fit's
-        observations, :mod:`odb.batching.fit`), then ``report`` (the same length on every rank):
-        telemetry figures that need no collective of their own. Each travels cut to what it uses
+        observations, :mod:`odb.batching.fit`), then ``report`` (as long as it is: a telemetry
+        report of another length than its peers' fails the telemetry's check): telemetry figures
+        that need no collective of their own. Each travels cut to what it uses
         (:meth:`odb.batching.wire.Layout.pack`). Every rank's report comes back in :attr:`reports`
         ``[world, len]``, and every rank's ``extra`` fields in :attr:`extra` (arrays as wide as the
         most slots a rank used).

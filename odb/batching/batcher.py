@@ -51,8 +51,9 @@ class OnlineBatcher:
         feed: deals, fetches and forgets this rank's samples by uid (:class:`Feed`).
         num_epochs: epochs to run in join mode (quota mode runs until the quota).
         shards: optional explicit per-rank lists of dataset indices (static sharding only).
-        report / on_reports: this rank's telemetry vector for the next round (same length on every
-            rank) and, after the round, every rank's (``[world, len]``); see :mod:`odb.telemetry`.
+        report / on_reports: this rank's telemetry vector for the next round (a packed row, as long
+            as it is) and, after the round, every rank's (``[world, len]``, the shorter zero-padded);
+            see :mod:`odb.telemetry`.
         settings: further settings every rank must share (e.g. the run's precision, the data's
             fingerprint), checked with the batcher's own in the same one collective.
         mixture: a weighted mixture of sources (:mod:`odb.batching.mixture`).

@@ -208,16 +208,16 @@ def _totals(figures: BinFigures, slots: np.ndarray, taken: np.ndarray, gas: int,
     sample counts once, at its owner; the other ranks of its group carry its cost (each trains a
     slice as costly as the owner's)."""
     valid = slots >= 0
-    if valid.any():
-        safe = np.where(valid, slots, 0)
-        costs, tokens, labels, samples = (np.where(valid, np.take_along_axis(v, safe, 1), 0) for v in figures)
+    if valid.any():  # (one gather of the four figures: [4, world, T])
+        picked = np.stack(figures)[:, np.arange(len(slots))[:, None], np.where(valid, slots, 0)] * valid
+        costs, tokens, labels, samples = picked
     else:  # no bins at all (possibly zero columns to index)
         costs, tokens, labels, samples = (np.zeros(slots.shape, dtype=np.int64) for _ in figures)
     if shared is not None:
         hosted = (shared >= 0) & ~valid
         costs[hosted] = costs[shared[hosted], np.nonzero(hosted)[1]]
     trained = (figures.samples * taken).sum(axis=1)
-    return _Totals(_per_step(labels, gas), _per_step(samples, gas), costs, tokens, [int(x) for x in trained])
+    return _Totals(_per_step(labels, gas), _per_step(samples, gas), costs, tokens, trained.tolist())
 
 
 def _per_step(slot_values: np.ndarray, gas: int) -> list[int]:

@@ -1,6 +1,6 @@
 """Wire formats: the int64 vectors ranks exchange, declared once by name.
 
-A collective needs the same vector length on every rank, so each vector is a :class:`Layout`:
+Every rank must read every rank's vector alike, so each vector is a :class:`Layout`:
 named scalars and named arrays of a fixed size (a rank fills what it has, zeros after). One
 declaration encodes a rank's values and decodes the gathered ``[world, len]`` matrix, so no
 position is written by hand in two places::

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import check_aligned, check_caps, check_exact_once, check_label_tokens, roundtrip, simulated_labels
-from odb.batching.align import SettingsMismatch
+from odb.batching.align import Aligner, SettingsMismatch, SimulatedGroup
 from odb.batching.batcher import OnlineBatcher
 from odb.batching.config import OdbConfig
 from odb.batching.cost import OverCapError
@@ -244,3 +244,16 @@ def test_a_proposal_decodes_to_what_it_encoded(quota):
     assert fields["num_bins"].tolist() == [2, 2]
     with pytest.raises(ValueError, match="holds 1 values, got 2"):
         proposal.layout(max_bins=1, max_samples=5).encode(**proposal.values())
+
+
+def test_reports_of_different_lengths_are_refused_unless_ragged_and_so_are_different_settings_counts():
+    def rank_main(comm):
+        aligner = Aligner(comm)
+        ragged = aligner.gather_reports(np.arange(comm.rank + 1), ragged=True)
+        with pytest.raises(RuntimeError, match="different lengths"):
+            aligner.gather_reports(np.arange(comm.rank + 1))
+        with pytest.raises(SettingsMismatch, match="different numbers of settings"):
+            aligner.check_settings({"a": 1, **({"b": 2} if comm.rank else {})})
+        return ragged.tolist()
+
+    assert SimulatedGroup(2).run(rank_main) == [[[0, 0], [0, 1]]] * 2

@@ -1,6 +1,7 @@
 """tools/bench/bench_round.py: the round's cost at scale, from a real 8-rank run's rounds."""
 
 import numpy as np
+import pytest
 
 from conftest import tool_module
 from odb.batching import align
@@ -36,7 +37,7 @@ def test_every_round_of_the_run_is_timed_at_each_world_and_the_rows_are_what_ran
     assert small["world"] == 8 and large["world"] == 64
     # a training run's row adds the fit's part and the telemetry report to the proposal's
     assert small["row_int64"] > np.mean(sent) + 7 + 6
-    assert large["received_bytes"] == round(8 * large["row_int64"] * 64)
+    assert large["received_bytes"] == pytest.approx(8 * large["row_int64"] * 64, rel=1e-3)
     assert large["row_int64"] <= small["row_int64"]  # (the fit sends what the window keeps of a rank: less)
     fixed = tool.main([*args, "--wire", "fixed"])
     assert {row["row_int64"] for row in fixed["rows"]} == {float(tool.round_layout(

@@ -172,3 +172,40 @@ def test_the_attempt_prefix_names_torchruns_restart_and_slurms_requeue():
     assert attempt_prefix({}) == "odb/restart0"
     assert attempt_prefix({"TORCHELASTIC_RESTART_COUNT": "2"}) == "odb/restart2"
     assert attempt_prefix({"SLURM_RESTART_COUNT": "1"}) == "odb/restart0/requeue1"
+
+
+def test_ranks_behind_watched_communicators_plan_what_the_raw_ones_plan_and_each_gather_is_marked_waiting(
+        watchdogs):
+    """The watchdog's communicator (every launch/train.py run's) carries odb's rounds, rows of any
+    length, and says it waits on its peers inside each one."""
+    from odb.batching.align import SimulatedGroup
+    from odb.batching.batcher import OnlineBatcher
+    from odb.batching.config import OdbConfig
+    from odb.batching.simulate import SimulatedFeed, simulate
+    from odb.training.run.watchdog import WatchedCommunicator
+
+    lengths = [((7 * i) % 90 + 5, 0) for i in range(120)]
+    config = OdbConfig(max_tokens=128, window=8, gas=2)
+    dogs = watchdogs(Exits(), world=3)
+    seen = [[] for _ in dogs]
+
+    class Marking:  # (what the watchdog is told, in order: waiting, then planning)
+        def __init__(self, dog, log):
+            self.dog, self.log = dog, log
+
+        def progress(self, where, *, waiting=False, **kwargs):
+            self.log.append(waiting)
+            self.dog.progress(where, waiting=waiting, **kwargs)
+
+    def rank_main(comm):
+        watched = WatchedCommunicator(comm, Marking(dogs[comm.rank], seen[comm.rank]))
+        batcher = OnlineBatcher(config, watched, dataset_size=len(lengths), feed=SimulatedFeed(lengths))
+        steps = [[m.uids for m in s.micro_batches] for s in batcher]
+        assert batcher.gather_reports([comm.rank] * (comm.rank + 1)).shape == (3, 3)  # (the ragged final gather)
+        return steps, batcher.round_index
+
+    results = SimulatedGroup(3).run(rank_main)
+    expected = [[[m.uids for m in s.micro_batches] for s in steps] for steps in simulate(config, lengths, 3).steps]
+    assert [steps for steps, _ in results] == expected
+    rounds = results[0][1]
+    assert all(log == [True, False] * (rounds + 2) for log in seen)  # the settings check, the rounds, the final

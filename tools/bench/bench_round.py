@@ -11,8 +11,9 @@ that round with each rank's proposal repeated ``W / 8`` times (rank ``r`` holds 
 ``r % 8``'s state) and the stream's undealt indices scaled by ``W / 8``. For each ``W``:
 
 * ``row_int64``: one rank's round row as a training run sends it, the mean over ranks and rounds:
-  the proposal, the cost fit's part (``cost_model`` 'fit', a rank with observations to send), the
-  telemetry report of the steps the round before planned, each array cut to what it uses
+  the proposal, the cost fit's part (``cost_model`` 'fit': the micro-batches the rank trained since
+  the last round, at most ``min(32, 256 // W)``), the telemetry report of the steps the round
+  before planned, each array cut to what it uses
   (:meth:`odb.batching.wire.Layout.pack`); ``--wire fixed``: the whole vector, as odb sent it up to
   the commit that cut it (run this file from a checkout of that commit to time its decision).
 * ``received_bytes``: what one rank receives in the round (every rank's row), the mean over rounds.
@@ -71,15 +72,17 @@ def round_layout(config: OdbConfig, world: int, steps: int, *, fixed: bool) -> L
 
 
 def row_int64(config: OdbConfig, fields: dict, world: int, steps: int) -> float:
-    """The mean row over the recorded ranks: the proposal's used arrays, a full fit part, the
-    report of ``steps`` steps (each cut to what it uses, plus the row's report length)."""
+    """The mean row over the recorded ranks: the proposal's used arrays, the fit's part (the
+    micro-batches a rank trained in the ``steps`` steps, at most what it sends), the report of
+    ``steps`` steps (each cut to what it uses, plus the row's report length)."""
     layout = round_layout(config, world, steps, fixed=False)
     scalars = len(layout.scalars) + 1  # (+ the report's length)
     bins = fields["num_bins"].astype(np.int64)
     per_bin = sum(1 for name in layout.arrays if name.startswith("bin_"))
     per_sample = sum(1 for name in layout.arrays if name.startswith("sample_"))
     binned = fields["bin_samples"].sum(axis=1) if per_sample else 0
-    fit = sum(size for name, size in layout.arrays.items() if name.startswith("fit_"))
+    fit_arrays = [size for name, size in layout.arrays.items() if name.startswith("fit_")]
+    fit = len(fit_arrays) * min(steps * config.gas, max(fit_arrays, default=0))
     report = sum(size for name, size in layout.arrays.items() if name in report_layout(steps).arrays)
     return float(np.mean(scalars + per_bin * bins + per_sample * binned + fit + report))
 

@@ -313,7 +313,7 @@ def plan(config: OdbConfig, lengths: list[tuple[int, int]], world: int) -> dict[
     the micro-batches rather than with every step's ``world x GAS`` cost table on every rank."""
     per_rank: list = [None] * world
 
-    received: list[int] = []  # per round, what one rank receives (every rank's row)
+    received: list[int] = []  # per gather of rows (the settings check, then each round): what one rank receives
 
     def rank_main(comm) -> None:
         if comm.rank == 0:
@@ -335,7 +335,7 @@ def plan(config: OdbConfig, lengths: list[tuple[int, int]], world: int) -> dict[
         run_ranks(world, rank_main, timeout_s=3600.0)
     rounds = per_rank[0][2]
     return {**_arrays([p[:2] for p in per_rank]), "round_decision_s": np.array(DECISIONS_S[-rounds:] if rounds else []),
-            "round_received": 8.0 * np.array(received[-rounds:] if rounds else [])}
+            "round_received": 8.0 * np.array(received[-rounds:] if rounds else [])}  # (the rounds')
 
 
 DECISIONS_S: list[float] = []
@@ -358,7 +358,7 @@ class _Receiving:
         self.received.append(int(lengths.sum()))
         return rows, lengths
 
-    def all_gather(self, values):  # (the settings check: not a round)
+    def all_gather(self, values):  # (fixed-length gathers: no round's)
         return self.comm.all_gather(values)
 
 
