@@ -51,11 +51,10 @@ from odb.batching.comm import (
     SimulatedGroup,
     TorchCommunicator,
     as_matrix,
-    padded,
 )
 from odb.batching.decide import decide
 from odb.batching.plan import Decision
-from odb.batching.wire import Layout, Proposal
+from odb.batching.wire import Layout, Proposal, row_starts, segments
 
 __all__ = ["Aligner", "Communicator", "PeerStopped", "SequenceGroups", "SettingsMismatch", "SimulatedGroup",
            "TorchCommunicator", "as_matrix"]
@@ -130,7 +129,9 @@ class Aligner:
         different lengths raise, unless ``ragged`` (packed rows, :meth:`odb.batching.wire.Layout.pack`:
         the shorter zero-padded)."""
         rows, lengths = self.comm.all_gather_v(np.asarray(values, dtype=np.int64))
-        return (padded(rows, lengths) if ragged else as_matrix(rows, lengths))[::self.group_size]
+        if not ragged:
+            return as_matrix(rows, lengths)[::self.group_size]
+        return segments(rows, row_starts(lengths), lengths)[::self.group_size]
 
     def round(self, proposal: Proposal, *, max_bins: int, max_samples: int, report: np.ndarray | None = None,
               extra: tuple[Layout, dict[str, Any]] | None = None, **decide_args: Any) -> Decision:

@@ -18,15 +18,13 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 __all__ = ["Communicator", "PeerStopped", "SequenceGroups", "SimulatedGroup", "TorchCommunicator", "as_matrix",
-           "bruck_steps", "padded"]
+           "bruck_steps"]
 
 T = TypeVar("T")
 
 
 class PeerStopped(RuntimeError):
     """Another rank stopped the run (its own log and error say why)."""
-
-
 
 
 class Communicator(Protocol):
@@ -53,16 +51,6 @@ def as_matrix(rows: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     if len(set(lengths.tolist())) > 1:
         raise RuntimeError(f"all_gather with different lengths across ranks: {sorted(set(lengths.tolist()))}")
     return rows.reshape(len(lengths), -1)
-
-
-def padded(rows: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """:meth:`Communicator.all_gather_v`'s result as ``[world, longest]``, each row zero-padded."""
-    width = int(lengths.max()) if len(lengths) else 0
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    columns = np.arange(width)[None, :]
-    inside = columns < lengths[:, None]
-    return np.where(inside, rows[np.where(inside, starts[:, None] + columns, 0)], 0) if rows.size \
-        else np.zeros((len(lengths), width), dtype=np.int64)
 
 
 def bruck_steps(rank: int, world: int) -> list[tuple[int, int, int]]:
@@ -202,8 +190,7 @@ class TorchCommunicator:
         exchange the rows' lengths, then the rows."""
         self.num_collectives += 1
         lengths = [len(values)]
-        parts = [np.ascontiguousarray(values, dtype=np.int64)]
-        held = parts[0]
+        held = np.ascontiguousarray(values, dtype=np.int64)
         for to, frm, count in self._steps:
             got = self._exchange(np.array(lengths[:count], dtype=np.int64), to, frm, count)
             rows = self._exchange(held[:sum(lengths[:count])], to, frm, int(got.sum()))

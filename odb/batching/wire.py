@@ -31,7 +31,25 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PROPOSAL_SCALARS", "Layout", "Proposal", "proposal_layout"]
+__all__ = ["PROPOSAL_SCALARS", "Layout", "Proposal", "proposal_layout", "row_starts", "segments"]
+
+
+def row_starts(lengths: np.ndarray) -> np.ndarray:
+    """Where each of rows of ``lengths`` laid end to end begins."""
+    starts = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    return starts
+
+
+def segments(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``[len(starts), max(lengths)]``: row r holds ``values[starts[r]:starts[r] + lengths[r]]``,
+    then zeros (one gather for every row)."""
+    width = int(lengths.max()) if len(lengths) else 0
+    columns = np.arange(width)[None, :]
+    inside = columns < lengths[:, None]
+    if not values.size:
+        return np.zeros((len(lengths), width), dtype=np.int64)
+    return np.where(inside, values[np.where(inside, starts[:, None] + columns, 0)], 0)
 
 
 class Layout:
@@ -132,9 +150,7 @@ class Layout:
         ``[world, width]``), each array as wide as the most slots any rank used. Raises
         ``ValueError`` where a row's length is not what its own scalars say (another layout)."""
         row_lengths = np.asarray(row_lengths, dtype=np.int64)
-        starts = np.zeros(len(row_lengths), dtype=np.int64)
-        np.cumsum(row_lengths[:-1], out=starts[1:])
-        return self._unpack(rows, starts, row_lengths, exact=True)
+        return self._unpack(rows, row_starts(row_lengths), row_lengths, exact=True)
 
     def unpack_matrix(self, matrix: np.ndarray) -> dict[str, np.ndarray]:
         """:meth:`unpack` of rows each zero-padded to one length (``[world, width]``)."""
@@ -158,11 +174,7 @@ class Layout:
                 used = np.full(world, size, dtype=np.int64)
             overrun |= used > ends - at
             used = np.minimum(used, np.maximum(ends - at, 0))
-            width = int(used.max()) if world else 0
-            columns = np.arange(width)[None, :]
-            inside = columns < used[:, None]
-            index = np.where(inside, at[:, None] + columns, 0)
-            fields[name] = np.where(inside, rows[index], 0) if rows.size else np.zeros((world, width), np.int64)
+            fields[name] = segments(rows, at, used)
             at = at + used
         wrong = overrun | (at != ends) if exact else overrun
         if world and wrong.any():

@@ -271,13 +271,14 @@ def plan_arrays(result: SimulationResult) -> dict[str, np.ndarray | int]:
 
 
 @contextmanager
-def _shared_across_ranks() -> Iterator[None]:
+def _shared_across_ranks(decision_s: list[float]) -> Iterator[None]:
     """Work that every simulated rank repeats identically, done once for all of them.
 
     * ``decide``: every rank decides the round from the same gathered matrix, a pure function of
       it (docs/design.md, I3); 1024 ranks would compute one decision 1024 times, O(world^2) per round.
       The first rank's :class:`~odb.batching.plan.Decision` is handed to the others (keyed by every
-      argument, the round's index among them, and the ranks' bin counts and window costs).
+      argument, the round's index among them, and the ranks' bin counts and window costs); its CPU
+      seconds go to ``decision_s``.
     * ``epoch_order``: each rank caches the epoch's permutation of the whole dataset (16 MB at 2M
       samples, times 1024 ranks); here they share one read-only array.
 
@@ -291,7 +292,7 @@ def _shared_across_ranks() -> Iterator[None]:
         if key != last[0]:
             start = time.process_time()
             last[:] = [key, decide(fields, **kwargs)]
-            DECISIONS_S.append(time.process_time() - start)  # (one rank's decision at this world size)
+            decision_s.append(time.process_time() - start)  # (one rank's decision at this world size)
         return last[1]
 
     @functools.cache
@@ -330,16 +331,12 @@ def plan(config: OdbConfig, lengths: list[tuple[int, int]], world: int) -> dict[
             rows += [_micro_figures(m) for m in step.micro_batches]
         per_rank[comm.rank] = (gas, rows, batcher.round_index)
 
-    DECISIONS_S.clear()
-    with _shared_across_ranks():
+    decision_s: list[float] = []  # per round, its decision's CPU seconds (computed once for all ranks)
+    with _shared_across_ranks(decision_s):
         run_ranks(world, rank_main, timeout_s=3600.0)
     rounds = per_rank[0][2]
-    return {**_arrays([p[:2] for p in per_rank]), "round_decision_s": np.array(DECISIONS_S[-rounds:] if rounds else []),
+    return {**_arrays([p[:2] for p in per_rank]), "round_decision_s": np.array(decision_s[-rounds:] if rounds else []),
             "round_received": 8.0 * np.array(received[-rounds:] if rounds else [])}  # (the rounds')
-
-
-DECISIONS_S: list[float] = []
-"""The CPU seconds of each round's decision in :func:`plan` (computed once for all ranks)."""
 
 
 class _Receiving:
